@@ -1,0 +1,8 @@
+//! CPU kernels: the reference implementation every GPU kernel is checked against, and
+//! a fast path of its own (rayon threads, AVX2 inner loops, work proportional to the
+//! nonzeros).
+
+pub mod float;
+pub mod gate;
+pub mod simd;
+pub mod t2d;

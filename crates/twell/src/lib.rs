@@ -1,0 +1,23 @@
+//! # twell: sparse feed-forward layers for Candle
+//!
+//! A ReLU-gated MLP trained with an L1 penalty leaves more than 99% of its hidden
+//! activations at exactly zero. This crate turns those zeros into saved work:
+//!
+//! * [`format`]: TwELL, a tile-wise ELLPACK layout that GPU tiles can fill and read,
+//!   made lossless by a dense overflow block;
+//! * [`ops`]: candle CustomOps (forward and backward) for the gate GEMM + ReLU + pack,
+//!   the sparse up/down projections, and the whole MLP;
+//! * [`mlp`]: [`SparseMlp`], a `candle_nn::Module` that swaps for a dense MLP;
+//! * [`density`]: synthetic weights with a chosen activation density, for benchmarks.
+
+pub mod cpu;
+pub mod density;
+pub mod error;
+pub mod format;
+pub mod mlp;
+pub mod ops;
+
+pub use error::TwellError;
+pub use format::{Twell, TwellConfig, TwellPattern, TwellStats};
+pub use mlp::{Activation, FfnMode, MlpStats, SparseMlp};
+pub use ops::{gate_pack, gated_t2d, twell_mlp, up_down_matrix, MlpOutput};

@@ -1,0 +1,339 @@
+//! [`SparseMlp`]: a gated MLP that runs dense or through TwELL, as a `candle_nn::Module`.
+//!
+//! It loads the HF weights `gate_proj`, `up_proj` and `down_proj` and computes
+//! `down(act(gate(x)) ⊙ up(x))`. With a ReLU gate it can take the sparse path, which
+//! gives the same result (up to rounding) while touching only the active neurons.
+
+use std::sync::{Mutex, OnceLock};
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::VarBuilder;
+
+use crate::error::{err, TwellError};
+use crate::format::{TwellConfig, TwellPattern};
+use crate::ops::{twell_mlp, up_down_matrix};
+
+/// Which computation the MLP runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum FfnMode {
+    /// Three dense matmuls: the reference.
+    Dense,
+    /// Gate GEMM + ReLU + TwELL pack, then the sparse up/down projections.
+    Sparse,
+    /// Sparse while the measured density stays below the break-even, dense above it.
+    #[default]
+    Auto,
+}
+
+impl std::str::FromStr for FfnMode {
+    type Err = TwellError;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s {
+            "dense" => Ok(Self::Dense),
+            "sparse" => Ok(Self::Sparse),
+            "auto" => Ok(Self::Auto),
+            other => Err(TwellError::Invalid(format!("unknown FFN mode '{other}' (want dense, sparse or auto)"))),
+        }
+    }
+}
+
+/// The gate activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU, as pretrained Llama models ship.
+    Silu,
+    /// ReGLU: exact zeros, so the sparse path applies.
+    Relu,
+}
+
+impl Activation {
+    /// From an HF config's `hidden_act`.
+    pub fn from_hf(name: &str) -> Result<Self> {
+        match name {
+            "silu" | "swish" => Ok(Self::Silu),
+            "relu" => Ok(Self::Relu),
+            other => err(TwellError::Invalid(format!("unsupported hidden_act '{other}' (want silu or relu)"))),
+        }
+    }
+
+    /// The HF `hidden_act` name.
+    pub fn hf_name(&self) -> &'static str {
+        match self {
+            Self::Silu => "silu",
+            Self::Relu => "relu",
+        }
+    }
+
+    fn apply(&self, t: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Silu => candle_nn::ops::silu(t),
+            Self::Relu => t.relu(),
+        }
+    }
+}
+
+/// Density above which the sparse CPU path stops paying: at hidden 2048 / d_ff 5632
+/// the sparse MLP is still faster than candle's dense one at 10% density for every
+/// measured M (docs/benchmarks.md), and loses at 50%.
+pub const DEFAULT_BREAK_EVEN_DENSITY: f64 = 0.15;
+
+/// Which path the last forward took and what it saw.
+#[derive(Clone, Debug)]
+pub struct MlpStats {
+    pub tokens: usize,
+    pub ffn: usize,
+    /// Mean nonzeros of `h` per token (L0).
+    pub mean_l0: f64,
+    /// `mean_l0 / ffn`.
+    pub density: f64,
+    /// `(token, tile)` pairs that overflowed the TwELL capacity (sparse path only).
+    pub overflow_tiles: usize,
+    /// Tokens with at least one overflowing tile (sparse path only).
+    pub overflow_rows: usize,
+    /// How often each neuron fired in this forward (`[ffn]`), for dead-neuron counts.
+    pub fired: Vec<u32>,
+    pub sparse: bool,
+}
+
+impl MlpStats {
+    fn from_pattern(p: &TwellPattern) -> Self {
+        let counts = p.counts();
+        let nnz: usize = counts.iter().map(|&c| c as usize).sum();
+        let overflow_rows = p.overflow_row_ptr().windows(2).filter(|w| w[1] > w[0]).count();
+        Self {
+            tokens: p.rows(),
+            ffn: p.cols(),
+            mean_l0: nnz as f64 / p.rows().max(1) as f64,
+            density: nnz as f64 / (p.rows() * p.cols()).max(1) as f64,
+            overflow_tiles: p.n_overflow(),
+            overflow_rows,
+            fired: Vec::new(),
+            sparse: true,
+        }
+    }
+
+    fn from_dense(h: &Tensor) -> Result<Self> {
+        let (tokens, ffn) = h.dims2()?;
+        let fired = h.ne(0.0)?.to_dtype(DType::U32)?.sum(0)?.to_vec1::<u32>()?;
+        let nnz: u64 = fired.iter().map(|&c| c as u64).sum();
+        Ok(Self {
+            tokens,
+            ffn,
+            mean_l0: nnz as f64 / tokens.max(1) as f64,
+            density: nnz as f64 / (tokens * ffn).max(1) as f64,
+            overflow_tiles: 0,
+            overflow_rows: 0,
+            fired,
+            sparse: false,
+        })
+    }
+}
+
+/// What the sparse path leaves behind to be turned into [`MlpStats`] on request.
+enum LastForward {
+    Sparse(crate::ops::MlpOutput),
+    Dense(Tensor),
+}
+
+/// A gated MLP (`gate_proj`, `up_proj`, `down_proj`, no biases) with a dense and a
+/// TwELL-sparse path.
+pub struct SparseMlp {
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    /// `[f, 2d]` neuron-major up/down, built once for inference.
+    up_down: OnceLock<Tensor>,
+    activation: Activation,
+    mode: FfnMode,
+    config: TwellConfig,
+    break_even: f64,
+    record_stats: bool,
+    last: Mutex<Option<LastForward>>,
+    last_density: Mutex<Option<f64>>,
+}
+
+impl std::fmt::Debug for SparseMlp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SparseMlp")
+            .field("hidden", &self.hidden())
+            .field("ffn", &self.ffn())
+            .field("activation", &self.activation)
+            .field("mode", &self.mode)
+            .finish()
+    }
+}
+
+impl SparseMlp {
+    /// From HF-layout weights `gate [f, d]`, `up [f, d]`, `down [d, f]`.
+    pub fn new(gate: Tensor, up: Tensor, down: Tensor, activation: Activation, mode: FfnMode) -> Result<Self> {
+        let (f, d) = crate::ops::matrix_dims("gate_proj", &gate)?;
+        for (name, t, want) in [("up_proj", &up, (f, d)), ("down_proj", &down, (d, f))] {
+            let got = crate::ops::matrix_dims(name, t)?;
+            if got != want {
+                return err(TwellError::ShapeMismatch {
+                    what: "SparseMlp",
+                    detail: format!("{name} is {got:?}, expected {want:?} for gate_proj [{f}, {d}]"),
+                });
+            }
+            crate::ops::same_dtype_and_device("SparseMlp", &gate, t)?;
+        }
+        if mode == FfnMode::Sparse && activation == Activation::Silu {
+            return err(TwellError::SparseNeedsRelu);
+        }
+        Ok(Self {
+            gate,
+            up,
+            down,
+            up_down: OnceLock::new(),
+            activation,
+            mode,
+            config: TwellConfig::default(),
+            break_even: DEFAULT_BREAK_EVEN_DENSITY,
+            record_stats: false,
+            last: Mutex::new(None),
+            last_density: Mutex::new(None),
+        })
+    }
+
+    /// Loads `gate_proj`, `up_proj`, `down_proj` from a VarBuilder (HF names).
+    pub fn load(vb: VarBuilder, hidden: usize, ffn: usize, activation: Activation, mode: FfnMode) -> Result<Self> {
+        let gate = vb.pp("gate_proj").get((ffn, hidden), "weight")?;
+        let up = vb.pp("up_proj").get((ffn, hidden), "weight")?;
+        let down = vb.pp("down_proj").get((hidden, ffn), "weight")?;
+        Self::new(gate, up, down, activation, mode)
+    }
+
+    pub fn with_twell_config(mut self, config: TwellConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Sets the density above which `Auto` runs dense.
+    pub fn with_break_even(mut self, density: f64) -> Self {
+        self.break_even = density;
+        self
+    }
+
+    /// Keep what the last forward saw, for [`SparseMlp::last_stats`]. Off by default:
+    /// on the dense path it costs an extra pass over `h`.
+    pub fn with_stats(mut self, on: bool) -> Self {
+        self.record_stats = on;
+        self
+    }
+
+    pub fn set_mode(&mut self, mode: FfnMode) -> Result<()> {
+        if mode == FfnMode::Sparse && self.activation == Activation::Silu {
+            return err(TwellError::SparseNeedsRelu);
+        }
+        self.mode = mode;
+        Ok(())
+    }
+
+    pub fn mode(&self) -> FfnMode {
+        self.mode
+    }
+    pub fn activation(&self) -> Activation {
+        self.activation
+    }
+    pub fn hidden(&self) -> usize {
+        self.gate.dim(1).unwrap_or(0)
+    }
+    pub fn ffn(&self) -> usize {
+        self.gate.dim(0).unwrap_or(0)
+    }
+    pub fn gate_proj(&self) -> &Tensor {
+        &self.gate
+    }
+    pub fn up_proj(&self) -> &Tensor {
+        &self.up
+    }
+    pub fn down_proj(&self) -> &Tensor {
+        &self.down
+    }
+
+    /// Whether this call takes the sparse path.
+    fn use_sparse(&self) -> bool {
+        match (self.activation, self.mode) {
+            (Activation::Silu, _) | (_, FfnMode::Dense) => false,
+            (_, FfnMode::Sparse) => true,
+            (_, FfnMode::Auto) => match *self.last_density.lock().expect("density lock") {
+                Some(density) => density <= self.break_even,
+                None => true,
+            },
+        }
+    }
+
+    /// The neuron-major `[f, 2d]` up/down matrix: rebuilt (differentiably) when the
+    /// weights are trainable variables, built once otherwise.
+    fn up_down(&self) -> Result<Tensor> {
+        if self.up.is_variable() || self.down.is_variable() || self.up.track_op() || self.down.track_op() {
+            return up_down_matrix(&self.up, &self.down);
+        }
+        if let Some(w) = self.up_down.get() {
+            return Ok(w.clone());
+        }
+        let w = up_down_matrix(&self.up, &self.down)?;
+        Ok(self.up_down.get_or_init(|| w).clone())
+    }
+
+    /// The MLP output and each token's L1 term `Σ_j |h_j|` (`[..]`, the leading dims
+    /// of `x`), both differentiable.
+    pub fn forward_with_l1(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let dims = x.dims().to_vec();
+        let d = *dims.last().unwrap_or(&0);
+        if d != self.hidden() {
+            return err(TwellError::ShapeMismatch {
+                what: "SparseMlp::forward",
+                detail: format!("input has {d} features, the MLP expects {}", self.hidden()),
+            });
+        }
+        let lead = &dims[..dims.len() - 1];
+        let x2 = x.reshape(((), d))?;
+        let (out, l1) = if self.use_sparse() {
+            let res = twell_mlp(&x2, &self.gate, &self.up_down()?, self.config)?;
+            let density = res.pattern.counts().iter().map(|&c| c as f64).sum::<f64>()
+                / (res.pattern.rows() * res.pattern.cols()).max(1) as f64;
+            *self.last_density.lock().expect("density lock") = Some(density);
+            if self.record_stats {
+                *self.last.lock().expect("stats lock") = Some(LastForward::Sparse(res.clone()));
+            }
+            (res.out, res.l1)
+        } else {
+            let gate = x2.matmul(&self.gate.t()?)?;
+            let h = (self.activation.apply(&gate)? * x2.matmul(&self.up.t()?)?)?;
+            let out = h.matmul(&self.down.t()?)?;
+            let l1 = h.abs()?.sum(D::Minus1)?;
+            if self.mode == FfnMode::Auto || self.record_stats {
+                let stats = MlpStats::from_dense(&h.detach())?;
+                *self.last_density.lock().expect("density lock") = Some(stats.density);
+                if self.record_stats {
+                    *self.last.lock().expect("stats lock") = Some(LastForward::Dense(h.detach()));
+                }
+            }
+            (out, l1)
+        };
+        let mut out_dims = lead.to_vec();
+        out_dims.push(d);
+        Ok((out.reshape(out_dims)?, l1.reshape(lead)?))
+    }
+
+    /// Statistics of the last forward (needs [`SparseMlp::with_stats`]).
+    pub fn last_stats(&self) -> Result<Option<MlpStats>> {
+        let last = self.last.lock().expect("stats lock");
+        Ok(match last.as_ref() {
+            None => None,
+            Some(LastForward::Sparse(res)) => {
+                let mut s = MlpStats::from_pattern(&res.pattern);
+                s.fired = res.fired_per_neuron();
+                Some(s)
+            }
+            Some(LastForward::Dense(h)) => Some(MlpStats::from_dense(h)?),
+        })
+    }
+}
+
+impl Module for SparseMlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_with_l1(x)?.0)
+    }
+}

@@ -1,0 +1,215 @@
+//! Candle CustomOps over TwELL, each with a backward pass.
+//!
+//! * [`gate_pack`]: `relu(x · Wgᵀ)` packed to TwELL (the D2T step);
+//! * [`gated_t2d`]: the sparse up and down projections of a packed gate;
+//! * [`twell_mlp`]: both fused, the whole ReGLU MLP.
+//!
+//! The ops that produce an MLP output return `[M, d + 1]`: the output rows and, in
+//! the last column, each token's L1 term `Σ_j |h_j|`. Both come from the same pass,
+//! and both carry gradients, so the L1 penalty costs no extra sweep.
+//! Weights for up and down travel as one neuron-major matrix `w_ud [f, 2d]` whose
+//! row `j` is `[Wu_j | Wd_j]`: an active neuron's weights are one contiguous read.
+
+mod gate_pack;
+mod gated_t2d;
+mod twell_mlp;
+
+pub use gate_pack::{gate_pack, GatePack};
+pub use gated_t2d::{gated_t2d, GatedT2d};
+pub use twell_mlp::{twell_mlp, TwellMlp};
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Storage, Tensor, D};
+
+use crate::cpu::float::{is_value_dtype, Rows};
+use crate::error::{err, TwellError};
+use crate::format::TwellPattern;
+
+/// The output of a sparse MLP op.
+#[derive(Clone, Debug)]
+pub struct MlpOutput {
+    /// `[M, d]`.
+    pub out: Tensor,
+    /// `[M]`: `Σ_j |h_j|` of each token, differentiable.
+    pub l1: Tensor,
+    /// Where the gate was active: per-token L0, density and overflow for the stats.
+    pub pattern: Arc<TwellPattern>,
+    /// The gate values in the pattern's value layout (f32, host), where the op kept
+    /// them anyway: needed to see which neurons fired inside overflow tiles.
+    pub gate_values: Option<Arc<Vec<f32>>>,
+}
+
+impl MlpOutput {
+    fn split(joined: Tensor, pattern: Arc<TwellPattern>, gate_values: Option<Arc<Vec<f32>>>) -> Result<Self> {
+        let d = joined.dim(D::Minus1)? - 1;
+        Ok(Self {
+            out: joined.narrow(1, 0, d)?,
+            l1: joined.narrow(1, d, 1)?.squeeze(1)?,
+            pattern,
+            gate_values,
+        })
+    }
+
+    /// How many tokens activated each neuron (`[f]`).
+    pub fn fired_per_neuron(&self) -> Vec<u32> {
+        let p = &self.pattern;
+        let mut fired = vec![0u32; p.cols()];
+        match &self.gate_values {
+            Some(values) => {
+                for r in 0..p.rows() {
+                    p.for_each_in_row(r, values, |e| fired[e.col] += 1);
+                }
+            }
+            None => {
+                // Without values, overflow tiles cannot be read: count the slots only.
+                let (n_tiles, cap, tile) = (p.n_tiles(), p.config().capacity(), p.config().tile());
+                for r in 0..p.rows() {
+                    for t in 0..n_tiles {
+                        let c = p.counts()[r * n_tiles + t] as usize;
+                        if c <= cap {
+                            let base = (r * n_tiles + t) * cap;
+                            for s in 0..c {
+                                fired[t * tile + p.indices()[base + s] as usize] += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        fired
+    }
+}
+
+/// Builds the neuron-major up/down matrix `[f, 2d]` from HF-layout weights
+/// `up [f, d]` and `down [d, f]`. Differentiable, so it can be rebuilt from trained
+/// variables at every step; inference builds it once.
+pub fn up_down_matrix(up: &Tensor, down: &Tensor) -> Result<Tensor> {
+    let (f, d) = matrix_dims("up_proj", up)?;
+    let (d2, f2) = matrix_dims("down_proj", down)?;
+    if (d2, f2) != (d, f) {
+        return err(TwellError::ShapeMismatch {
+            what: "up_down_matrix",
+            detail: format!("up_proj is [{f}, {d}] so down_proj must be [{d}, {f}], got [{d2}, {f2}]"),
+        });
+    }
+    Tensor::cat(&[up, &down.t()?], 1)?.contiguous()
+}
+
+/// `(rows, cols)` of a rank-2 tensor with a TwELL value dtype and no empty dimension.
+pub(crate) fn matrix_dims(what: &'static str, t: &Tensor) -> Result<(usize, usize)> {
+    let (r, c) = match t.dims() {
+        &[r, c] => (r, c),
+        d => {
+            return err(TwellError::BadRank {
+                what,
+                expected: 2,
+                got: d.to_vec(),
+            })
+        }
+    };
+    if !is_value_dtype(t.dtype()) {
+        return err(TwellError::BadDtype {
+            what,
+            dtype: t.dtype(),
+        });
+    }
+    if r == 0 || c == 0 {
+        return err(TwellError::Empty {
+            what,
+            shape: vec![r, c],
+        });
+    }
+    Ok((r, c))
+}
+
+pub(crate) fn same_dtype_and_device(what: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.dtype() != b.dtype() {
+        return err(TwellError::DtypeMismatch {
+            what,
+            a: a.dtype(),
+            b: b.dtype(),
+        });
+    }
+    if !a.device().same_device(b.device()) {
+        return err(TwellError::DeviceMismatch { what });
+    }
+    Ok(())
+}
+
+pub(crate) fn shape_err<T>(what: &'static str, detail: String) -> Result<T> {
+    err(TwellError::ShapeMismatch { what, detail })
+}
+
+/// Wraps an f32 result as a tensor of `dtype` on `device`.
+pub(crate) fn tensor_from_f32(values: Vec<f32>, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    Tensor::from_vec(values, shape, &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)
+}
+
+/// A tensor's data on the host, ready to be borrowed as [`Rows`]: the tensor itself
+/// when it is a contiguous CPU tensor, else a contiguous CPU copy.
+pub(crate) fn host(t: &Tensor) -> Result<Tensor> {
+    t.to_device(&Device::Cpu)?.contiguous()
+}
+
+/// Runs `f` on the rows of a contiguous CPU tensor.
+pub(crate) fn with_rows<R>(what: &'static str, t: &Tensor, f: impl FnOnce(Rows<'_>) -> Result<R>) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => f(Rows::new(what, cpu, layout)?),
+        _ => err(TwellError::Invalid(format!("{what}: expected a host tensor"))),
+    }
+}
+
+/// An f32 vector from a tensor of any float dtype, on the host.
+pub(crate) fn f32_vec(t: &Tensor) -> Result<Vec<f32>> {
+    t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}
+
+/// Dispatches a generic kernel on the dtype of a CPU value storage.
+macro_rules! with_values {
+    ($storage:expr, $layout:expr, |$v:ident| $body:expr) => {{
+        let (start, end) = match $layout.contiguous_offsets() {
+            Some(o) => o,
+            None => candle_core::bail!("TwELL values must be contiguous"),
+        };
+        match $storage {
+            candle_core::CpuStorage::F32(all) => {
+                let $v = &all[start..end];
+                $body
+            }
+            candle_core::CpuStorage::BF16(all) => {
+                let $v = &all[start..end];
+                $body
+            }
+            candle_core::CpuStorage::F16(all) => {
+                let $v = &all[start..end];
+                $body
+            }
+            other => candle_core::bail!("TwELL values: unsupported dtype {:?}", candle_core::backend::BackendStorage::dtype(other)),
+        }
+    }};
+}
+pub(crate) use with_values;
+
+/// Narrows an f32 result to the storage of `dtype`.
+pub(crate) fn cpu_storage(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
+    crate::cpu::float::storage_from_f32(values, dtype)
+}
+
+/// The layout check shared by the `cpu_fwd`s: contiguous, rank 2.
+pub(crate) fn contiguous_2d(what: &'static str, layout: &Layout) -> Result<(usize, usize)> {
+    if layout.contiguous_offsets().is_none() {
+        return err(TwellError::Invalid(format!("{what}: input must be contiguous")));
+    }
+    match layout.dims() {
+        &[r, c] => Ok((r, c)),
+        d => err(TwellError::BadRank {
+            what,
+            expected: 2,
+            got: d.to_vec(),
+        }),
+    }
+}

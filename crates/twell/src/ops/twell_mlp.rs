@@ -1,0 +1,126 @@
+//! `twell_mlp`: the whole ReGLU MLP through TwELL in one op.
+//!
+//! `out = Σ_j relu(x · Wg_j) · (x · Wu_j) · Wd_j` over the active neurons only, with
+//! each token's L1 term. The pattern and gate values found in the forward pass are
+//! kept for the backward pass, so the gate GEMM runs once per training step.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::gate_pack::gate_and_pack;
+use super::{contiguous_2d, cpu_storage, f32_vec, host, matrix_dims, same_dtype_and_device, shape_err, with_rows, MlpOutput};
+use crate::cpu::float::Rows;
+use crate::cpu::t2d::{self, GateGrad};
+use crate::format::{check_size, TwellConfig, TwellPattern};
+
+/// What the forward pass leaves for the backward pass and the caller.
+#[derive(Clone)]
+struct Saved {
+    pattern: Arc<TwellPattern>,
+    /// Gate values in f32, in the pattern's value layout.
+    gate: Arc<Vec<f32>>,
+}
+
+/// The op behind [`twell_mlp`]: inputs `(x, gate_proj, w_ud)`, output `[M, d + 1]`.
+pub struct TwellMlp {
+    config: TwellConfig,
+    saved: Arc<Mutex<Option<Saved>>>,
+}
+
+impl TwellMlp {
+    fn saved(&self) -> Result<Saved> {
+        match self.saved.lock().expect("saved lock").clone() {
+            Some(s) => Ok(s),
+            None => candle_core::bail!("twell-mlp: backward called before forward"),
+        }
+    }
+}
+
+impl CustomOp3 for TwellMlp {
+    fn name(&self) -> &'static str {
+        "twell-mlp"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, d) = contiguous_2d("x", xl)?;
+        let (f, _) = contiguous_2d("gate_proj", gl)?;
+        contiguous_2d("w_ud", wl)?;
+        let x = Rows::new("x", xs, xl)?;
+        let wg = Rows::new("gate_proj", gs, gl)?;
+        let w_ud = Rows::new("w_ud", ws, wl)?;
+        let (pattern, gate) = gate_and_pack::<f32>(x, wg, m, d, f, self.config);
+        let out = t2d::forward(&pattern, &gate, x, w_ud, d);
+        *self.saved.lock().expect("saved lock") = Some(Saved {
+            pattern: Arc::new(pattern),
+            gate: Arc::new(gate),
+        });
+        Ok((cpu_storage(out, x.dtype())?, Shape::from((m, d + 1))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gate_proj: &Tensor,
+        w_ud: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let saved = self.saved()?;
+        let (m, d) = x.dims2()?;
+        let f = w_ud.dim(0)?;
+        let dout = f32_vec(grad_res)?;
+        let (hx, hg, hw) = (host(x)?, host(gate_proj)?, host(w_ud)?);
+        let grads = with_rows("x", &hx, |x| {
+            with_rows("gate_proj", &hg, |wg| {
+                with_rows("w_ud", &hw, |w| {
+                    Ok(t2d::backward(&saved.pattern, &saved.gate, x, w, GateGrad::Weights(wg), &dout, d))
+                })
+            })
+        })?;
+        let dx = super::tensor_from_f32(grads.dx, &[m, d], x.dtype(), x.device())?;
+        let dwg = super::tensor_from_f32(grads.dgate, &[f, d], gate_proj.dtype(), gate_proj.device())?;
+        let dw = super::tensor_from_f32(grads.dw_ud, &[f, 2 * d], w_ud.dtype(), w_ud.device())?;
+        Ok((Some(dx), Some(dwg), Some(dw)))
+    }
+}
+
+/// The ReGLU MLP `down(relu(gate(x)) ⊙ up(x))` through TwELL, for `x [M, d]`,
+/// `gate_proj [f, d]` and `w_ud [f, 2d]` ([`super::up_down_matrix`]).
+/// Differentiable with respect to all three.
+pub fn twell_mlp(x: &Tensor, gate_proj: &Tensor, w_ud: &Tensor, config: TwellConfig) -> Result<MlpOutput> {
+    let (m, d) = matrix_dims("x", x)?;
+    let (f, dg) = matrix_dims("gate_proj", gate_proj)?;
+    let (f2, dw) = matrix_dims("w_ud", w_ud)?;
+    if dg != d || f2 != f || dw != 2 * d {
+        return shape_err(
+            "twell_mlp",
+            format!(
+                "x is [{m}, {d}]: want gate_proj [f, {d}] and w_ud [f, {}], got [{f}, {dg}] and [{f2}, {dw}]",
+                2 * d
+            ),
+        );
+    }
+    same_dtype_and_device("twell_mlp", x, gate_proj)?;
+    same_dtype_and_device("twell_mlp", x, w_ud)?;
+    check_size("twell_mlp", m, f, config)?;
+    let saved = Arc::new(Mutex::new(None));
+    let op = TwellMlp {
+        config,
+        saved: saved.clone(),
+    };
+    let joined = x.contiguous()?.apply_op3(&gate_proj.contiguous()?, &w_ud.contiguous()?, op)?;
+    let kept = saved.lock().expect("saved lock").clone();
+    match kept {
+        Some(s) => MlpOutput::split(joined, s.pattern, Some(s.gate)),
+        None => candle_core::bail!("twell-mlp: forward produced no pattern"),
+    }
+}

@@ -1,0 +1,80 @@
+//! SparseMlp: every mode gives the dense answer, the Auto mode switches on density,
+//! and loading by HF names works.
+
+mod common;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::VarBuilder;
+use common::rel_l2;
+use twell::density::{synthetic_input, synthetic_mlp};
+use twell::{Activation, FfnMode, SparseMlp};
+
+#[test]
+fn sparse_and_auto_equal_dense_for_relu_and_batched_input() {
+    let dev = Device::Cpu;
+    let w = synthetic_mlp(64, 384, 0.02, DType::F32, &dev, 1).unwrap();
+    let x = synthetic_input(2 * 5, 64, DType::F32, &dev, 2).unwrap().reshape((2, 5, 64)).unwrap();
+    let make = |mode| SparseMlp::new(w.gate.clone(), w.up.clone(), w.down.clone(), Activation::Relu, mode).unwrap();
+    let dense = make(FfnMode::Dense).forward(&x).unwrap();
+    assert_eq!(dense.dims(), &[2, 5, 64]);
+    for mode in [FfnMode::Sparse, FfnMode::Auto] {
+        let (out, l1) = make(mode).forward_with_l1(&x).unwrap();
+        assert_eq!(l1.dims(), &[2, 5]);
+        assert!(rel_l2(&out, &dense).unwrap() < 1e-5, "{mode:?}");
+    }
+}
+
+#[test]
+fn auto_goes_dense_above_break_even_and_stats_are_reported() {
+    let dev = Device::Cpu;
+    let w = synthetic_mlp(32, 256, 0.3, DType::F32, &dev, 3).unwrap();
+    let x = synthetic_input(64, 32, DType::F32, &dev, 4).unwrap();
+    let mlp = SparseMlp::new(w.gate, w.up, w.down, Activation::Relu, FfnMode::Auto)
+        .unwrap()
+        .with_break_even(0.1)
+        .with_stats(true);
+    mlp.forward(&x).unwrap();
+    let first = mlp.last_stats().unwrap().unwrap();
+    assert!(first.sparse, "first call probes the sparse path");
+    assert!((first.density - 0.3).abs() < 0.05, "{}", first.density);
+    mlp.forward(&x).unwrap();
+    let second = mlp.last_stats().unwrap().unwrap();
+    assert!(!second.sparse, "density 0.3 > break-even 0.1 goes dense");
+    assert_eq!(second.fired.len(), 256);
+    assert!((second.mean_l0 - first.mean_l0).abs() < 0.02 * first.mean_l0, "{} vs {}", second.mean_l0, first.mean_l0);
+    assert_eq!(first.fired.iter().map(|&c| c as f64).sum::<f64>(), first.mean_l0 * 64.0);
+}
+
+#[test]
+fn silu_dense_matches_swiglu_formula() {
+    let dev = Device::Cpu;
+    let w = synthetic_mlp(16, 48, 0.5, DType::F32, &dev, 5).unwrap();
+    let x = synthetic_input(3, 16, DType::F32, &dev, 6).unwrap();
+    let mlp = SparseMlp::new(w.gate.clone(), w.up.clone(), w.down.clone(), Activation::Silu, FfnMode::Auto).unwrap();
+    let want = (candle_nn::ops::silu(&x.matmul(&w.gate.t().unwrap()).unwrap()).unwrap()
+        * x.matmul(&w.up.t().unwrap()).unwrap())
+    .unwrap()
+    .matmul(&w.down.t().unwrap())
+    .unwrap();
+    assert!(rel_l2(&mlp.forward(&x).unwrap(), &want).unwrap() < 1e-6);
+}
+
+#[test]
+fn loads_hf_names_from_a_var_builder() {
+    let dev = Device::Cpu;
+    let w = synthetic_mlp(16, 40, 0.1, DType::F32, &dev, 7).unwrap();
+    let map: HashMap<String, Tensor> = [
+        ("mlp.gate_proj.weight".to_string(), w.gate.clone()),
+        ("mlp.up_proj.weight".to_string(), w.up.clone()),
+        ("mlp.down_proj.weight".to_string(), w.down.clone()),
+    ]
+    .into_iter()
+    .collect();
+    let vb = VarBuilder::from_tensors(map, DType::F32, &dev);
+    let mlp = SparseMlp::load(vb.pp("mlp"), 16, 40, Activation::Relu, FfnMode::Sparse).unwrap();
+    assert_eq!((mlp.hidden(), mlp.ffn()), (16, 40));
+    let vb_bad = VarBuilder::from_tensors(HashMap::new(), DType::F32, &dev);
+    assert!(SparseMlp::load(vb_bad.pp("mlp"), 16, 40, Activation::Relu, FfnMode::Sparse).is_err());
+}
