@@ -1,1 +1,39 @@
-fn main(){}
+//! `twell`: generate, fine-tune, evaluate, benchmark and convert sparse-FFN Llama models.
+
+mod bench;
+mod chart;
+mod device;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "twell", version, about = "Sparse (TwELL) feed-forward layers for Candle Llama models")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Benchmarks, dense and sparse side by side.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// One MLP layer: candle dense vs TwELL sparse, over shapes, tokens and densities.
+    Mlp(bench::mlp::MlpBenchArgs),
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Bench(BenchCommand::Mlp(args)) => {
+            let report = bench::mlp::run(&args)?;
+            bench::mlp::print(&report);
+        }
+    }
+    Ok(())
+}

@@ -279,6 +279,18 @@ impl SparseMlp {
     /// The MLP output and each token's L1 term `Σ_j |h_j|` (`[..]`, the leading dims
     /// of `x`), both differentiable.
     pub fn forward_with_l1(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (out, l1) = self.run(x, true)?;
+        Ok((out, l1.expect("l1 requested")))
+    }
+
+    /// Sets whether forwards keep their statistics (see [`SparseMlp::with_stats`]).
+    pub fn set_record_stats(&mut self, on: bool) {
+        self.record_stats = on;
+    }
+
+    /// The forward pass; the dense path computes the L1 term only when asked (the
+    /// sparse path gets it for free).
+    fn run(&self, x: &Tensor, want_l1: bool) -> Result<(Tensor, Option<Tensor>)> {
         let dims = x.dims().to_vec();
         let d = *dims.last().unwrap_or(&0);
         if d != self.hidden() {
@@ -297,12 +309,12 @@ impl SparseMlp {
             if self.record_stats {
                 *self.last.lock().expect("stats lock") = Some(LastForward::Sparse(res.clone()));
             }
-            (res.out, res.l1)
+            (res.out, Some(res.l1))
         } else {
             let gate = x2.matmul(&self.gate.t()?)?;
             let h = (self.activation.apply(&gate)? * x2.matmul(&self.up.t()?)?)?;
             let out = h.matmul(&self.down.t()?)?;
-            let l1 = h.abs()?.sum(D::Minus1)?;
+            let l1 = if want_l1 { Some(h.abs()?.sum(D::Minus1)?) } else { None };
             if self.mode == FfnMode::Auto || self.record_stats {
                 let stats = MlpStats::from_dense(&h.detach())?;
                 *self.last_density.lock().expect("density lock") = Some(stats.density);
@@ -314,7 +326,11 @@ impl SparseMlp {
         };
         let mut out_dims = lead.to_vec();
         out_dims.push(d);
-        Ok((out.reshape(out_dims)?, l1.reshape(lead)?))
+        let l1 = match l1 {
+            Some(l1) => Some(l1.reshape(lead)?),
+            None => None,
+        };
+        Ok((out.reshape(out_dims)?, l1))
     }
 
     /// Statistics of the last forward (needs [`SparseMlp::with_stats`]).
@@ -334,6 +350,6 @@ impl SparseMlp {
 
 impl Module for SparseMlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.forward_with_l1(x)?.0)
+        Ok(self.run(x, false)?.0)
     }
 }

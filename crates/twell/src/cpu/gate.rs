@@ -9,7 +9,7 @@
 use rayon::prelude::*;
 
 use super::float::Rows;
-use super::simd::dot;
+use super::simd::{dot, dot_2x4};
 
 /// Up to this many tokens the weight-streaming GEMV beats `gemm` (measured by
 /// `twell bench --cpu`: at 16 tokens and d=2048 it is still bandwidth-bound).
@@ -62,22 +62,47 @@ pub fn gate_gemm(x: &[f32], m: usize, d: usize, wg: Rows<'_>, f: usize) -> Vec<f
     }
 }
 
-/// Weight-streaming GEMV for a handful of tokens.
+/// Weight-streaming GEMV for a handful of tokens: pairs of weight rows against
+/// groups of four tokens (register-blocked), the leftovers one dot at a time.
 fn gate_gemv(x: &[f32], m: usize, d: usize, wg: Rows<'_>, f: usize) -> Vec<f32> {
     const NEURONS_PER_TASK: usize = 64;
+    let token = |i: usize| &x[i * d..(i + 1) * d];
     // Neuron-major result [f, m]: each task owns a contiguous run of neurons.
     let mut gt = vec![0f32; f * m];
     gt.par_chunks_mut(NEURONS_PER_TASK * m)
         .enumerate()
-        .for_each_init(Vec::new, |scratch, (chunk, out)| {
-            let j0 = chunk * NEURONS_PER_TASK;
-            for (jj, out_j) in out.chunks_mut(m).enumerate() {
-                let w = wg.f32_range((j0 + jj) * d, d, scratch);
-                for (i, o) in out_j.iter_mut().enumerate() {
-                    *o = dot(&x[i * d..(i + 1) * d], w);
+        .for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(s0, s1), (chunk, out)| {
+                let j0 = chunk * NEURONS_PER_TASK;
+                let n = out.len() / m;
+                let mut jj = 0;
+                while jj + 2 <= n {
+                    let w0 = wg.f32_range((j0 + jj) * d, d, s0);
+                    let w1 = wg.f32_range((j0 + jj + 1) * d, d, s1);
+                    let mut i = 0;
+                    while i + 4 <= m {
+                        let r = dot_2x4([w0, w1], [token(i), token(i + 1), token(i + 2), token(i + 3)]);
+                        for t in 0..4 {
+                            out[jj * m + i + t] = r[2 * t];
+                            out[(jj + 1) * m + i + t] = r[2 * t + 1];
+                        }
+                        i += 4;
+                    }
+                    for i in i..m {
+                        out[jj * m + i] = dot(token(i), w0);
+                        out[(jj + 1) * m + i] = dot(token(i), w1);
+                    }
+                    jj += 2;
                 }
-            }
-        });
+                if jj < n {
+                    let w = wg.f32_range((j0 + jj) * d, d, s0);
+                    for i in 0..m {
+                        out[jj * m + i] = dot(token(i), w);
+                    }
+                }
+            },
+        );
     if m == 1 {
         return gt;
     }

@@ -41,6 +41,25 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     axpy_portable(alpha, x, y)
 }
 
+/// Eight dot products at once: `out[2·t + n] = w[n] · x[t]` for 2 weight rows and 4
+/// token rows of equal length. Each loaded vector feeds several FMAs, so a many-token
+/// GEMV is bound by arithmetic rather than by loads.
+#[inline]
+pub fn dot_2x4(w: [&[f32]; 2], x: [&[f32]; 4]) -> [f32; 8] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        return unsafe { avx2::dot_2x4(w, x) };
+    }
+    let mut out = [0f32; 8];
+    for t in 0..4 {
+        for n in 0..2 {
+            out[2 * t + n] = dot_portable(w[n], x[t]);
+        }
+    }
+    out
+}
+
 /// `y[k] += x[k]`.
 #[inline]
 pub fn add_assign(y: &mut [f32], x: &[f32]) {
@@ -110,6 +129,39 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_2x4(w: [&[f32]; 2], x: [&[f32]; 4]) -> [f32; 8] {
+        let n = w.iter().chain(x.iter()).map(|s| s.len()).min().unwrap_or(0);
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut k = 0;
+        while k + 8 <= n {
+            let w0 = _mm256_loadu_ps(w[0].as_ptr().add(k));
+            let w1 = _mm256_loadu_ps(w[1].as_ptr().add(k));
+            for t in 0..4 {
+                let xv = _mm256_loadu_ps(x[t].as_ptr().add(k));
+                acc[2 * t] = _mm256_fmadd_ps(w0, xv, acc[2 * t]);
+                acc[2 * t + 1] = _mm256_fmadd_ps(w1, xv, acc[2 * t + 1]);
+            }
+            k += 8;
+        }
+        let mut out = [0f32; 8];
+        for (o, a) in out.iter_mut().zip(acc.iter()) {
+            let hi = _mm256_extractf128_ps(*a, 1);
+            let s4 = _mm_add_ps(hi, _mm256_castps256_ps128(*a));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            *o = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+        }
+        while k < n {
+            for t in 0..4 {
+                for c in 0..2 {
+                    out[2 * t + c] += w[c][k] * x[t][k];
+                }
+            }
+            k += 1;
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma")]
     pub unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
         let n = x.len();
         let (px, py) = (x.as_ptr(), y.as_mut_ptr());
@@ -131,6 +183,20 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dot_2x4_matches_dot() {
+        for n in [1usize, 9, 64, 2051] {
+            let rows: Vec<Vec<f32>> = (0..6).map(|r| (0..n).map(|i| ((i * 7 + r * 13) as f32 * 0.01).sin()).collect()).collect();
+            let out = dot_2x4([&rows[0], &rows[1]], [&rows[2], &rows[3], &rows[4], &rows[5]]);
+            for t in 0..4 {
+                for c in 0..2 {
+                    let want = dot(&rows[c], &rows[2 + t]);
+                    assert!((out[2 * t + c] - want).abs() < 1e-3 * (1.0 + want.abs()), "n={n}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn dot_and_axpy_match_scalar_loops_at_odd_lengths() {

@@ -1,0 +1,226 @@
+//! `twell bench mlp`: one MLP layer, candle's dense MLP against the TwELL path on
+//! the same weights, across shapes, token counts and densities, in one run.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Module, Tensor};
+use candle_nn::Linear;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use twell::density::{synthetic_input, synthetic_mlp, MlpWeights};
+use twell::{Activation, FfnMode, SparseMlp};
+
+use super::timing::{host_read_bandwidth, interleaved_medians};
+use crate::device::{parse_dtype, DeviceArg};
+
+#[derive(clap::Args, Debug)]
+pub struct MlpBenchArgs {
+    /// MLP shapes as HIDDENxFFN, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "576x1536,2048x5632")]
+    pub shape: Vec<String>,
+    /// Token counts M.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,512")]
+    pub tokens: Vec<usize>,
+    /// Target activation densities (fraction of d_ff), set through a gate bias.
+    #[arg(long, value_delimiter = ',', default_value = "0.005,0.01,0.03,0.1")]
+    pub density: Vec<f64>,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    #[command(flatten)]
+    pub device: DeviceArg,
+    /// Untimed rounds before timing.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Timed rounds; the median is reported.
+    #[arg(long, default_value_t = 11)]
+    pub reps: usize,
+    /// Weight sets rotated between rounds, so caches do not flatter either side.
+    #[arg(long, default_value_t = 2)]
+    pub weight_sets: usize,
+    /// Write the rows as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write an SVG chart of speed-up against density here.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+}
+
+#[derive(Serialize, Debug, Clone)]
+pub struct MlpRow {
+    pub hidden: usize,
+    pub ffn: usize,
+    pub tokens: usize,
+    pub target_density: f64,
+    pub measured_density: f64,
+    pub mean_l0: f64,
+    pub dense_ms: f64,
+    pub sparse_ms: f64,
+    pub speedup: f64,
+    /// Weight bytes the dense MLP must read, over its time.
+    pub dense_gbps: f64,
+    /// Weight bytes the sparse MLP must read (all of Wg, the union of active up/down
+    /// rows), over its time.
+    pub sparse_gbps: f64,
+    /// Dense FLOP rate, 6·M·d·f / time.
+    pub dense_gflops: f64,
+}
+
+#[derive(Serialize, Debug)]
+pub struct MlpReport {
+    pub device: String,
+    pub dtype: String,
+    pub threads: usize,
+    pub host_read_gbps: f64,
+    pub rows: Vec<MlpRow>,
+}
+
+pub fn parse_shape(s: &str) -> Result<(usize, usize)> {
+    let (h, f) = s.split_once('x').with_context(|| format!("shape '{s}' is not HIDDENxFFN"))?;
+    let hidden: usize = h.trim().parse().with_context(|| format!("bad hidden size in '{s}'"))?;
+    let ffn: usize = f.trim().parse().with_context(|| format!("bad d_ff in '{s}'"))?;
+    if hidden < 2 || ffn == 0 {
+        bail!("shape '{s}': need hidden >= 2 and d_ff >= 1");
+    }
+    Ok((hidden, ffn))
+}
+
+/// candle's own dense MLP on the same weights: three `candle_nn::Linear`s.
+struct DenseMlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl DenseMlp {
+    fn new(w: &MlpWeights) -> Self {
+        Self {
+            gate: Linear::new(w.gate.clone(), None),
+            up: Linear::new(w.up.clone(), None),
+            down: Linear::new(w.down.clone(), None),
+        }
+    }
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let h = (self.gate.forward(x)?.relu()? * self.up.forward(x)?)?;
+        self.down.forward(&h)
+    }
+}
+
+pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
+    let device = args.device.device()?;
+    let dtype = parse_dtype(&args.dtype)?;
+    let shapes = args.shape.iter().map(|s| parse_shape(s)).collect::<Result<Vec<_>>>()?;
+    for &d in &args.density {
+        if !(d > 0.0 && d < 1.0) {
+            bail!("--density {d}: each density must be in (0, 1)");
+        }
+    }
+    if args.tokens.contains(&0) {
+        bail!("--tokens: token counts must be at least 1");
+    }
+    if args.reps == 0 || args.weight_sets == 0 {
+        bail!("--reps and --weight-sets must be at least 1");
+    }
+    let host_bw = if device.is_cpu() { host_read_bandwidth() } else { f64::NAN };
+    let total = shapes.len() * args.density.len() * args.tokens.len();
+    let bar = ProgressBar::new(total as u64).with_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("static progress template"),
+    );
+    let mut rows = Vec::new();
+    for &(hidden, ffn) in &shapes {
+        for &density in &args.density {
+            let sets: Vec<(DenseMlp, SparseMlp)> = (0..args.weight_sets)
+                .map(|k| {
+                    let w = synthetic_mlp(hidden, ffn, density, dtype, &device, 1000 + k as u64)?;
+                    let sparse = SparseMlp::new(w.gate.clone(), w.up.clone(), w.down.clone(), Activation::Relu, FfnMode::Sparse)?;
+                    Ok((DenseMlp::new(&w), sparse))
+                })
+                .collect::<candle_core::Result<_>>()?;
+            for &m in &args.tokens {
+                bar.set_message(format!("{hidden}x{ffn} density {density} M={m}"));
+                let x = synthetic_input(m, hidden, dtype, &device, 7)?;
+                // Density actually reached, and the union of active neurons.
+                let probe = twell::twell_mlp(
+                    &x,
+                    sets[0].1.gate_proj(),
+                    &twell::up_down_matrix(sets[0].1.up_proj(), sets[0].1.down_proj())?,
+                    twell::TwellConfig::default(),
+                )?;
+                let fired = probe.fired_per_neuron();
+                let union = fired.iter().filter(|&&c| c > 0).count();
+                let nnz: u64 = fired.iter().map(|&c| c as u64).sum();
+                let mut dense_run = |round: usize| -> candle_core::Result<()> {
+                    std::hint::black_box(sets[round % sets.len()].0.forward(&x)?);
+                    Ok(())
+                };
+                let mut sparse_run = |round: usize| -> candle_core::Result<()> {
+                    std::hint::black_box(sets[round % sets.len()].1.forward(&x)?);
+                    Ok(())
+                };
+                let t = interleaved_medians(&device, args.warmup, args.reps, &mut [&mut dense_run, &mut sparse_run])?;
+                let elem = dtype.size_in_bytes() as f64;
+                let dense_bytes = 3.0 * (hidden * ffn) as f64 * elem;
+                let sparse_bytes = ((hidden * ffn) + union * 2 * hidden) as f64 * elem;
+                rows.push(MlpRow {
+                    hidden,
+                    ffn,
+                    tokens: m,
+                    target_density: density,
+                    measured_density: nnz as f64 / (m * ffn) as f64,
+                    mean_l0: nnz as f64 / m as f64,
+                    dense_ms: t[0] * 1e3,
+                    sparse_ms: t[1] * 1e3,
+                    speedup: t[0] / t[1],
+                    dense_gbps: dense_bytes / t[0] / 1e9,
+                    sparse_gbps: sparse_bytes / t[1] / 1e9,
+                    dense_gflops: 6.0 * (m * hidden * ffn) as f64 / t[0] / 1e9,
+                });
+                bar.inc(1);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let report = MlpReport {
+        device: format!("{:?}", device.location()),
+        dtype: args.dtype.clone(),
+        threads: rayon::current_num_threads(),
+        host_read_gbps: host_bw / 1e9,
+        rows,
+    };
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.svg {
+        crate::chart::speedup_vs_density(path, &report.rows)?;
+    }
+    Ok(report)
+}
+
+pub fn print(report: &MlpReport) {
+    println!(
+        "device {} | dtype {} | {} threads | host read bandwidth {:.1} GB/s",
+        report.device, report.dtype, report.threads, report.host_read_gbps
+    );
+    println!(
+        "{:>6} {:>6} {:>6} {:>8} {:>8} {:>7} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9}",
+        "hidden", "d_ff", "M", "target", "density", "L0", "dense ms", "sparse ms", "speedup", "dense GB/s", "sparse GB/s", "dense GF/s"
+    );
+    for r in &report.rows {
+        println!(
+            "{:>6} {:>6} {:>6} {:>7.2}% {:>7.2}% {:>7.1} {:>10.3} {:>10.3} {:>7.2}x {:>9.1} {:>9.1} {:>9.1}",
+            r.hidden,
+            r.ffn,
+            r.tokens,
+            100.0 * r.target_density,
+            100.0 * r.measured_density,
+            r.mean_l0,
+            r.dense_ms,
+            r.sparse_ms,
+            r.speedup,
+            r.dense_gbps,
+            r.sparse_gbps,
+            r.dense_gflops
+        );
+    }
+}

@@ -1,0 +1,70 @@
+//! Timing that can be trusted: warm-up, interleaved variants, medians, device sync.
+
+use std::time::Instant;
+
+use candle_core::{Device, Result};
+
+/// Waits for queued device work, so a host clock brackets it exactly.
+pub fn sync(device: &Device) -> Result<()> {
+    device.synchronize()
+}
+
+/// Times each variant `reps` times, round-robin (so drift hits all alike), after
+/// `warmup` untimed rounds; returns each variant's median in seconds.
+pub fn interleaved_medians(
+    device: &Device,
+    warmup: usize,
+    reps: usize,
+    variants: &mut [&mut dyn FnMut(usize) -> Result<()>],
+) -> Result<Vec<f64>> {
+    for round in 0..warmup {
+        for v in variants.iter_mut() {
+            v(round)?;
+        }
+    }
+    sync(device)?;
+    let mut times = vec![Vec::with_capacity(reps); variants.len()];
+    for round in 0..reps {
+        for (k, v) in variants.iter_mut().enumerate() {
+            sync(device)?;
+            let t0 = Instant::now();
+            v(round)?;
+            sync(device)?;
+            times[k].push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(times.into_iter().map(median).collect())
+}
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// This machine's host memory read bandwidth in bytes/s: all threads summing a
+/// buffer far larger than any cache.
+pub fn host_read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let buf = vec![1u32; 128 << 20]; // 512 MiB
+    let bytes = (buf.len() * 4) as f64;
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        // Integer sums vectorise, so the loop is bound by memory, not by adds.
+        let s: u32 = buf
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u32, |a, &b| a.wrapping_add(b)))
+            .reduce(|| 0, u32::wrapping_add);
+        std::hint::black_box(s);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    bytes / best
+}

@@ -1,0 +1,61 @@
+//! SVG charts of benchmark results (plotters).
+
+use std::path::Path;
+
+use anyhow::{anyhow, Result};
+use plotters::prelude::*;
+
+use crate::bench::mlp::MlpRow;
+
+/// Speed-up of sparse over dense against density, one line per (shape, M).
+pub fn speedup_vs_density(path: &Path, rows: &[MlpRow]) -> Result<()> {
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let max_density = rows.iter().map(|r| r.target_density * 100.0).fold(0.1, f64::max);
+    let max_speedup = rows.iter().map(|r| r.speedup).fold(1.5, f64::max) * 1.1;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("TwELL sparse MLP: speed-up over dense", ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..max_density * 1.05, 0.0..max_speedup)
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("activation density (% of d_ff)")
+        .y_desc("dense time / sparse time")
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    let mut keys: Vec<(usize, usize, usize)> = rows.iter().map(|r| (r.hidden, r.ffn, r.tokens)).collect();
+    keys.dedup();
+    keys.sort();
+    keys.dedup();
+    for (k, key) in keys.iter().enumerate() {
+        let color = Palette99::pick(k).to_rgba();
+        let mut pts: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|r| (r.hidden, r.ffn, r.tokens) == *key)
+            .map(|r| (r.target_density * 100.0, r.speedup))
+            .collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(format!("{}x{} M={}", key.0, key.1, key.2))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+        chart
+            .draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled())))
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    chart
+        .draw_series(LineSeries::new(vec![(0.0, 1.0), (max_density * 1.05, 1.0)], BLACK.stroke_width(1)))
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    root.present().map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
