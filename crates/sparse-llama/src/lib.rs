@@ -1,1 +1,19 @@
+//! # sparse-llama
+//!
+//! A Llama causal LM whose feed-forward layers run dense or through TwELL sparse
+//! kernels, with checkpoint IO (HF directories, the hf-hub cache, GGUF), text
+//! generation, perplexity, and L1 sparsity fine-tuning.
 
+pub mod checkpoint;
+pub mod config;
+pub mod corpus;
+pub mod error;
+pub mod generate;
+pub mod gguf;
+pub mod model;
+pub mod perplexity;
+pub mod tokenizer;
+
+pub use config::{Config, LlamaConfig, LlamaEosToks, SparseSettings};
+pub use error::LlamaError;
+pub use model::{Cache, Llama, SparseLlama, TrainOutput};

@@ -2,7 +2,10 @@
 
 mod bench;
 mod chart;
+mod convert;
 mod device;
+mod generate;
+mod model_args;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -16,6 +19,10 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Generate text (prompt or chat), streaming, with prefill/decode speed.
+    Generate(generate::GenerateArgs),
+    /// Convert a checkpoint (e.g. GGUF) to an HF directory.
+    Convert(convert::ConvertArgs),
     /// Benchmarks, dense and sparse side by side.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -30,6 +37,8 @@ enum BenchCommand {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Generate(args) => generate::run(&args)?,
+        Command::Convert(args) => convert::run(&args)?,
         Command::Bench(BenchCommand::Mlp(args)) => {
             let report = bench::mlp::run(&args)?;
             bench::mlp::print(&report);

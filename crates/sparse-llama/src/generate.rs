@@ -1,0 +1,207 @@
+//! The generation loop: prefill, then one token at a time with the KV cache,
+//! streaming text as it comes and timing both phases.
+
+use std::time::Instant;
+
+use candle_core::{Device, Result, Tensor};
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+use tokenizers::Tokenizer;
+
+use crate::error::LlamaError;
+use crate::model::{Cache, Llama};
+
+/// Sampling settings.
+#[derive(Clone, Debug)]
+pub struct GenerationConfig {
+    pub max_new_tokens: usize,
+    /// 0 means greedy.
+    pub temperature: f64,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f64>,
+    /// 1.0 disables the penalty.
+    pub repeat_penalty: f32,
+    /// How many recent tokens the penalty looks at.
+    pub repeat_last_n: usize,
+    pub seed: u64,
+}
+
+impl Default for GenerationConfig {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 64,
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 299792458,
+        }
+    }
+}
+
+impl GenerationConfig {
+    fn sampling(&self) -> Sampling {
+        if self.temperature <= 0.0 {
+            return Sampling::ArgMax;
+        }
+        let temperature = self.temperature;
+        match (self.top_k, self.top_p) {
+            (None, None) => Sampling::All { temperature },
+            (Some(k), None) => Sampling::TopK { k, temperature },
+            (None, Some(p)) => Sampling::TopP { p, temperature },
+            (Some(k), Some(p)) => Sampling::TopKThenTopP { k, p, temperature },
+        }
+    }
+}
+
+/// What a generation did and how fast.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+    pub stopped_on_eos: bool,
+    /// Mean FFN density (fraction of d_ff active) over layers and generated tokens,
+    /// when the model was asked to record it.
+    pub mean_ffn_density: Option<f64>,
+}
+
+impl GenerationStats {
+    pub fn prefill_tokens_per_sec(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_secs.max(1e-12)
+    }
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        // The first generated token comes from the prefill; the rest from decode steps.
+        self.generated_tokens.saturating_sub(1) as f64 / self.decode_secs.max(1e-12)
+    }
+}
+
+/// Turns a growing token list into text pieces, holding back bytes that do not yet
+/// form whole characters.
+pub struct TokenStream<'a> {
+    tokenizer: &'a Tokenizer,
+    tokens: Vec<u32>,
+    emitted: usize,
+}
+
+impl<'a> TokenStream<'a> {
+    pub fn new(tokenizer: &'a Tokenizer) -> Self {
+        Self {
+            tokenizer,
+            tokens: Vec::new(),
+            emitted: 0,
+        }
+    }
+
+    fn decode(&self, tokens: &[u32]) -> Result<String> {
+        self.tokenizer
+            .decode(tokens, true)
+            .map_err(|e| LlamaError::Tokenizer(e.to_string()).into())
+    }
+
+    /// Adds a token; returns the new text, if any is complete.
+    pub fn push(&mut self, token: u32) -> Result<Option<String>> {
+        self.tokens.push(token);
+        let text = self.decode(&self.tokens)?;
+        if text.ends_with('\u{fffd}') {
+            return Ok(None);
+        }
+        let old = text.get(..self.emitted).map(|_| self.emitted).unwrap_or(0);
+        let new = text[old..].to_string();
+        self.emitted = text.len();
+        Ok(if new.is_empty() { None } else { Some(new) })
+    }
+
+    pub fn text(&self) -> Result<String> {
+        self.decode(&self.tokens)
+    }
+}
+
+/// Generates up to `cfg.max_new_tokens` after `prompt`, calling `on_text` with each
+/// decoded piece. Stops at any of `eos_ids`.
+pub fn generate(
+    model: &Llama,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    eos_ids: &[u32],
+    cfg: &GenerationConfig,
+    device: &Device,
+    mut on_text: impl FnMut(&str),
+) -> Result<(Vec<u32>, GenerationStats)> {
+    if prompt.is_empty() {
+        return Err(LlamaError::Invalid("the prompt encodes to no tokens".into()).into());
+    }
+    let max_pos = model.config().max_position_embeddings;
+    if prompt.len() + cfg.max_new_tokens > max_pos {
+        return Err(LlamaError::Invalid(format!(
+            "prompt ({}) + max new tokens ({}) exceeds the model's {} positions",
+            prompt.len(),
+            cfg.max_new_tokens,
+            max_pos
+        ))
+        .into());
+    }
+    let dtype = model.embed(&Tensor::new(&[0u32], device)?.unsqueeze(0)?)?.dtype();
+    let mut cache = Cache::new(true, dtype, model.config(), device)?;
+    let mut sampler = LogitsProcessor::from_sampling(cfg.seed, cfg.sampling());
+    let mut stream = TokenStream::new(tokenizer);
+    let mut all: Vec<u32> = prompt.to_vec();
+    let mut out = Vec::new();
+    let mut stats = GenerationStats {
+        prompt_tokens: prompt.len(),
+        ..Default::default()
+    };
+    let mut densities = Vec::new();
+
+    let mut input = prompt.to_vec();
+    let mut index_pos = 0;
+    let t_start = Instant::now();
+    let mut t_decode = None;
+    for step in 0..cfg.max_new_tokens {
+        let x = Tensor::new(input.as_slice(), device)?.unsqueeze(0)?;
+        let logits = model.forward(&x, index_pos, &mut cache)?.squeeze(0)?;
+        if step > 0 {
+            if let Some(d) = mean_density(model)? {
+                densities.push(d);
+            }
+        }
+        let logits = if cfg.repeat_penalty != 1.0 {
+            let start = all.len().saturating_sub(cfg.repeat_last_n);
+            candle_transformers::utils::apply_repeat_penalty(&logits, cfg.repeat_penalty, &all[start..])?
+        } else {
+            logits
+        };
+        let next = sampler.sample(&logits)?;
+        if step == 0 {
+            device.synchronize()?;
+            stats.prefill_secs = t_start.elapsed().as_secs_f64();
+            t_decode = Some(Instant::now());
+        }
+        index_pos += input.len();
+        all.push(next);
+        out.push(next);
+        if eos_ids.contains(&next) {
+            stats.stopped_on_eos = true;
+            break;
+        }
+        if let Some(text) = stream.push(next)? {
+            on_text(&text);
+        }
+        input = vec![next];
+    }
+    device.synchronize()?;
+    stats.decode_secs = t_decode.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+    stats.generated_tokens = out.len();
+    if !densities.is_empty() {
+        stats.mean_ffn_density = Some(densities.iter().sum::<f64>() / densities.len() as f64);
+    }
+    Ok((out, stats))
+}
+
+/// Mean over layers of the last forward's FFN density, if recorded.
+fn mean_density(model: &Llama) -> Result<Option<f64>> {
+    let stats = model.ffn_stats()?;
+    let d: Vec<f64> = stats.iter().flatten().map(|s| s.density).collect();
+    Ok(if d.is_empty() { None } else { Some(d.iter().sum::<f64>() / d.len() as f64) })
+}

@@ -1,0 +1,383 @@
+//! The Llama architecture with a swappable feed-forward, written to read top to bottom.
+//!
+//! Public API shaped like candle-transformers' `models::llama` (`Config`, `Cache`,
+//! `Llama::load(vb, &cfg)`, `forward(x, index_pos, &mut cache)`), so a program switches
+//! by changing its import. On top of that:
+//!
+//! * each layer's MLP is a [`twell::SparseMlp`]: dense SwiGLU, dense ReGLU or TwELL;
+//! * [`Llama::forward_all`] returns logits at every position (perplexity);
+//! * [`Llama::forward_train`] is differentiable end to end: candle's fused rms-norm,
+//!   softmax and rope have no backward pass, so training uses their plain-op forms;
+//! * [`Llama::ffn_stats`] reports each layer's activation density after a forward.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
+use candle_nn::{embedding, linear_b, Embedding, Linear, RmsNorm, VarBuilder};
+use twell::{FfnMode, MlpStats, SparseMlp};
+
+pub use crate::config::{Config, LlamaConfig, LlamaEosToks};
+
+/// Key/value cache and causal masks for incremental decoding.
+#[derive(Debug, Clone)]
+pub struct Cache {
+    masks: HashMap<(usize, usize), Tensor>,
+    pub use_kv_cache: bool,
+    kvs: Vec<Option<(Tensor, Tensor)>>,
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+}
+
+/// RoPE tables `cos, sin [positions, head_dim / 2]` (rotate-half convention, as HF).
+fn rope_tables(cfg: &Config, positions: usize, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
+    let head_dim = cfg.head_dim();
+    let inv_freq: Vec<f32> = (0..head_dim)
+        .step_by(2)
+        .map(|i| 1f32 / cfg.rope_theta.powf(i as f32 / head_dim as f32))
+        .collect();
+    let n = inv_freq.len();
+    let inv_freq = Tensor::from_vec(inv_freq, (1, n), device)?;
+    let t = Tensor::arange(0u32, positions as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((positions, 1))?;
+    let freqs = t.matmul(&inv_freq)?;
+    Ok((freqs.cos()?.to_dtype(dtype)?, freqs.sin()?.to_dtype(dtype)?))
+}
+
+/// `-inf` above the diagonal: query `i` (at absolute position `index_pos + i`) sees
+/// keys `0..=index_pos + i`. Shape `[seq_len, index_pos + seq_len]`, f32.
+fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<Tensor> {
+    let kv_len = index_pos + seq_len;
+    let mask: Vec<f32> = (0..seq_len)
+        .flat_map(|i| (0..kv_len).map(move |j| if j > index_pos + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Tensor::from_vec(mask, (seq_len, kv_len), device)
+}
+
+impl Cache {
+    pub fn new(use_kv_cache: bool, dtype: DType, config: &Config, device: &Device) -> Result<Self> {
+        let (cos, sin) = rope_tables(config, config.max_position_embeddings, dtype, device)?;
+        Ok(Self {
+            masks: HashMap::new(),
+            use_kv_cache,
+            kvs: vec![None; config.num_hidden_layers],
+            cos,
+            sin,
+            device: device.clone(),
+        })
+    }
+
+    /// Forgets the cached keys and values (a new sequence).
+    pub fn reset(&mut self) {
+        self.kvs.iter_mut().for_each(|kv| *kv = None);
+    }
+
+    /// Tokens held in the cache.
+    pub fn len(&self) -> usize {
+        match self.kvs.first() {
+            Some(Some((k, _))) => k.dim(2).unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn mask(&mut self, seq_len: usize, index_pos: usize) -> Result<Tensor> {
+        if let Some(mask) = self.masks.get(&(seq_len, index_pos)) {
+            return Ok(mask.clone());
+        }
+        let mask = causal_mask(seq_len, index_pos, &self.device)?;
+        self.masks.insert((seq_len, index_pos), mask.clone());
+        Ok(mask)
+    }
+}
+
+/// Whether a forward pass must keep the autograd graph intact.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Fused kernels, KV cache.
+    Inference,
+    /// Plain differentiable ops, no cache.
+    Train,
+}
+
+#[derive(Debug, Clone)]
+struct CausalSelfAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    num_attention_heads: usize,
+    num_key_value_heads: usize,
+    head_dim: usize,
+}
+
+impl CausalSelfAttention {
+    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim());
+        let q = cfg.num_attention_heads * hd;
+        let kv = cfg.num_key_value_heads * hd;
+        let bias = cfg.attention_bias;
+        Ok(Self {
+            q_proj: linear_b(h, q, bias, vb.pp("q_proj"))?,
+            k_proj: linear_b(h, kv, bias, vb.pp("k_proj"))?,
+            v_proj: linear_b(h, kv, bias, vb.pp("v_proj"))?,
+            o_proj: linear_b(q, h, bias, vb.pp("o_proj"))?,
+            num_attention_heads: cfg.num_attention_heads,
+            num_key_value_heads: cfg.num_key_value_heads,
+            head_dim: hd,
+        })
+    }
+
+    /// `x [b, t, h]` → `[b, t, h]`. `rope` holds `cos, sin` for positions
+    /// `index_pos..index_pos + t`; `mask` is `[t, kv_len]` or `None` for one token.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        kv_cache: Option<&mut Option<(Tensor, Tensor)>>,
+        pass: Pass,
+    ) -> Result<Tensor> {
+        let (b, t, hidden) = x.dims3()?;
+        let heads = |p: &Linear, n: usize| -> Result<Tensor> {
+            p.forward(x)?.reshape((b, t, n, self.head_dim))?.transpose(1, 2)?.contiguous()
+        };
+        let q = heads(&self.q_proj, self.num_attention_heads)?;
+        let k = heads(&self.k_proj, self.num_key_value_heads)?;
+        let mut v = heads(&self.v_proj, self.num_key_value_heads)?;
+        let (q, mut k) = match pass {
+            Pass::Inference => (candle_nn::rotary_emb::rope(&q, cos, sin)?, candle_nn::rotary_emb::rope(&k, cos, sin)?),
+            Pass::Train => (candle_nn::rotary_emb::rope_slow(&q, cos, sin)?, candle_nn::rotary_emb::rope_slow(&k, cos, sin)?),
+        };
+        if let Some(slot) = kv_cache {
+            if let Some((ck, cv)) = slot.as_ref() {
+                k = Tensor::cat(&[ck, &k], 2)?.contiguous()?;
+                v = Tensor::cat(&[cv, &v], 2)?.contiguous()?;
+            }
+            *slot = Some((k.clone(), v.clone()));
+        }
+        let rep = self.num_attention_heads / self.num_key_value_heads;
+        let k = candle_transformers::utils::repeat_kv(k, rep)?;
+        let v = candle_transformers::utils::repeat_kv(v, rep)?;
+
+        let in_dtype = q.dtype();
+        let (q, k, v) = (q.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
+        let mut att = (q.matmul(&k.t()?)? / (self.head_dim as f64).sqrt())?;
+        if let Some(mask) = mask {
+            att = att.broadcast_add(mask)?;
+        }
+        let att = match pass {
+            Pass::Inference => candle_nn::ops::softmax_last_dim(&att)?,
+            Pass::Train => candle_nn::ops::softmax(&att, D::Minus1)?,
+        };
+        let y = att.matmul(&v.contiguous()?)?.to_dtype(in_dtype)?;
+        let y = y.transpose(1, 2)?.reshape((b, t, hidden))?;
+        self.o_proj.forward(&y)
+    }
+}
+
+/// RMS norm with both the fused kernel (inference) and the differentiable form.
+#[derive(Debug, Clone)]
+struct Norm {
+    inner: RmsNorm,
+    weight: Tensor,
+    eps: f64,
+}
+
+impl Norm {
+    fn load(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        let weight = vb.get(size, "weight")?;
+        Ok(Self {
+            inner: RmsNorm::new(weight.clone(), eps),
+            weight,
+            eps,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, pass: Pass) -> Result<Tensor> {
+        match pass {
+            Pass::Inference => self.inner.forward(x),
+            Pass::Train => candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps as f32),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Block {
+    input_layernorm: Norm,
+    self_attn: CausalSelfAttention,
+    post_attention_layernorm: Norm,
+    mlp: SparseMlp,
+}
+
+impl Block {
+    fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let mlp = SparseMlp::load(vb.pp("mlp"), cfg.hidden_size, cfg.intermediate_size, cfg.activation, cfg.ffn_mode)?
+            .with_twell_config(cfg.twell);
+        Ok(Self {
+            input_layernorm: Norm::load(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            self_attn: CausalSelfAttention::load(vb.pp("self_attn"), cfg)?,
+            post_attention_layernorm: Norm::load(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
+            mlp,
+        })
+    }
+}
+
+/// A Llama causal LM whose feed-forward can run dense or TwELL-sparse.
+#[derive(Debug)]
+pub struct Llama {
+    embed_tokens: Embedding,
+    blocks: Vec<Block>,
+    norm: Norm,
+    lm_head: Linear,
+    config: Config,
+}
+
+/// The name a program uses when it means the sparse-capable model.
+pub type SparseLlama = Llama;
+
+/// What a differentiable forward pass returns.
+pub struct TrainOutput {
+    /// `[b, t, vocab]`, f32.
+    pub logits: Tensor,
+    /// Mean over layers of (mean over tokens of `Σ_j |h_j|`): the L1 penalty term.
+    pub l1: Tensor,
+}
+
+impl Llama {
+    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("model.embed_tokens"))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed_tokens.embeddings().clone(), None)
+        } else {
+            candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|i| Block::load(vb.pp(format!("model.layers.{i}")), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            embed_tokens,
+            blocks,
+            norm: Norm::load(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("model.norm"))?,
+            lm_head,
+            config: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn embed(&self, x: &Tensor) -> Result<Tensor> {
+        self.embed_tokens.forward(x)
+    }
+
+    /// Runs the blocks; returns the final hidden states and, for training, each
+    /// layer's mean L1 term.
+    fn run(&self, tokens: &Tensor, index_pos: usize, mut cache: Option<&mut Cache>, pass: Pass) -> Result<(Tensor, Vec<Tensor>)> {
+        let (_b, t) = tokens.dims2()?;
+        if index_pos + t > self.config.max_position_embeddings {
+            candle_core::bail!(
+                "sequence reaches position {} but the model supports {}",
+                index_pos + t,
+                self.config.max_position_embeddings
+            );
+        }
+        let mut x = self.embed_tokens.forward(tokens)?;
+        let (cos, sin, mask) = match cache.as_deref_mut() {
+            Some(c) => {
+                let mask = if t > 1 { Some(c.mask(t, index_pos)?) } else { None };
+                (c.cos.narrow(0, index_pos, t)?, c.sin.narrow(0, index_pos, t)?, mask)
+            }
+            None => {
+                let (cos, sin) = rope_tables(&self.config, index_pos + t, x.dtype(), x.device())?;
+                let mask = if t > 1 { Some(causal_mask(t, index_pos, x.device())?) } else { None };
+                (cos.narrow(0, index_pos, t)?, sin.narrow(0, index_pos, t)?, mask)
+            }
+        };
+        let mut l1 = Vec::new();
+        for (i, block) in self.blocks.iter().enumerate() {
+            let kv = match cache.as_deref_mut() {
+                Some(c) if c.use_kv_cache => Some(&mut c.kvs[i]),
+                _ => None,
+            };
+            let h = block.input_layernorm.forward(&x, pass)?;
+            x = (block.self_attn.forward(&h, &cos, &sin, mask.as_ref(), kv, pass)? + &x)?;
+            let h = block.post_attention_layernorm.forward(&x, pass)?;
+            let mlp_out = match pass {
+                Pass::Train => {
+                    let (out, l1_tokens) = block.mlp.forward_with_l1(&h)?;
+                    l1.push(l1_tokens.to_dtype(DType::F32)?.mean_all()?);
+                    out
+                }
+                Pass::Inference => block.mlp.forward(&h)?,
+            };
+            x = (mlp_out + &x)?;
+        }
+        Ok((self.norm.forward(&x, pass)?, l1))
+    }
+
+    /// Logits of the last position, `[b, vocab]` in f32 (as candle-transformers).
+    pub fn forward(&self, x: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
+        let (_, t) = x.dims2()?;
+        let (h, _) = self.run(x, index_pos, Some(cache), Pass::Inference)?;
+        let last = h.i((.., t - 1, ..))?.contiguous()?;
+        self.lm_head.forward(&last)?.to_dtype(DType::F32)
+    }
+
+    /// Logits of every position, `[b, t, vocab]` in f32.
+    pub fn forward_all(&self, x: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
+        let (h, _) = self.run(x, index_pos, Some(cache), Pass::Inference)?;
+        self.lm_head.forward(&h)?.to_dtype(DType::F32)
+    }
+
+    /// Differentiable forward over whole sequences (no cache): all logits and the
+    /// L1 term averaged over layers.
+    pub fn forward_train(&self, x: &Tensor) -> Result<TrainOutput> {
+        let (h, l1) = self.run(x, 0, None, Pass::Train)?;
+        let logits = self.lm_head.forward(&h)?.to_dtype(DType::F32)?;
+        let l1 = Tensor::stack(&l1, 0)?.mean_all()?;
+        Ok(TrainOutput { logits, l1 })
+    }
+
+    /// Sets the feed-forward path of every layer.
+    pub fn set_ffn_mode(&mut self, mode: FfnMode) -> Result<()> {
+        for b in &mut self.blocks {
+            b.mlp.set_mode(mode)?;
+        }
+        self.config.ffn_mode = mode;
+        Ok(())
+    }
+
+    /// Sets the feed-forward path of one layer.
+    pub fn set_layer_ffn_mode(&mut self, layer: usize, mode: FfnMode) -> Result<()> {
+        match self.blocks.get_mut(layer) {
+            Some(b) => b.mlp.set_mode(mode),
+            None => candle_core::bail!("layer {layer} out of range (model has {})", self.blocks.len()),
+        }
+    }
+
+    /// Keep per-layer FFN statistics of each forward (costs a pass over `h` on the
+    /// dense path).
+    pub fn record_ffn_stats(&mut self, on: bool) {
+        for b in &mut self.blocks {
+            b.mlp.set_record_stats(on);
+        }
+    }
+
+    /// Each layer's FFN statistics from the last forward (with `record_ffn_stats`).
+    pub fn ffn_stats(&self) -> Result<Vec<Option<MlpStats>>> {
+        self.blocks.iter().map(|b| b.mlp.last_stats()).collect()
+    }
+
+    /// The layers' MLPs, e.g. to read weights for saving.
+    pub fn mlps(&self) -> impl Iterator<Item = &SparseMlp> {
+        self.blocks.iter().map(|b| &b.mlp)
+    }
+}

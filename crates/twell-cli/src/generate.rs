@@ -1,0 +1,117 @@
+//! `twell generate`: streaming text generation.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use sparse_llama::generate::{generate, GenerationConfig};
+use twell::Activation;
+
+use crate::model_args::ModelArgs;
+
+#[derive(clap::Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt (the user's message with --chat).
+    #[arg(long, short)]
+    pub prompt: String,
+    /// Wrap the prompt in the model's chat template (ChatML).
+    #[arg(long)]
+    pub chat: bool,
+    /// System message for --chat (default: the template's own).
+    #[arg(long)]
+    pub system: Option<String>,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    #[arg(long, default_value_t = 1.1)]
+    pub repeat_penalty: f32,
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+    #[arg(long, default_value_t = 299792458)]
+    pub seed: u64,
+    /// Write the generation statistics as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+pub fn run(args: &GenerateArgs) -> Result<()> {
+    if args.temperature < 0.0 || !args.temperature.is_finite() {
+        bail!("--temperature must be >= 0");
+    }
+    if let Some(p) = args.top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            bail!("--top-p must be in (0, 1]");
+        }
+    }
+    if args.top_k == Some(0) {
+        bail!("--top-k must be at least 1");
+    }
+    if args.repeat_penalty <= 0.0 || !args.repeat_penalty.is_finite() {
+        bail!("--repeat-penalty must be > 0");
+    }
+    let device = args.model.device()?;
+    let dtype = args.model.dtype(&device)?;
+    let ck = args.model.open()?;
+    let opts = args.model.load_options()?;
+    let mut model = ck.load_model(dtype, &device, &opts)?;
+    let relu = model.config().activation == Activation::Relu;
+    model.record_ffn_stats(relu);
+
+    let text = if args.chat {
+        ck.chat_format()?.prompt(args.system.as_deref(), &args.prompt)
+    } else {
+        args.prompt.clone()
+    };
+    let enc = ck.tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg).context("tokenizing the prompt")?;
+    let prompt = enc.get_ids().to_vec();
+    let mut eos = model.config().eos_ids();
+    if args.chat {
+        if let Some(id) = ck.tokenizer.token_to_id("<|im_end|>") {
+            eos.push(id);
+        }
+    }
+    let cfg = GenerationConfig {
+        max_new_tokens: args.max_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        repeat_penalty: args.repeat_penalty,
+        repeat_last_n: args.repeat_last_n,
+        seed: args.seed,
+    };
+    if !args.chat {
+        print!("{}", args.prompt);
+    }
+    let mut stdout = std::io::stdout();
+    let (_, stats) = generate(&model, &ck.tokenizer, &prompt, &eos, &cfg, &device, |piece| {
+        print!("{piece}");
+        let _ = stdout.flush();
+    })?;
+    println!();
+    eprintln!(
+        "prompt {} tokens, {:.1} tokens/s | generated {} tokens, {:.1} tokens/s{} | ffn {:?} on {:?} {:?}",
+        stats.prompt_tokens,
+        stats.prefill_tokens_per_sec(),
+        stats.generated_tokens,
+        stats.decode_tokens_per_sec(),
+        match stats.mean_ffn_density {
+            Some(d) => format!(" | mean FFN density {:.2}%", 100.0 * d),
+            None => String::new(),
+        },
+        model.config().ffn_mode,
+        device.location(),
+        dtype,
+    );
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&stats)?).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}

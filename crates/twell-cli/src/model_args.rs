@@ -1,0 +1,82 @@
+//! `--model`, `--ffn`, `--relu`, `--device`, `--dtype`: how every subcommand opens a model.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
+use twell::{Activation, FfnMode};
+
+use crate::device::{parse_device, parse_dtype};
+
+/// The default model, as fetched by `scripts/setup.sh`.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The data directory: `$TWELL_DATA`, else `./data`.
+pub fn data_dir() -> PathBuf {
+    std::env::var_os("TWELL_DATA").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("data"))
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// An HF checkpoint directory, a .gguf file, or an org/name id in the hf-hub cache.
+    /// Default: the SmolLM2-135M-Instruct GGUF in the data directory.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Feed-forward path: dense, sparse or auto.
+    #[arg(long, default_value = "auto")]
+    pub ffn: String,
+    /// Run the MLP gate with ReLU instead of the checkpoint's activation (a
+    /// ReLU-converted model; quality needs fine-tuning).
+    #[arg(long)]
+    pub relu: bool,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long)]
+    pub dtype: Option<String>,
+}
+
+impl ModelArgs {
+    pub fn model_spec(&self) -> Result<String> {
+        match &self.model {
+            Some(m) => Ok(m.clone()),
+            None => {
+                let p = data_dir().join(DEFAULT_MODEL_FILE);
+                if !p.exists() {
+                    bail!(
+                        "no --model given and the default model {} is missing: run scripts/setup.sh first",
+                        p.display()
+                    );
+                }
+                Ok(p.to_string_lossy().into_owned())
+            }
+        }
+    }
+
+    pub fn device(&self) -> Result<Device> {
+        parse_device(&self.device)
+    }
+
+    pub fn dtype(&self, device: &Device) -> Result<DType> {
+        match &self.dtype {
+            Some(d) => parse_dtype(d),
+            None if device.is_cuda() => Ok(DType::BF16),
+            None => Ok(DType::F32),
+        }
+    }
+
+    pub fn load_options(&self) -> Result<LoadOptions> {
+        let ffn_mode: FfnMode = self.ffn.parse().map_err(|e| anyhow::anyhow!("--ffn: {e}"))?;
+        Ok(LoadOptions {
+            activation: self.relu.then_some(Activation::Relu),
+            ffn_mode: Some(ffn_mode),
+        })
+    }
+
+    pub fn open(&self) -> Result<Checkpoint> {
+        let spec = self.model_spec()?;
+        Checkpoint::open(&spec).with_context(|| format!("opening model '{spec}'"))
+    }
+}

