@@ -77,7 +77,12 @@ impl Checkpoint {
     /// A model id from the hf-hub cache (`$HF_HOME`, default `~/.cache/huggingface`),
     /// offline.
     pub fn open_hub(model_id: &str) -> Result<Self> {
-        let cache = hf_hub::Cache::from_env();
+        Self::open_hub_in(hf_hub::Cache::from_env().path(), model_id)
+    }
+
+    /// A model id from the hf-hub cache rooted at `cache_dir` (the `hub` folder).
+    pub fn open_hub_in(cache_dir: &Path, model_id: &str) -> Result<Self> {
+        let cache = hf_hub::Cache::new(cache_dir.to_path_buf());
         match cache.model(model_id.to_string()).get("config.json") {
             Some(config) => match config.parent() {
                 Some(dir) => Self::open_dir(dir),
@@ -95,7 +100,10 @@ impl Checkpoint {
     pub fn open_dir(dir: &Path) -> Result<Self> {
         let config_path = dir.join("config.json");
         if !config_path.exists() {
-            return err(LlamaError::NotFound(format!("{} (not an HF checkpoint directory)", config_path.display())));
+            return err(LlamaError::NotFound(format!(
+                "{} (not an HF checkpoint directory)",
+                config_path.display()
+            )));
         }
         let config = LlamaConfig::from_file(&config_path)?;
         let tokenizer = load_tokenizer(&dir.join("tokenizer.json"))?;
@@ -135,7 +143,7 @@ impl Checkpoint {
 
     /// The runtime config with `opts` applied.
     pub fn runtime_config(&self, opts: &LoadOptions) -> Result<Config> {
-        let mut cfg = self.config.clone().into_config()?;
+        let mut cfg = self.config.clone().into_config(false)?;
         if let Some(a) = opts.activation {
             cfg.activation = a;
         }
@@ -156,7 +164,9 @@ impl Checkpoint {
     pub fn var_builder(&self, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
         match &self.weights {
             // SAFETY: the files are not modified while mapped (we only read checkpoints).
-            Weights::Safetensors(files) => unsafe { VarBuilder::from_mmaped_safetensors(files, dtype, device) },
+            Weights::Safetensors(files) => unsafe {
+                VarBuilder::from_mmaped_safetensors(files, dtype, device)
+            },
             Weights::Tensors(t) => Ok(VarBuilder::from_tensors(t.clone(), dtype, device)),
         }
     }
@@ -190,7 +200,9 @@ impl Checkpoint {
     pub fn chat_format(&self) -> Result<ChatFormat> {
         match &self.chat_template {
             Some(t) => ChatFormat::from_template(t),
-            None => err(LlamaError::Unsupported("this checkpoint has no chat template; use a plain prompt".into())),
+            None => err(LlamaError::Unsupported(
+                "this checkpoint has no chat template; use a plain prompt".into(),
+            )),
         }
     }
 }
@@ -220,7 +232,11 @@ fn shard_files(index: &Path) -> Result<Vec<PathBuf>> {
         if seen.insert(name.to_string()) {
             let f = dir.join(name);
             if !f.exists() {
-                return err(LlamaError::NotFound(format!("shard {} named in {}", f.display(), index.display())));
+                return err(LlamaError::NotFound(format!(
+                    "shard {} named in {}",
+                    f.display(),
+                    index.display()
+                )));
             }
             files.push(f);
         }
@@ -234,10 +250,11 @@ fn shard_files(index: &Path) -> Result<Vec<PathBuf>> {
 fn check_safetensors(files: &[PathBuf]) -> Result<()> {
     for f in files {
         let bytes = std::fs::read(f).map_err(|e| io_err(f, e))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| LlamaError::BadFile {
-            path: f.clone(),
-            detail: format!("not a valid safetensors file: {e}"),
-        })?;
+        let st =
+            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| LlamaError::BadFile {
+                path: f.clone(),
+                detail: format!("not a valid safetensors file: {e}"),
+            })?;
         for (name, view) in st.tensors() {
             use safetensors::Dtype::*;
             if !matches!(view.dtype(), F32 | F16 | BF16 | F64) {
@@ -264,7 +281,9 @@ pub fn torch_dtype_name(dtype: DType) -> Result<&'static str> {
         DType::F32 => Ok("float32"),
         DType::BF16 => Ok("bfloat16"),
         DType::F16 => Ok("float16"),
-        other => err(LlamaError::Unsupported(format!("saving weights as {other:?}"))),
+        other => err(LlamaError::Unsupported(format!(
+            "saving weights as {other:?}"
+        ))),
     }
 }
 
@@ -285,7 +304,10 @@ pub fn save_hf(
         if config.tie_word_embeddings && name == "lm_head.weight" {
             continue;
         }
-        out.insert(name.clone(), t.to_dtype(dtype)?.to_device(&Device::Cpu)?.contiguous()?);
+        out.insert(
+            name.clone(),
+            t.to_dtype(dtype)?.to_device(&Device::Cpu)?.contiguous()?,
+        );
     }
     // Write to a temporary name first: a crash never leaves a truncated checkpoint.
     let weights = dir.join("model.safetensors");
@@ -295,10 +317,12 @@ pub fn save_hf(
 
     let write_json = |name: &str, value: &serde_json::Value| -> Result<()> {
         let p = dir.join(name);
-        let text = serde_json::to_string_pretty(value).map_err(|e| LlamaError::Invalid(e.to_string()))?;
+        let text =
+            serde_json::to_string_pretty(value).map_err(|e| LlamaError::Invalid(e.to_string()))?;
         std::fs::write(&p, text).map_err(|e| io_err(&p, e))
     };
-    let hf = serde_json::to_value(config.to_hf(torch_dtype)).map_err(|e| LlamaError::Invalid(e.to_string()))?;
+    let hf = serde_json::to_value(config.to_hf(torch_dtype))
+        .map_err(|e| LlamaError::Invalid(e.to_string()))?;
     write_json("config.json", &hf)?;
     tokenizer
         .save(dir.join("tokenizer.json"), false)

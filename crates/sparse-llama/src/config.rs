@@ -168,8 +168,13 @@ impl LlamaConfig {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }
 
-    /// Checks what we support and builds the runtime config.
-    pub fn into_config(self) -> Result<Config> {
+    /// Checks what we support and builds the runtime config. `use_flash_attn` is
+    /// there for signature parity with candle-transformers; flash attention is not
+    /// supported and asking for it is an error.
+    pub fn into_config(self, use_flash_attn: bool) -> Result<Config> {
+        if use_flash_attn {
+            return err(LlamaError::Unsupported("flash attention".into()));
+        }
         if let Some(archs) = &self.architectures {
             if !archs.iter().any(|a| a == "LlamaForCausalLM") {
                 return err(LlamaError::Unsupported(format!(
@@ -179,21 +184,35 @@ impl LlamaConfig {
         }
         if let Some(kind) = &self.model_type {
             if kind != "llama" {
-                return err(LlamaError::Unsupported(format!("model_type '{kind}': only 'llama' is supported")));
+                return err(LlamaError::Unsupported(format!(
+                    "model_type '{kind}': only 'llama' is supported"
+                )));
             }
         }
         if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
-            return err(LlamaError::Unsupported("rope_scaling is not supported yet".into()));
+            return err(LlamaError::Unsupported(
+                "rope_scaling is not supported yet".into(),
+            ));
         }
         if self.mlp_bias == Some(true) {
-            return err(LlamaError::Unsupported("mlp_bias: the sparse MLP has no biases".into()));
+            return err(LlamaError::Unsupported(
+                "mlp_bias: the sparse MLP has no biases".into(),
+            ));
         }
         let heads = self.num_attention_heads;
         let kv = self.num_key_value_heads();
-        if self.hidden_size == 0 || heads == 0 || kv == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 || self.intermediate_size == 0 {
-            return err(LlamaError::BadConfig("every size must be at least 1".into()));
+        if self.hidden_size == 0
+            || heads == 0
+            || kv == 0
+            || self.num_hidden_layers == 0
+            || self.vocab_size == 0
+            || self.intermediate_size == 0
+        {
+            return err(LlamaError::BadConfig(
+                "every size must be at least 1".into(),
+            ));
         }
-        if self.hidden_size % heads != 0 || heads % kv != 0 {
+        if !self.hidden_size.is_multiple_of(heads) || !heads.is_multiple_of(kv) {
             return err(LlamaError::BadConfig(format!(
                 "hidden_size {} must divide into {heads} heads, and heads into {kv} kv heads",
                 self.hidden_size
@@ -201,11 +220,15 @@ impl LlamaConfig {
         }
         if let Some(hd) = self.head_dim {
             if hd * heads != self.hidden_size {
-                return err(LlamaError::Unsupported(format!("head_dim {hd} x {heads} heads != hidden_size")));
+                return err(LlamaError::Unsupported(format!(
+                    "head_dim {hd} x {heads} heads != hidden_size"
+                )));
             }
         }
-        if (self.hidden_size / heads) % 2 != 0 {
-            return err(LlamaError::BadConfig("head_dim must be even for RoPE".into()));
+        if !(self.hidden_size / heads).is_multiple_of(2) {
+            return err(LlamaError::BadConfig(
+                "head_dim must be even for RoPE".into(),
+            ));
         }
         let activation = Activation::from_hf(&self.hidden_act)?;
         let settings = self.twell.clone().unwrap_or_default();
@@ -277,7 +300,10 @@ impl Config {
 
     /// All end-of-sequence ids.
     pub fn eos_ids(&self) -> Vec<u32> {
-        self.eos_token_id.as_ref().map(|e| e.ids()).unwrap_or_default()
+        self.eos_token_id
+            .as_ref()
+            .map(|e| e.ids())
+            .unwrap_or_default()
     }
 
     /// Parameters of the model (embedding counted once when tied).

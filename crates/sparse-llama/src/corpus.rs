@@ -24,15 +24,26 @@ impl Corpus {
             list(path, |name| name.ends_with(".txt"))?
         } else if path.is_file() {
             vec![path.to_path_buf()]
-        } else if let Some(name) = path.file_name().and_then(|n| n.to_str()).filter(|n| n.contains('*')) {
-            let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        } else if let Some(name) = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .filter(|n| n.contains('*'))
+        {
+            let dir = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
             let pattern = name.to_string();
             list(dir, |n| glob_match(&pattern, n))?
         } else {
-            return err(LlamaError::NotFound(format!("text corpus '{spec}' (a directory, file, or dir/*.txt glob)")));
+            return err(LlamaError::NotFound(format!(
+                "text corpus '{spec}' (a directory, file, or dir/*.txt glob)"
+            )));
         };
         if files.is_empty() {
-            return err(LlamaError::NotFound(format!("no text files match '{spec}'")));
+            return err(LlamaError::NotFound(format!(
+                "no text files match '{spec}'"
+            )));
         }
         Ok(Self { files })
     }
@@ -101,7 +112,10 @@ fn list(dir: &Path, keep: impl Fn(&str) -> bool) -> Result<Vec<PathBuf>> {
 fn glob_match(pattern: &str, name: &str) -> bool {
     let parts: Vec<&str> = pattern.split('*').collect();
     let (first, last) = (parts[0], parts[parts.len() - 1]);
-    if !name.starts_with(first) || !name[first.len()..].ends_with(last) || name.len() < first.len() + last.len() {
+    if !name.starts_with(first)
+        || !name[first.len()..].ends_with(last)
+        || name.len() < first.len() + last.len()
+    {
         return false;
     }
     let mut rest = &name[first.len()..name.len() - last.len()];

@@ -142,7 +142,9 @@ pub fn generate(
         ))
         .into());
     }
-    let dtype = model.embed(&Tensor::new(&[0u32], device)?.unsqueeze(0)?)?.dtype();
+    let dtype = model
+        .embed(&Tensor::new(&[0u32], device)?.unsqueeze(0)?)?
+        .dtype();
     let mut cache = Cache::new(true, dtype, model.config(), device)?;
     let mut sampler = LogitsProcessor::from_sampling(cfg.seed, cfg.sampling());
     let mut stream = TokenStream::new(tokenizer);
@@ -168,7 +170,11 @@ pub fn generate(
         }
         let logits = if cfg.repeat_penalty != 1.0 {
             let start = all.len().saturating_sub(cfg.repeat_last_n);
-            candle_transformers::utils::apply_repeat_penalty(&logits, cfg.repeat_penalty, &all[start..])?
+            candle_transformers::utils::apply_repeat_penalty(
+                &logits,
+                cfg.repeat_penalty,
+                &all[start..],
+            )?
         } else {
             logits
         };
@@ -203,5 +209,9 @@ pub fn generate(
 fn mean_density(model: &Llama) -> Result<Option<f64>> {
     let stats = model.ffn_stats()?;
     let d: Vec<f64> = stats.iter().flatten().map(|s| s.density).collect();
-    Ok(if d.is_empty() { None } else { Some(d.iter().sum::<f64>() / d.len() as f64) })
+    Ok(if d.is_empty() {
+        None
+    } else {
+        Some(d.iter().sum::<f64>() / d.len() as f64)
+    })
 }

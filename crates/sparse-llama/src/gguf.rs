@@ -22,7 +22,9 @@ pub struct GgufCheckpoint {
 }
 
 fn meta_usize(c: &gguf_file::Content, key: &str) -> Result<Option<usize>> {
-    let Some(v) = c.metadata.get(key) else { return Ok(None) };
+    let Some(v) = c.metadata.get(key) else {
+        return Ok(None);
+    };
     let n = v
         .to_u32()
         .map(|x| x as u64)
@@ -31,7 +33,9 @@ fn meta_usize(c: &gguf_file::Content, key: &str) -> Result<Option<usize>> {
         .or_else(|_| v.to_i64().map(|x| x as u64));
     match n {
         Ok(n) => Ok(Some(n as usize)),
-        Err(_) => err(LlamaError::Invalid(format!("GGUF metadata '{key}' is not an integer"))),
+        Err(_) => err(LlamaError::Invalid(format!(
+            "GGUF metadata '{key}' is not an integer"
+        ))),
     }
 }
 
@@ -82,7 +86,9 @@ fn hf_name(name: &str) -> Result<Option<String>> {
 pub fn unpermute_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
     let (out, inp) = w.dims2()?;
     if out % (2 * heads) != 0 {
-        return err(LlamaError::Invalid(format!("{out} rows do not split into {heads} heads of rotary pairs")));
+        return err(LlamaError::Invalid(format!(
+            "{out} rows do not split into {heads} heads of rotary pairs"
+        )));
     }
     w.reshape((heads, out / heads / 2, 2, inp))?
         .transpose(1, 2)?
@@ -106,7 +112,9 @@ pub fn load_gguf(path: &Path) -> Result<GgufCheckpoint> {
         .and_then(|v| v.to_string().ok().cloned())
         .unwrap_or_default();
     if arch != "llama" {
-        return err(LlamaError::Unsupported(format!("GGUF architecture '{arch}' (only 'llama')")));
+        return err(LlamaError::Unsupported(format!(
+            "GGUF architecture '{arch}' (only 'llama')"
+        )));
     }
     let hidden = need_usize(&content, "llama.embedding_length")?;
     let heads = need_usize(&content, "llama.attention.head_count")?;
@@ -127,10 +135,12 @@ pub fn load_gguf(path: &Path) -> Result<GgufCheckpoint> {
         num_attention_heads: heads,
         num_key_value_heads: Some(kv_heads),
         head_dim: None,
-        rms_norm_eps: meta_f32(&content, "llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f64,
+        rms_norm_eps: meta_f32(&content, "llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5)
+            as f64,
         rope_theta: meta_f32(&content, "llama.rope.freq_base").unwrap_or(10_000.0),
         bos_token_id: meta_usize(&content, "tokenizer.ggml.bos_token_id")?.map(|v| v as u32),
-        eos_token_id: meta_usize(&content, "tokenizer.ggml.eos_token_id")?.map(|v| LlamaEosToks::Single(v as u32)),
+        eos_token_id: meta_usize(&content, "tokenizer.ggml.eos_token_id")?
+            .map(|v| LlamaEosToks::Single(v as u32)),
         rope_scaling: None,
         max_position_embeddings: meta_usize(&content, "llama.context_length")?.unwrap_or(2048),
         tie_word_embeddings: Some(tie),
@@ -145,10 +155,12 @@ pub fn load_gguf(path: &Path) -> Result<GgufCheckpoint> {
     names.sort();
     for name in names {
         let Some(hf) = hf_name(name)? else { continue };
-        let q = content.tensor(&mut file, name, &Device::Cpu).map_err(|e| LlamaError::BadFile {
-            path: path.to_path_buf(),
-            detail: format!("tensor '{name}': {e}"),
-        })?;
+        let q = content
+            .tensor(&mut file, name, &Device::Cpu)
+            .map_err(|e| LlamaError::BadFile {
+                path: path.to_path_buf(),
+                detail: format!("tensor '{name}': {e}"),
+            })?;
         let mut t = q.dequantize(&Device::Cpu)?;
         if hf.ends_with("q_proj.weight") {
             t = unpermute_qk(&t, heads)?;

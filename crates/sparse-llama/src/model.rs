@@ -30,7 +30,12 @@ pub struct Cache {
 }
 
 /// RoPE tables `cos, sin [positions, head_dim / 2]` (rotate-half convention, as HF).
-fn rope_tables(cfg: &Config, positions: usize, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
+fn rope_tables(
+    cfg: &Config,
+    positions: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
     let head_dim = cfg.head_dim();
     let inv_freq: Vec<f32> = (0..head_dim)
         .step_by(2)
@@ -50,7 +55,15 @@ fn rope_tables(cfg: &Config, positions: usize, dtype: DType, device: &Device) ->
 fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<Tensor> {
     let kv_len = index_pos + seq_len;
     let mask: Vec<f32> = (0..seq_len)
-        .flat_map(|i| (0..kv_len).map(move |j| if j > index_pos + i { f32::NEG_INFINITY } else { 0.0 }))
+        .flat_map(|i| {
+            (0..kv_len).map(move |j| {
+                if j > index_pos + i {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
         .collect();
     Tensor::from_vec(mask, (seq_len, kv_len), device)
 }
@@ -146,14 +159,23 @@ impl CausalSelfAttention {
     ) -> Result<Tensor> {
         let (b, t, hidden) = x.dims3()?;
         let heads = |p: &Linear, n: usize| -> Result<Tensor> {
-            p.forward(x)?.reshape((b, t, n, self.head_dim))?.transpose(1, 2)?.contiguous()
+            p.forward(x)?
+                .reshape((b, t, n, self.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()
         };
         let q = heads(&self.q_proj, self.num_attention_heads)?;
         let k = heads(&self.k_proj, self.num_key_value_heads)?;
         let mut v = heads(&self.v_proj, self.num_key_value_heads)?;
         let (q, mut k) = match pass {
-            Pass::Inference => (candle_nn::rotary_emb::rope(&q, cos, sin)?, candle_nn::rotary_emb::rope(&k, cos, sin)?),
-            Pass::Train => (candle_nn::rotary_emb::rope_slow(&q, cos, sin)?, candle_nn::rotary_emb::rope_slow(&k, cos, sin)?),
+            Pass::Inference => (
+                candle_nn::rotary_emb::rope(&q, cos, sin)?,
+                candle_nn::rotary_emb::rope(&k, cos, sin)?,
+            ),
+            Pass::Train => (
+                candle_nn::rotary_emb::rope_slow(&q, cos, sin)?,
+                candle_nn::rotary_emb::rope_slow(&k, cos, sin)?,
+            ),
         };
         if let Some(slot) = kv_cache {
             if let Some((ck, cv)) = slot.as_ref() {
@@ -167,7 +189,11 @@ impl CausalSelfAttention {
         let v = candle_transformers::utils::repeat_kv(v, rep)?;
 
         let in_dtype = q.dtype();
-        let (q, k, v) = (q.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
+        let (q, k, v) = (
+            q.to_dtype(DType::F32)?,
+            k.to_dtype(DType::F32)?,
+            v.to_dtype(DType::F32)?,
+        );
         let mut att = (q.matmul(&k.t()?)? / (self.head_dim as f64).sqrt())?;
         if let Some(mask) = mask {
             att = att.broadcast_add(mask)?;
@@ -218,12 +244,26 @@ struct Block {
 
 impl Block {
     fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
-        let mlp = SparseMlp::load(vb.pp("mlp"), cfg.hidden_size, cfg.intermediate_size, cfg.activation, cfg.ffn_mode)?
-            .with_twell_config(cfg.twell);
+        let mlp = SparseMlp::load(
+            vb.pp("mlp"),
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.activation,
+            cfg.ffn_mode,
+        )?
+        .with_twell_config(cfg.twell);
         Ok(Self {
-            input_layernorm: Norm::load(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            input_layernorm: Norm::load(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                vb.pp("input_layernorm"),
+            )?,
             self_attn: CausalSelfAttention::load(vb.pp("self_attn"), cfg)?,
-            post_attention_layernorm: Norm::load(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
+            post_attention_layernorm: Norm::load(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                vb.pp("post_attention_layernorm"),
+            )?,
             mlp,
         })
     }
@@ -280,7 +320,13 @@ impl Llama {
 
     /// Runs the blocks; returns the final hidden states and, for training, each
     /// layer's mean L1 term.
-    fn run(&self, tokens: &Tensor, index_pos: usize, mut cache: Option<&mut Cache>, pass: Pass) -> Result<(Tensor, Vec<Tensor>)> {
+    fn run(
+        &self,
+        tokens: &Tensor,
+        index_pos: usize,
+        mut cache: Option<&mut Cache>,
+        pass: Pass,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
         let (_b, t) = tokens.dims2()?;
         if index_pos + t > self.config.max_position_embeddings {
             candle_core::bail!(
@@ -292,13 +338,29 @@ impl Llama {
         let mut x = self.embed_tokens.forward(tokens)?;
         let (cos, sin, mask) = match cache.as_deref_mut() {
             Some(c) => {
-                let mask = if t > 1 { Some(c.mask(t, index_pos)?) } else { None };
-                (c.cos.narrow(0, index_pos, t)?, c.sin.narrow(0, index_pos, t)?, mask)
+                let mask = if t > 1 {
+                    Some(c.mask(t, index_pos)?)
+                } else {
+                    None
+                };
+                (
+                    c.cos.narrow(0, index_pos, t)?,
+                    c.sin.narrow(0, index_pos, t)?,
+                    mask,
+                )
             }
             None => {
                 let (cos, sin) = rope_tables(&self.config, index_pos + t, x.dtype(), x.device())?;
-                let mask = if t > 1 { Some(causal_mask(t, index_pos, x.device())?) } else { None };
-                (cos.narrow(0, index_pos, t)?, sin.narrow(0, index_pos, t)?, mask)
+                let mask = if t > 1 {
+                    Some(causal_mask(t, index_pos, x.device())?)
+                } else {
+                    None
+                };
+                (
+                    cos.narrow(0, index_pos, t)?,
+                    sin.narrow(0, index_pos, t)?,
+                    mask,
+                )
             }
         };
         let mut l1 = Vec::new();
@@ -308,7 +370,10 @@ impl Llama {
                 _ => None,
             };
             let h = block.input_layernorm.forward(&x, pass)?;
-            x = (block.self_attn.forward(&h, &cos, &sin, mask.as_ref(), kv, pass)? + &x)?;
+            x = (block
+                .self_attn
+                .forward(&h, &cos, &sin, mask.as_ref(), kv, pass)?
+                + &x)?;
             let h = block.post_attention_layernorm.forward(&x, pass)?;
             let mlp_out = match pass {
                 Pass::Train => {
@@ -359,7 +424,10 @@ impl Llama {
     pub fn set_layer_ffn_mode(&mut self, layer: usize, mode: FfnMode) -> Result<()> {
         match self.blocks.get_mut(layer) {
             Some(b) => b.mlp.set_mode(mode),
-            None => candle_core::bail!("layer {layer} out of range (model has {})", self.blocks.len()),
+            None => candle_core::bail!(
+                "layer {layer} out of range (model has {})",
+                self.blocks.len()
+            ),
         }
     }
 

@@ -27,7 +27,10 @@ pub fn perplexity(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Perplexity> {
     if context < 2 {
-        return Err(LlamaError::Invalid(format!("context must be at least 2 tokens, got {context}")).into());
+        return Err(LlamaError::Invalid(format!(
+            "context must be at least 2 tokens, got {context}"
+        ))
+        .into());
     }
     if context > model.config().max_position_embeddings {
         return Err(LlamaError::Invalid(format!(
@@ -38,17 +41,23 @@ pub fn perplexity(
     }
     let windows: Vec<&[u32]> = tokens.chunks(context).filter(|w| w.len() >= 2).collect();
     if windows.is_empty() {
-        return Err(LlamaError::Invalid("not enough text to score (need at least 2 tokens)".into()).into());
+        return Err(LlamaError::Invalid(
+            "not enough text to score (need at least 2 tokens)".into(),
+        )
+        .into());
     }
     let batch = batch.max(1);
-    let dtype = model.embed(&Tensor::new(&[0u32], device)?.unsqueeze(0)?)?.dtype();
+    let dtype = model
+        .embed(&Tensor::new(&[0u32], device)?.unsqueeze(0)?)?
+        .dtype();
     let mut cache = Cache::new(false, dtype, model.config(), device)?;
     let mut nll = 0f64;
     let mut scored = 0usize;
     let mut done = 0;
     // Full windows go in batches; a shorter last window runs alone.
     let groups: Vec<Vec<&[u32]>> = {
-        let (full, short): (Vec<&[u32]>, Vec<&[u32]>) = windows.iter().partition(|w| w.len() == context);
+        let (full, short): (Vec<&[u32]>, Vec<&[u32]>) =
+            windows.iter().partition(|w| w.len() == context);
         let mut g: Vec<Vec<&[u32]>> = full.chunks(batch).map(|c| c.to_vec()).collect();
         g.extend(short.into_iter().map(|w| vec![w]));
         g
@@ -58,7 +67,8 @@ pub fn perplexity(
         let flat: Vec<u32> = group.iter().flat_map(|w| w.iter().copied()).collect();
         let x = Tensor::from_vec(flat, (group.len(), t), device)?;
         let logits = model.forward_all(&x, 0, &mut cache)?; // [b, t, V] f32
-        let logp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?.contiguous()?;
+        let logp =
+            candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?.contiguous()?;
         let targets = x.narrow(1, 1, t - 1)?.unsqueeze(2)?.contiguous()?;
         let picked = logp.gather(&targets, 2)?.to_dtype(DType::F64)?;
         nll -= picked.sum_all()?.to_scalar::<f64>()?;

@@ -21,7 +21,10 @@ fn tok_err(e: impl std::fmt::Display) -> candle_core::Error {
 
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
     if !path.exists() {
-        return err(LlamaError::NotFound(format!("{} (every checkpoint needs a tokenizer.json)", path.display())));
+        return err(LlamaError::NotFound(format!(
+            "{} (every checkpoint needs a tokenizer.json)",
+            path.display()
+        )));
     }
     Tokenizer::from_file(path).map_err(|e| {
         LlamaError::BadFile {
@@ -53,10 +56,15 @@ fn as_i64(v: &gguf_file::Value) -> Option<i64> {
 pub fn tokenizer_from_gguf(content: &gguf_file::Content) -> Result<Tokenizer> {
     let model = meta(content, "tokenizer.ggml.model")?.to_string()?;
     if model != "gpt2" {
-        return err(LlamaError::Unsupported(format!("GGUF tokenizer model '{model}' (only byte-level BPE 'gpt2')")));
+        return err(LlamaError::Unsupported(format!(
+            "GGUF tokenizer model '{model}' (only byte-level BPE 'gpt2')"
+        )));
     }
     let tokens = meta(content, "tokenizer.ggml.tokens")?.to_vec()?;
-    let tokens: Vec<String> = tokens.iter().map(|t| t.to_string().cloned()).collect::<Result<_>>()?;
+    let tokens: Vec<String> = tokens
+        .iter()
+        .map(|t| t.to_string().cloned())
+        .collect::<Result<_>>()?;
     let merges = meta(content, "tokenizer.ggml.merges")?.to_vec()?;
     let merges: Vec<(String, String)> = merges
         .iter()
@@ -72,13 +80,20 @@ pub fn tokenizer_from_gguf(content: &gguf_file::Content) -> Result<Tokenizer> {
         Some(v) => v.to_vec()?.iter().map(|t| as_i64(t).unwrap_or(1)).collect(),
         None => vec![1; tokens.len()],
     };
-    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
     let bpe = tokenizers::models::bpe::BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
         .map_err(tok_err)?;
     let mut tokenizer = Tokenizer::new(bpe);
-    let pre = Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]);
+    let pre = Sequence::new(vec![
+        Digits::new(true).into(),
+        ByteLevel::new(false, true, true).into(),
+    ]);
     tokenizer.with_pre_tokenizer(Some(pre));
     tokenizer.with_decoder(Some(ByteLevel::new(false, true, true)));
     let specials: Vec<AddedToken> = tokens
@@ -103,17 +118,21 @@ impl ChatFormat {
     pub fn from_template(template: &str) -> Result<Self> {
         if !template.contains("<|im_start|>") {
             return err(LlamaError::Unsupported(
-                "chat template: only ChatML (<|im_start|> ... <|im_end|>) templates are supported".into(),
+                "chat template: only ChatML (<|im_start|> ... <|im_end|>) templates are supported"
+                    .into(),
             ));
         }
         // SmolLM2's template inserts a default system message when none is given.
         // Templates spell the newline either as a character or as a `\n` escape.
-        let default_system = ["<|im_start|>system\n", "<|im_start|>system\\n"].iter().find_map(|head| {
-            let at = template.find(head)?;
-            let rest = &template[at + head.len()..];
-            rest.find("<|im_end|>").map(|end| rest[..end].to_string())
-        });
-        let default_system = default_system.filter(|s| !s.contains("{{") && !s.contains("{%") && !s.is_empty());
+        let default_system = ["<|im_start|>system\n", "<|im_start|>system\\n"]
+            .iter()
+            .find_map(|head| {
+                let at = template.find(head)?;
+                let rest = &template[at + head.len()..];
+                rest.find("<|im_end|>").map(|end| rest[..end].to_string())
+            });
+        let default_system =
+            default_system.filter(|s| !s.contains("{{") && !s.contains("{%") && !s.is_empty());
         Ok(Self::ChatMl { default_system })
     }
 
@@ -125,7 +144,9 @@ impl ChatFormat {
                 if let Some(sys) = system.or(default_system.as_deref()) {
                     s.push_str(&format!("<|im_start|>system\n{sys}<|im_end|>\n"));
                 }
-                s.push_str(&format!("<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"));
+                s.push_str(&format!(
+                    "<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+                ));
                 s
             }
         }

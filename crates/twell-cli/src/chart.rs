@@ -11,7 +11,10 @@ use crate::bench::mlp::MlpRow;
 pub fn speedup_vs_density(path: &Path, rows: &[MlpRow]) -> Result<()> {
     let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
-    let max_density = rows.iter().map(|r| r.target_density * 100.0).fold(0.1, f64::max);
+    let max_density = rows
+        .iter()
+        .map(|r| r.target_density * 100.0)
+        .fold(0.1, f64::max);
     let max_speedup = rows.iter().map(|r| r.speedup).fold(1.5, f64::max) * 1.1;
     let mut chart = ChartBuilder::on(&root)
         .caption("TwELL sparse MLP: speed-up over dense", ("sans-serif", 22))
@@ -26,7 +29,8 @@ pub fn speedup_vs_density(path: &Path, rows: &[MlpRow]) -> Result<()> {
         .y_desc("dense time / sparse time")
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
-    let mut keys: Vec<(usize, usize, usize)> = rows.iter().map(|r| (r.hidden, r.ffn, r.tokens)).collect();
+    let mut keys: Vec<(usize, usize, usize)> =
+        rows.iter().map(|r| (r.hidden, r.ffn, r.tokens)).collect();
     keys.dedup();
     keys.sort();
     keys.dedup();
@@ -42,13 +46,18 @@ pub fn speedup_vs_density(path: &Path, rows: &[MlpRow]) -> Result<()> {
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
             .map_err(|e| anyhow!("{e}"))?
             .label(format!("{}x{} M={}", key.0, key.1, key.2))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
         chart
             .draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled())))
             .map_err(|e| anyhow!("{e}"))?;
     }
     chart
-        .draw_series(LineSeries::new(vec![(0.0, 1.0), (max_density * 1.05, 1.0)], BLACK.stroke_width(1)))
+        .draw_series(LineSeries::new(
+            vec![(0.0, 1.0), (max_density * 1.05, 1.0)],
+            BLACK.stroke_width(1),
+        ))
         .map_err(|e| anyhow!("{e}"))?;
     chart
         .configure_series_labels()

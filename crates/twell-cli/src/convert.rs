@@ -26,8 +26,20 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
     };
     let cfg = ck.runtime_config(&opts)?;
     let tensors = ck.tensors(dtype, &Device::Cpu)?;
-    save_hf(&args.out, &tensors, &cfg, &ck.tokenizer, ck.chat_template.as_deref(), dtype)
-        .with_context(|| format!("writing {}", args.out.display()))?;
-    eprintln!("wrote {} ({} tensors, {:?})", args.out.display(), tensors.len(), dtype);
+    save_hf(
+        &args.out,
+        &tensors,
+        &cfg,
+        &ck.tokenizer,
+        ck.chat_template.as_deref(),
+        dtype,
+    )
+    .with_context(|| format!("writing {}", args.out.display()))?;
+    eprintln!(
+        "wrote {} ({} tensors, {:?})",
+        args.out.display(),
+        tensors.len(),
+        dtype
+    );
     Ok(())
 }

@@ -66,11 +66,16 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     model.record_ffn_stats(relu);
 
     let text = if args.chat {
-        ck.chat_format()?.prompt(args.system.as_deref(), &args.prompt)
+        ck.chat_format()?
+            .prompt(args.system.as_deref(), &args.prompt)
     } else {
         args.prompt.clone()
     };
-    let enc = ck.tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg).context("tokenizing the prompt")?;
+    let enc = ck
+        .tokenizer
+        .encode(text.as_str(), false)
+        .map_err(anyhow::Error::msg)
+        .context("tokenizing the prompt")?;
     let prompt = enc.get_ids().to_vec();
     let mut eos = model.config().eos_ids();
     if args.chat {
@@ -91,10 +96,18 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         print!("{}", args.prompt);
     }
     let mut stdout = std::io::stdout();
-    let (_, stats) = generate(&model, &ck.tokenizer, &prompt, &eos, &cfg, &device, |piece| {
-        print!("{piece}");
-        let _ = stdout.flush();
-    })?;
+    let (_, stats) = generate(
+        &model,
+        &ck.tokenizer,
+        &prompt,
+        &eos,
+        &cfg,
+        &device,
+        |piece| {
+            print!("{piece}");
+            let _ = stdout.flush();
+        },
+    )?;
     println!();
     eprintln!(
         "prompt {} tokens, {:.1} tokens/s | generated {} tokens, {:.1} tokens/s{} | ffn {:?} on {:?} {:?}",
@@ -111,7 +124,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         dtype,
     );
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&stats)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_string_pretty(&stats)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }

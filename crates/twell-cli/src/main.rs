@@ -11,7 +11,11 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "twell", version, about = "Sparse (TwELL) feed-forward layers for Candle Llama models")]
+#[command(
+    name = "twell",
+    version,
+    about = "Sparse (TwELL) feed-forward layers for Candle Llama models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -14,7 +14,9 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// The data directory: `$TWELL_DATA`, else `./data`.
 pub fn data_dir() -> PathBuf {
-    std::env::var_os("TWELL_DATA").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("data"))
+    std::env::var_os("TWELL_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("data"))
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -68,7 +70,10 @@ impl ModelArgs {
     }
 
     pub fn load_options(&self) -> Result<LoadOptions> {
-        let ffn_mode: FfnMode = self.ffn.parse().map_err(|e| anyhow::anyhow!("--ffn: {e}"))?;
+        let ffn_mode: FfnMode = self
+            .ffn
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--ffn: {e}"))?;
         Ok(LoadOptions {
             activation: self.relu.then_some(Activation::Relu),
             ffn_mode: Some(ffn_mode),

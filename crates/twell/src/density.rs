@@ -24,12 +24,23 @@ pub struct MlpWeights {
 pub const WEIGHT_STD: f64 = 0.02;
 
 /// Weights whose gate fires with probability `density` on [`synthetic_input`]s.
-pub fn synthetic_mlp(hidden: usize, ffn: usize, density: f64, dtype: DType, device: &Device, seed: u64) -> Result<MlpWeights> {
+pub fn synthetic_mlp(
+    hidden: usize,
+    ffn: usize,
+    density: f64,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+) -> Result<MlpWeights> {
     if !(density > 0.0 && density < 1.0) {
-        return err(TwellError::Invalid(format!("density must be in (0, 1), got {density}")));
+        return err(TwellError::Invalid(format!(
+            "density must be in (0, 1), got {density}"
+        )));
     }
     if hidden < 2 || ffn == 0 {
-        return err(TwellError::Invalid(format!("need hidden >= 2 and ffn >= 1, got {hidden} and {ffn}")));
+        return err(TwellError::Invalid(format!(
+            "need hidden >= 2 and ffn >= 1, got {hidden} and {ffn}"
+        )));
     }
     let mut rng = StdRng::seed_from_u64(seed);
     let bias = -inverse_normal_cdf(1.0 - density) * WEIGHT_STD * ((hidden - 1) as f64).sqrt();
@@ -40,7 +51,9 @@ pub fn synthetic_mlp(hidden: usize, ffn: usize, density: f64, dtype: DType, devi
     let up = gaussian(&mut rng, ffn * hidden, WEIGHT_STD);
     let down = gaussian(&mut rng, hidden * ffn, WEIGHT_STD);
     let make = |v: Vec<f32>, shape: (usize, usize)| -> Result<Tensor> {
-        Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(device)
+        Tensor::from_vec(v, shape, &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)
     };
     Ok(MlpWeights {
         gate: make(gate, (ffn, hidden))?,
@@ -50,13 +63,21 @@ pub fn synthetic_mlp(hidden: usize, ffn: usize, density: f64, dtype: DType, devi
 }
 
 /// Inputs `[rows, hidden]`: column 0 is the constant feature 1, the rest `N(0, 1)`.
-pub fn synthetic_input(rows: usize, hidden: usize, dtype: DType, device: &Device, seed: u64) -> Result<Tensor> {
+pub fn synthetic_input(
+    rows: usize,
+    hidden: usize,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+) -> Result<Tensor> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut x = gaussian(&mut rng, rows * hidden, 1.0);
     for r in 0..rows {
         x[r * hidden] = 1.0;
     }
-    Tensor::from_vec(x, (rows, hidden), &Device::Cpu)?.to_dtype(dtype)?.to_device(device)
+    Tensor::from_vec(x, (rows, hidden), &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)
 }
 
 /// `n` samples of `N(0, std²)` (Box–Muller), reproducible from the rng's seed.
@@ -100,7 +121,12 @@ pub fn inverse_normal_cdf(p: f64) -> f64 {
         4.374664141464968,
         2.938163982698783,
     ];
-    const D: [f64; 4] = [7.784695709041462e-3, 3.224671290700398e-1, 2.445134137142996, 3.754408661907416];
+    const D: [f64; 4] = [
+        7.784695709041462e-3,
+        3.224671290700398e-1,
+        2.445134137142996,
+        3.754408661907416,
+    ];
     const P_LOW: f64 = 0.02425;
     if p <= 0.0 {
         return f64::NEG_INFINITY;

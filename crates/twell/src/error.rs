@@ -23,7 +23,11 @@ pub enum TwellError {
     #[error("{what}: unsupported dtype {dtype:?} (TwELL values are f32, bf16 or f16)")]
     BadDtype { what: &'static str, dtype: DType },
     #[error("{what}: dtypes differ ({a:?} vs {b:?}); convert the inputs to one dtype first")]
-    DtypeMismatch { what: &'static str, a: DType, b: DType },
+    DtypeMismatch {
+        what: &'static str,
+        a: DType,
+        b: DType,
+    },
     #[error("{what}: inputs live on different devices")]
     DeviceMismatch { what: &'static str },
     #[error("{what}: empty dimension in shape {shape:?}")]

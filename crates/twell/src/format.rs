@@ -226,7 +226,8 @@ impl<T: Float> PackBuilder<T> {
         let (c0, i0) = (self.counts.len(), self.indices.len());
         self.counts.resize(c0 + rows * n_tiles, 0);
         self.indices.resize(i0 + rows * row_slots, 0);
-        self.slot_values.resize(i0 + rows * row_slots, T::from_f32(0.0));
+        self.slot_values
+            .resize(i0 + rows * row_slots, T::from_f32(0.0));
 
         let overflow_per_row: Vec<Vec<(u32, Vec<T>)>> = self.counts[c0..]
             .par_chunks_mut(n_tiles.max(1))
@@ -236,11 +237,11 @@ impl<T: Float> PackBuilder<T> {
             .map(|(r, ((row_counts, row_indices), row_values))| {
                 let row = &src[r * cols..(r + 1) * cols];
                 let mut overflow = Vec::new();
-                for t in 0..n_tiles {
+                for (t, count) in row_counts.iter_mut().enumerate() {
                     let lo = t * tile;
                     let seg = &row[lo..(lo + tile).min(cols)];
                     let nnz = seg.iter().filter(|v| v.to_f32() > 0.0).count();
-                    row_counts[t] = nnz as u16;
+                    *count = nnz as u16;
                     if nnz <= cap {
                         let mut s = t * cap;
                         for (c, v) in seg.iter().enumerate() {
@@ -303,12 +304,19 @@ pub fn unpack_rows<T: Float>(pattern: &TwellPattern, values: &[T]) -> Vec<f32> {
 }
 
 /// Checks that `rows x cols` fits the 32-bit offsets the GPU kernels use.
-pub(crate) fn check_size(what: &'static str, rows: usize, cols: usize, config: TwellConfig) -> Result<()> {
+pub(crate) fn check_size(
+    what: &'static str,
+    rows: usize,
+    cols: usize,
+    config: TwellConfig,
+) -> Result<()> {
     let slots = rows
         .checked_mul(config.n_tiles(cols))
         .and_then(|v| v.checked_mul(config.capacity()));
     match slots {
-        Some(s) if s < u32::MAX as usize && rows < u32::MAX as usize && cols < u32::MAX as usize => {
+        Some(s)
+            if s < u32::MAX as usize && rows < u32::MAX as usize && cols < u32::MAX as usize =>
+        {
             Ok(())
         }
         _ => err(TwellError::TooLarge { what, rows, cols }),
@@ -465,7 +473,11 @@ pub fn stats_of<T: Float>(pattern: &TwellPattern, values: &[T]) -> TwellStats {
         rows: pattern.rows,
         cols: pattern.cols,
         nnz,
-        density: if total == 0 { 0.0 } else { nnz as f64 / total as f64 },
+        density: if total == 0 {
+            0.0
+        } else {
+            nnz as f64 / total as f64
+        },
         l0_per_row,
         max_per_tile: pattern.counts.iter().copied().max().unwrap_or(0) as usize,
         capacity: pattern.config.capacity(),

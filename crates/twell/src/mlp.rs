@@ -32,7 +32,9 @@ impl std::str::FromStr for FfnMode {
             "dense" => Ok(Self::Dense),
             "sparse" => Ok(Self::Sparse),
             "auto" => Ok(Self::Auto),
-            other => Err(TwellError::Invalid(format!("unknown FFN mode '{other}' (want dense, sparse or auto)"))),
+            other => Err(TwellError::Invalid(format!(
+                "unknown FFN mode '{other}' (want dense, sparse or auto)"
+            ))),
         }
     }
 }
@@ -52,7 +54,9 @@ impl Activation {
         match name {
             "silu" | "swish" => Ok(Self::Silu),
             "relu" => Ok(Self::Relu),
-            other => err(TwellError::Invalid(format!("unsupported hidden_act '{other}' (want silu or relu)"))),
+            other => err(TwellError::Invalid(format!(
+                "unsupported hidden_act '{other}' (want silu or relu)"
+            ))),
         }
     }
 
@@ -99,7 +103,11 @@ impl MlpStats {
     fn from_pattern(p: &TwellPattern) -> Self {
         let counts = p.counts();
         let nnz: usize = counts.iter().map(|&c| c as usize).sum();
-        let overflow_rows = p.overflow_row_ptr().windows(2).filter(|w| w[1] > w[0]).count();
+        let overflow_rows = p
+            .overflow_row_ptr()
+            .windows(2)
+            .filter(|w| w[1] > w[0])
+            .count();
         Self {
             tokens: p.rows(),
             ffn: p.cols(),
@@ -165,14 +173,22 @@ impl std::fmt::Debug for SparseMlp {
 
 impl SparseMlp {
     /// From HF-layout weights `gate [f, d]`, `up [f, d]`, `down [d, f]`.
-    pub fn new(gate: Tensor, up: Tensor, down: Tensor, activation: Activation, mode: FfnMode) -> Result<Self> {
+    pub fn new(
+        gate: Tensor,
+        up: Tensor,
+        down: Tensor,
+        activation: Activation,
+        mode: FfnMode,
+    ) -> Result<Self> {
         let (f, d) = crate::ops::matrix_dims("gate_proj", &gate)?;
         for (name, t, want) in [("up_proj", &up, (f, d)), ("down_proj", &down, (d, f))] {
             let got = crate::ops::matrix_dims(name, t)?;
             if got != want {
                 return err(TwellError::ShapeMismatch {
                     what: "SparseMlp",
-                    detail: format!("{name} is {got:?}, expected {want:?} for gate_proj [{f}, {d}]"),
+                    detail: format!(
+                        "{name} is {got:?}, expected {want:?} for gate_proj [{f}, {d}]"
+                    ),
                 });
             }
             crate::ops::same_dtype_and_device("SparseMlp", &gate, t)?;
@@ -196,7 +212,13 @@ impl SparseMlp {
     }
 
     /// Loads `gate_proj`, `up_proj`, `down_proj` from a VarBuilder (HF names).
-    pub fn load(vb: VarBuilder, hidden: usize, ffn: usize, activation: Activation, mode: FfnMode) -> Result<Self> {
+    pub fn load(
+        vb: VarBuilder,
+        hidden: usize,
+        ffn: usize,
+        activation: Activation,
+        mode: FfnMode,
+    ) -> Result<Self> {
         let gate = vb.pp("gate_proj").get((ffn, hidden), "weight")?;
         let up = vb.pp("up_proj").get((ffn, hidden), "weight")?;
         let down = vb.pp("down_proj").get((hidden, ffn), "weight")?;
@@ -266,7 +288,11 @@ impl SparseMlp {
     /// The neuron-major `[f, 2d]` up/down matrix: rebuilt (differentiably) when the
     /// weights are trainable variables, built once otherwise.
     fn up_down(&self) -> Result<Tensor> {
-        if self.up.is_variable() || self.down.is_variable() || self.up.track_op() || self.down.track_op() {
+        if self.up.is_variable()
+            || self.down.is_variable()
+            || self.up.track_op()
+            || self.down.track_op()
+        {
             return up_down_matrix(&self.up, &self.down);
         }
         if let Some(w) = self.up_down.get() {
@@ -314,7 +340,11 @@ impl SparseMlp {
             let gate = x2.matmul(&self.gate.t()?)?;
             let h = (self.activation.apply(&gate)? * x2.matmul(&self.up.t()?)?)?;
             let out = h.matmul(&self.down.t()?)?;
-            let l1 = if want_l1 { Some(h.abs()?.sum(D::Minus1)?) } else { None };
+            let l1 = if want_l1 {
+                Some(h.abs()?.sum(D::Minus1)?)
+            } else {
+                None
+            };
             if self.mode == FfnMode::Auto || self.record_stats {
                 let stats = MlpStats::from_dense(&h.detach())?;
                 *self.last_density.lock().expect("density lock") = Some(stats.density);

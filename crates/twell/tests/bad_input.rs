@@ -1,7 +1,10 @@
 //! Bad input gets a clear error, never a panic or a silent wrong answer.
 
 use candle_core::{DType, Device, Tensor};
-use twell::{gate_pack, gated_t2d, twell_mlp, up_down_matrix, Activation, FfnMode, SparseMlp, Twell, TwellConfig};
+use twell::{
+    gate_pack, gated_t2d, twell_mlp, up_down_matrix, Activation, FfnMode, SparseMlp, Twell,
+    TwellConfig,
+};
 
 fn t(shape: &[usize], dtype: DType) -> Tensor {
     Tensor::ones(shape, dtype, &Device::Cpu).unwrap()
@@ -32,11 +35,32 @@ fn ops_reject_mismatched_shapes() {
     let cfg = TwellConfig::default();
     let x = t(&[3, 8], DType::F32);
     assert!(msg(gate_pack(&x, &t(&[16, 9], DType::F32), cfg)).contains("shape mismatch"));
-    assert!(msg(twell_mlp(&x, &t(&[16, 8], DType::F32), &t(&[16, 8], DType::F32), cfg)).contains("w_ud"));
-    assert!(msg(twell_mlp(&x, &t(&[16, 8], DType::F32), &t(&[15, 16], DType::F32), cfg)).contains("shape mismatch"));
-    assert!(msg(up_down_matrix(&t(&[16, 8], DType::F32), &t(&[16, 8], DType::F32))).contains("down_proj"));
+    assert!(msg(twell_mlp(
+        &x,
+        &t(&[16, 8], DType::F32),
+        &t(&[16, 8], DType::F32),
+        cfg
+    ))
+    .contains("w_ud"));
+    assert!(msg(twell_mlp(
+        &x,
+        &t(&[16, 8], DType::F32),
+        &t(&[15, 16], DType::F32),
+        cfg
+    ))
+    .contains("shape mismatch"));
+    assert!(msg(up_down_matrix(
+        &t(&[16, 8], DType::F32),
+        &t(&[16, 8], DType::F32)
+    ))
+    .contains("down_proj"));
     let gate = gate_pack(&x, &t(&[16, 8], DType::F32), cfg).unwrap();
-    assert!(msg(gated_t2d(&gate, &t(&[4, 8], DType::F32), &t(&[16, 16], DType::F32))).contains("rows"));
+    assert!(msg(gated_t2d(
+        &gate,
+        &t(&[4, 8], DType::F32),
+        &t(&[16, 16], DType::F32)
+    ))
+    .contains("rows"));
     assert!(msg(gated_t2d(&gate, &x, &t(&[17, 16], DType::F32))).contains("neurons"));
 }
 
@@ -45,17 +69,51 @@ fn ops_reject_mixed_dtypes_empty_and_bad_dtypes() {
     let cfg = TwellConfig::default();
     let x = t(&[3, 8], DType::F32);
     assert!(msg(gate_pack(&x, &t(&[16, 8], DType::BF16), cfg)).contains("dtypes differ"));
-    assert!(msg(gate_pack(&t(&[0, 8], DType::F32), &t(&[16, 8], DType::F32), cfg)).contains("empty"));
-    assert!(msg(gate_pack(&t(&[3, 8], DType::U8), &t(&[16, 8], DType::U8), cfg)).contains("unsupported dtype"));
-    assert!(msg(twell_mlp(&t(&[3], DType::F32), &t(&[16, 8], DType::F32), &t(&[16, 16], DType::F32), cfg)).contains("rank-2"));
+    assert!(msg(gate_pack(
+        &t(&[0, 8], DType::F32),
+        &t(&[16, 8], DType::F32),
+        cfg
+    ))
+    .contains("empty"));
+    assert!(msg(gate_pack(
+        &t(&[3, 8], DType::U8),
+        &t(&[16, 8], DType::U8),
+        cfg
+    ))
+    .contains("unsupported dtype"));
+    assert!(msg(twell_mlp(
+        &t(&[3], DType::F32),
+        &t(&[16, 8], DType::F32),
+        &t(&[16, 16], DType::F32),
+        cfg
+    ))
+    .contains("rank-2"));
 }
 
 #[test]
 fn sparse_mlp_rejects_silu_sparse_and_wrong_shapes() {
-    let (g, u, dn) = (t(&[16, 8], DType::F32), t(&[16, 8], DType::F32), t(&[8, 16], DType::F32));
-    let e = SparseMlp::new(g.clone(), u.clone(), dn.clone(), Activation::Silu, FfnMode::Sparse).unwrap_err();
+    let (g, u, dn) = (
+        t(&[16, 8], DType::F32),
+        t(&[16, 8], DType::F32),
+        t(&[8, 16], DType::F32),
+    );
+    let e = SparseMlp::new(
+        g.clone(),
+        u.clone(),
+        dn.clone(),
+        Activation::Silu,
+        FfnMode::Sparse,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("ReLU"));
-    let e = SparseMlp::new(g.clone(), u.clone(), t(&[16, 8], DType::F32), Activation::Relu, FfnMode::Sparse).unwrap_err();
+    let e = SparseMlp::new(
+        g.clone(),
+        u.clone(),
+        t(&[16, 8], DType::F32),
+        Activation::Relu,
+        FfnMode::Sparse,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("down_proj"));
     let mlp = SparseMlp::new(g, u, dn, Activation::Relu, FfnMode::Sparse).unwrap();
     assert!(msg(candle_core::Module::forward(&mlp, &t(&[2, 9], DType::F32))).contains("expects 8"));

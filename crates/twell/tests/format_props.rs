@@ -7,10 +7,14 @@ use twell::{Twell, TwellConfig};
 
 /// A dense matrix where each entry is positive with probability `density`.
 fn matrix(rows: usize, cols: usize, density: f64, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..rows * cols)
         .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let u = (state >> 11) as f64 / (1u64 << 53) as f64;
             let mag = 0.01 + ((state >> 3) % 1000) as f32 / 100.0;
             if u < density {
@@ -90,7 +94,10 @@ fn a_full_tile_overflows_into_the_fallback_and_is_kept() {
     assert_eq!(stats.overflow_tiles, 9); // 3 rows x 3 tiles (32 + 32 + 6 columns)
     assert_eq!(stats.overflow_rows, 3);
     assert_eq!(stats.nnz, 210);
-    assert_eq!(packed.to_dense().unwrap().to_vec2::<f32>().unwrap(), h.to_vec2::<f32>().unwrap());
+    assert_eq!(
+        packed.to_dense().unwrap().to_vec2::<f32>().unwrap(),
+        h.to_vec2::<f32>().unwrap()
+    );
 }
 
 #[test]

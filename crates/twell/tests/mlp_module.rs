@@ -15,8 +15,20 @@ use twell::{Activation, FfnMode, SparseMlp};
 fn sparse_and_auto_equal_dense_for_relu_and_batched_input() {
     let dev = Device::Cpu;
     let w = synthetic_mlp(64, 384, 0.02, DType::F32, &dev, 1).unwrap();
-    let x = synthetic_input(2 * 5, 64, DType::F32, &dev, 2).unwrap().reshape((2, 5, 64)).unwrap();
-    let make = |mode| SparseMlp::new(w.gate.clone(), w.up.clone(), w.down.clone(), Activation::Relu, mode).unwrap();
+    let x = synthetic_input(2 * 5, 64, DType::F32, &dev, 2)
+        .unwrap()
+        .reshape((2, 5, 64))
+        .unwrap();
+    let make = |mode| {
+        SparseMlp::new(
+            w.gate.clone(),
+            w.up.clone(),
+            w.down.clone(),
+            Activation::Relu,
+            mode,
+        )
+        .unwrap()
+    };
     let dense = make(FfnMode::Dense).forward(&x).unwrap();
     assert_eq!(dense.dims(), &[2, 5, 64]);
     for mode in [FfnMode::Sparse, FfnMode::Auto] {
@@ -43,8 +55,16 @@ fn auto_goes_dense_above_break_even_and_stats_are_reported() {
     let second = mlp.last_stats().unwrap().unwrap();
     assert!(!second.sparse, "density 0.3 > break-even 0.1 goes dense");
     assert_eq!(second.fired.len(), 256);
-    assert!((second.mean_l0 - first.mean_l0).abs() < 0.02 * first.mean_l0, "{} vs {}", second.mean_l0, first.mean_l0);
-    assert_eq!(first.fired.iter().map(|&c| c as f64).sum::<f64>(), first.mean_l0 * 64.0);
+    assert!(
+        (second.mean_l0 - first.mean_l0).abs() < 0.02 * first.mean_l0,
+        "{} vs {}",
+        second.mean_l0,
+        first.mean_l0
+    );
+    assert_eq!(
+        first.fired.iter().map(|&c| c as f64).sum::<f64>(),
+        first.mean_l0 * 64.0
+    );
 }
 
 #[test]
@@ -52,7 +72,14 @@ fn silu_dense_matches_swiglu_formula() {
     let dev = Device::Cpu;
     let w = synthetic_mlp(16, 48, 0.5, DType::F32, &dev, 5).unwrap();
     let x = synthetic_input(3, 16, DType::F32, &dev, 6).unwrap();
-    let mlp = SparseMlp::new(w.gate.clone(), w.up.clone(), w.down.clone(), Activation::Silu, FfnMode::Auto).unwrap();
+    let mlp = SparseMlp::new(
+        w.gate.clone(),
+        w.up.clone(),
+        w.down.clone(),
+        Activation::Silu,
+        FfnMode::Auto,
+    )
+    .unwrap();
     let want = (candle_nn::ops::silu(&x.matmul(&w.gate.t().unwrap()).unwrap()).unwrap()
         * x.matmul(&w.up.t().unwrap()).unwrap())
     .unwrap()

@@ -47,7 +47,9 @@ fn check(case: &Case, path: Path) {
     let up32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
     let dense = Vars::new(&up32(&x), &up32(&w.gate), &up32(&w.up), &up32(&w.down)).unwrap();
     let (out_d, l1_d) = dense_reglu(&dense.x, &dense.wg, &dense.wu, &dense.wd).unwrap();
-    let grads_d = dense.grads(&probe_loss(&out_d, &l1_d, case.seed + 11).unwrap()).unwrap();
+    let grads_d = dense
+        .grads(&probe_loss(&out_d, &l1_d, case.seed + 11).unwrap())
+        .unwrap();
 
     let sparse = Vars::new(&x, &w.gate, &w.up, &w.down).unwrap();
     let w_ud = up_down_matrix(&sparse.wu, &sparse.wd).unwrap();
@@ -60,7 +62,9 @@ fn check(case: &Case, path: Path) {
     };
     assert_eq!(res.out.dims(), &[case.m, case.d]);
     assert_eq!(res.out.dtype(), case.dtype);
-    let grads_s = sparse.grads(&probe_loss(&res.out, &res.l1, case.seed + 11).unwrap()).unwrap();
+    let grads_s = sparse
+        .grads(&probe_loss(&res.out, &res.l1, case.seed + 11).unwrap())
+        .unwrap();
 
     let tol = tolerance(case.dtype);
     let ctx = format!(
@@ -71,7 +75,10 @@ fn check(case: &Case, path: Path) {
     assert!(e_out < tol, "{ctx}: out rel err {e_out}");
     let e_l1 = rel_l2(&res.l1, &l1_d).unwrap();
     assert!(e_l1 < tol, "{ctx}: l1 rel err {e_l1}");
-    for (name, (gs, gd)) in ["dx", "dWg", "dWu", "dWd"].iter().zip(grads_s.iter().zip(&grads_d)) {
+    for (name, (gs, gd)) in ["dx", "dWg", "dWu", "dWd"]
+        .iter()
+        .zip(grads_s.iter().zip(&grads_d))
+    {
         assert_eq!(gs.dims(), gd.dims(), "{ctx}: {name} shape");
         let e = rel_l2(gs, gd).unwrap();
         assert!(e < tol * 2.0, "{ctx}: {name} rel err {e}");
@@ -83,7 +90,15 @@ fn single_token_f32_and_bf16() {
     for dtype in [DType::F32, DType::BF16] {
         for path in [Path::Fused, Path::Composed] {
             check(
-                &Case { m: 1, d: 64, f: 300, density: 0.05, dtype, config: TwellConfig::default(), seed: 1 },
+                &Case {
+                    m: 1,
+                    d: 64,
+                    f: 300,
+                    density: 0.05,
+                    dtype,
+                    config: TwellConfig::default(),
+                    seed: 1,
+                },
                 path,
             );
         }
@@ -94,7 +109,15 @@ fn single_token_f32_and_bf16() {
 fn odd_token_counts_and_partial_tiles() {
     for (m, f) in [(7, 257), (33, 1000), (301, 600)] {
         for path in [Path::Fused, Path::Composed] {
-            let case = Case { m, d: 48, f, density: 0.03, dtype: DType::F32, config: TwellConfig::default(), seed: m as u64 };
+            let case = Case {
+                m,
+                d: 48,
+                f,
+                density: 0.03,
+                dtype: DType::F32,
+                config: TwellConfig::default(),
+                seed: m as u64,
+            };
             check(&case, path);
         }
     }
@@ -105,14 +128,28 @@ fn overflow_is_lossless_in_forward_and_backward() {
     // 4 slots per 32-column tile at 40% density: most tiles overflow.
     let config = TwellConfig::new(32, 8).unwrap();
     for path in [Path::Fused, Path::Composed] {
-        check(&Case { m: 50, d: 32, f: 100, density: 0.4, dtype: DType::F32, config, seed: 3 }, path);
+        check(
+            &Case {
+                m: 50,
+                d: 32,
+                f: 100,
+                density: 0.4,
+                dtype: DType::F32,
+                config,
+                seed: 3,
+            },
+            path,
+        );
     }
     // And the fallback is reported.
     let w = synthetic_mlp(32, 100, 0.4, DType::F32, &Device::Cpu, 3).unwrap();
     let x = synthetic_input(50, 32, DType::F32, &Device::Cpu, 4).unwrap();
     let gate = gate_pack(&x, &w.gate, config).unwrap();
     let stats = gate.stats().unwrap();
-    assert!(stats.overflow_tiles > 0 && stats.overflow_rows > 0, "{stats:?}");
+    assert!(
+        stats.overflow_tiles > 0 && stats.overflow_rows > 0,
+        "{stats:?}"
+    );
 }
 
 #[test]
@@ -131,7 +168,15 @@ fn many_tokens_past_65536() {
 
 #[test]
 fn half_precision_dense_and_fused_agree() {
-    let case = Case { m: 40, d: 64, f: 512, density: 0.1, dtype: DType::F16, config: TwellConfig::default(), seed: 9 };
+    let case = Case {
+        m: 40,
+        d: 64,
+        f: 512,
+        density: 0.1,
+        dtype: DType::F16,
+        config: TwellConfig::default(),
+        seed: 9,
+    };
     check(&case, Path::Fused);
 }
 
@@ -140,11 +185,27 @@ fn l1_equals_sum_of_packed_h() {
     // The fused op's L1 column is Σ|h| of the dense h.
     let w = synthetic_mlp(24, 200, 0.08, DType::F32, &Device::Cpu, 2).unwrap();
     let x = synthetic_input(19, 24, DType::F32, &Device::Cpu, 3).unwrap();
-    let res = twell_mlp(&x, &w.gate, &up_down_matrix(&w.up, &w.down).unwrap(), TwellConfig::default()).unwrap();
-    let h = (x.matmul(&w.gate.t().unwrap()).unwrap().relu().unwrap() * x.matmul(&w.up.t().unwrap()).unwrap()).unwrap();
+    let res = twell_mlp(
+        &x,
+        &w.gate,
+        &up_down_matrix(&w.up, &w.down).unwrap(),
+        TwellConfig::default(),
+    )
+    .unwrap();
+    let h = (x.matmul(&w.gate.t().unwrap()).unwrap().relu().unwrap()
+        * x.matmul(&w.up.t().unwrap()).unwrap())
+    .unwrap();
     let want = h.abs().unwrap().sum(1).unwrap();
     assert!(rel_l2(&res.l1, &want).unwrap() < 1e-5);
-    let nnz = h.ne(0f32).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as usize;
+    let nnz = h
+        .ne(0f32)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap() as usize;
     let counted: usize = res.pattern.counts().iter().map(|&c| c as usize).sum();
     assert_eq!(counted, nnz);
 }

@@ -77,9 +77,17 @@ pub struct MlpReport {
 }
 
 pub fn parse_shape(s: &str) -> Result<(usize, usize)> {
-    let (h, f) = s.split_once('x').with_context(|| format!("shape '{s}' is not HIDDENxFFN"))?;
-    let hidden: usize = h.trim().parse().with_context(|| format!("bad hidden size in '{s}'"))?;
-    let ffn: usize = f.trim().parse().with_context(|| format!("bad d_ff in '{s}'"))?;
+    let (h, f) = s
+        .split_once('x')
+        .with_context(|| format!("shape '{s}' is not HIDDENxFFN"))?;
+    let hidden: usize = h
+        .trim()
+        .parse()
+        .with_context(|| format!("bad hidden size in '{s}'"))?;
+    let ffn: usize = f
+        .trim()
+        .parse()
+        .with_context(|| format!("bad d_ff in '{s}'"))?;
     if hidden < 2 || ffn == 0 {
         bail!("shape '{s}': need hidden >= 2 and d_ff >= 1");
     }
@@ -110,7 +118,11 @@ impl DenseMlp {
 pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
     let device = args.device.device()?;
     let dtype = parse_dtype(&args.dtype)?;
-    let shapes = args.shape.iter().map(|s| parse_shape(s)).collect::<Result<Vec<_>>>()?;
+    let shapes = args
+        .shape
+        .iter()
+        .map(|s| parse_shape(s))
+        .collect::<Result<Vec<_>>>()?;
     for &d in &args.density {
         if !(d > 0.0 && d < 1.0) {
             bail!("--density {d}: each density must be in (0, 1)");
@@ -122,10 +134,15 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
     if args.reps == 0 || args.weight_sets == 0 {
         bail!("--reps and --weight-sets must be at least 1");
     }
-    let host_bw = if device.is_cpu() { host_read_bandwidth() } else { f64::NAN };
+    let host_bw = if device.is_cpu() {
+        host_read_bandwidth()
+    } else {
+        f64::NAN
+    };
     let total = shapes.len() * args.density.len() * args.tokens.len();
     let bar = ProgressBar::new(total as u64).with_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("static progress template"),
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .expect("static progress template"),
     );
     let mut rows = Vec::new();
     for &(hidden, ffn) in &shapes {
@@ -133,7 +150,13 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
             let sets: Vec<(DenseMlp, SparseMlp)> = (0..args.weight_sets)
                 .map(|k| {
                     let w = synthetic_mlp(hidden, ffn, density, dtype, &device, 1000 + k as u64)?;
-                    let sparse = SparseMlp::new(w.gate.clone(), w.up.clone(), w.down.clone(), Activation::Relu, FfnMode::Sparse)?;
+                    let sparse = SparseMlp::new(
+                        w.gate.clone(),
+                        w.up.clone(),
+                        w.down.clone(),
+                        Activation::Relu,
+                        FfnMode::Sparse,
+                    )?;
                     Ok((DenseMlp::new(&w), sparse))
                 })
                 .collect::<candle_core::Result<_>>()?;
@@ -158,7 +181,12 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     std::hint::black_box(sets[round % sets.len()].1.forward(&x)?);
                     Ok(())
                 };
-                let t = interleaved_medians(&device, args.warmup, args.reps, &mut [&mut dense_run, &mut sparse_run])?;
+                let t = interleaved_medians(
+                    &device,
+                    args.warmup,
+                    args.reps,
+                    &mut [&mut dense_run, &mut sparse_run],
+                )?;
                 let elem = dtype.size_in_bytes() as f64;
                 let dense_bytes = 3.0 * (hidden * ffn) as f64 * elem;
                 let sparse_bytes = ((hidden * ffn) + union * 2 * hidden) as f64 * elem;
@@ -189,7 +217,8 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
         rows,
     };
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(path) = &args.svg {
         crate::chart::speedup_vs_density(path, &report.rows)?;
@@ -204,7 +233,18 @@ pub fn print(report: &MlpReport) {
     );
     println!(
         "{:>6} {:>6} {:>6} {:>8} {:>8} {:>7} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9}",
-        "hidden", "d_ff", "M", "target", "density", "L0", "dense ms", "sparse ms", "speedup", "dense GB/s", "sparse GB/s", "dense GF/s"
+        "hidden",
+        "d_ff",
+        "M",
+        "target",
+        "density",
+        "L0",
+        "dense ms",
+        "sparse ms",
+        "speedup",
+        "dense GB/s",
+        "sparse GB/s",
+        "dense GF/s"
     );
     for r in &report.rows {
         println!(

@@ -82,7 +82,10 @@ fn gate_gemv(x: &[f32], m: usize, d: usize, wg: Rows<'_>, f: usize) -> Vec<f32> 
                     let w1 = wg.f32_range((j0 + jj + 1) * d, d, s1);
                     let mut i = 0;
                     while i + 4 <= m {
-                        let r = dot_2x4([w0, w1], [token(i), token(i + 1), token(i + 2), token(i + 3)]);
+                        let r = dot_2x4(
+                            [w0, w1],
+                            [token(i), token(i + 1), token(i + 2), token(i + 3)],
+                        );
                         for t in 0..4 {
                             out[jj * m + i + t] = r[2 * t];
                             out[(jj + 1) * m + i + t] = r[2 * t + 1];

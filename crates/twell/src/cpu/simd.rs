@@ -111,7 +111,11 @@ mod avx2 {
             k += 32;
         }
         while k + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(k)), _mm256_loadu_ps(pb.add(k)), acc[0]);
+            acc[0] = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(k)),
+                _mm256_loadu_ps(pb.add(k)),
+                acc[0],
+            );
             k += 8;
         }
         let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
@@ -187,12 +191,24 @@ mod tests {
     #[test]
     fn dot_2x4_matches_dot() {
         for n in [1usize, 9, 64, 2051] {
-            let rows: Vec<Vec<f32>> = (0..6).map(|r| (0..n).map(|i| ((i * 7 + r * 13) as f32 * 0.01).sin()).collect()).collect();
-            let out = dot_2x4([&rows[0], &rows[1]], [&rows[2], &rows[3], &rows[4], &rows[5]]);
+            let rows: Vec<Vec<f32>> = (0..6)
+                .map(|r| {
+                    (0..n)
+                        .map(|i| ((i * 7 + r * 13) as f32 * 0.01).sin())
+                        .collect()
+                })
+                .collect();
+            let out = dot_2x4(
+                [&rows[0], &rows[1]],
+                [&rows[2], &rows[3], &rows[4], &rows[5]],
+            );
             for t in 0..4 {
                 for c in 0..2 {
                     let want = dot(&rows[c], &rows[2 + t]);
-                    assert!((out[2 * t + c] - want).abs() < 1e-3 * (1.0 + want.abs()), "n={n}");
+                    assert!(
+                        (out[2 * t + c] - want).abs() < 1e-3 * (1.0 + want.abs()),
+                        "n={n}"
+                    );
                 }
             }
         }
@@ -204,7 +220,10 @@ mod tests {
             let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
             let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
             let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            assert!((dot(&a, &b) as f64 - want).abs() < 1e-3 * (1.0 + want.abs()), "n={n}");
+            assert!(
+                (dot(&a, &b) as f64 - want).abs() < 1e-3 * (1.0 + want.abs()),
+                "n={n}"
+            );
             let mut y = b.clone();
             axpy(0.5, &a, &mut y);
             for k in 0..n {

@@ -91,7 +91,11 @@ fn balanced_ranges(ptr: &[u32], parts: usize) -> Vec<Range<usize>> {
 }
 
 /// Splits a neuron-major `[f, width]` buffer into the rows of each range.
-fn split_rows<'a>(mut buf: &'a mut [f32], ranges: &[Range<usize>], width: usize) -> Vec<&'a mut [f32]> {
+fn split_rows<'a>(
+    mut buf: &'a mut [f32],
+    ranges: &[Range<usize>],
+    width: usize,
+) -> Vec<&'a mut [f32]> {
     let mut out = Vec::with_capacity(ranges.len());
     let mut at = 0;
     for r in ranges {
@@ -109,12 +113,23 @@ fn parts() -> usize {
 }
 
 /// The token rows of `x` for a block, as f32 (borrowed when x is f32).
-fn x_block<'a>(x: &'a Rows<'a>, rows: &Range<usize>, d: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+fn x_block<'a>(
+    x: &'a Rows<'a>,
+    rows: &Range<usize>,
+    d: usize,
+    scratch: &'a mut Vec<f32>,
+) -> &'a [f32] {
     x.f32_range(rows.start * d, rows.len() * d, scratch)
 }
 
 /// Forward: returns `[M, d + 1]` f32, each row `out_i` followed by `l1_i = Σ_j |h_ij|`.
-pub fn forward<T: Float>(pattern: &TwellPattern, g: &[T], x: Rows<'_>, w_ud: Rows<'_>, d: usize) -> Vec<f32> {
+pub fn forward<T: Float>(
+    pattern: &TwellPattern,
+    g: &[T],
+    x: Rows<'_>,
+    w_ud: Rows<'_>,
+    d: usize,
+) -> Vec<f32> {
     let m = pattern.rows();
     let width = d + 1;
     let mut out = vec![0f32; m * width];
@@ -172,6 +187,10 @@ pub struct T2dGrads {
     pub dgate: Vec<f32>,
 }
 
+/// One thread's share of a block's backward: its partial `dx` rows and the
+/// `(value position, ∂L/∂g)` pairs it found.
+type ChunkGrads = (Vec<f32>, Vec<(u32, f32)>);
+
 /// Backward of `forward`. `dout` is `[M, d + 1]`: the output gradient and, last, the
 /// gradient of each token's L1 term.
 #[allow(clippy::too_many_arguments)]
@@ -189,7 +208,11 @@ pub fn backward<T: Float>(
     let mut dx = vec![0f32; m * d];
     let mut dw_ud = vec![0f32; f * 2 * d];
     let fused = matches!(gate, GateGrad::Weights(_));
-    let mut dgate = if fused { vec![0f32; f * d] } else { vec![0f32; g.len()] };
+    let mut dgate = if fused {
+        vec![0f32; f * d]
+    } else {
+        vec![0f32; g.len()]
+    };
     let mut xs = Vec::new();
     for start in (0..m).step_by(TOKEN_BLOCK) {
         let rows = start..(start + TOKEN_BLOCK).min(m);
@@ -199,11 +222,14 @@ pub fn backward<T: Float>(
         let ranges = balanced_ranges(&blk.ptr, parts());
         let dw_parts = split_rows(&mut dw_ud, &ranges, 2 * d);
         let dwg_parts: Vec<Option<&mut [f32]>> = if fused {
-            split_rows(&mut dgate, &ranges, d).into_iter().map(Some).collect()
+            split_rows(&mut dgate, &ranges, d)
+                .into_iter()
+                .map(Some)
+                .collect()
         } else {
             ranges.iter().map(|_| None).collect()
         };
-        let results: Vec<(Vec<f32>, Vec<(u32, f32)>)> = ranges
+        let results: Vec<ChunkGrads> = ranges
             .par_iter()
             .zip(dw_parts)
             .zip(dwg_parts)

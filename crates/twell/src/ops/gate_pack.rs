@@ -4,7 +4,10 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{contiguous_2d, f32_vec, host, matrix_dims, same_dtype_and_device, shape_err, with_rows, with_values};
+use super::{
+    contiguous_2d, f32_vec, host, matrix_dims, same_dtype_and_device, shape_err, with_rows,
+    with_values,
+};
 use crate::cpu::float::{Float, Rows};
 use crate::cpu::{gate, t2d};
 use crate::format::{check_size, Twell, TwellConfig, TwellPattern};
@@ -49,7 +52,13 @@ impl CustomOp2 for GatePack {
         "twell-gate-pack"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (m, d) = contiguous_2d("x", xl)?;
         let (f, _) = contiguous_2d("gate_proj", wl)?;
         let x = Rows::new("x", xs, xl)?;
@@ -73,7 +82,13 @@ impl CustomOp2 for GatePack {
         Ok((storage, Shape::from(n)))
     }
 
-    fn bwd(&self, x: &Tensor, wg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        wg: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let pattern = self.pattern()?;
         let (m, d) = x.dims2()?;
         let f = wg.dim(0)?;
@@ -85,7 +100,9 @@ impl CustomOp2 for GatePack {
                 let candle_core::Storage::Cpu(cpu) = &*s else {
                     candle_core::bail!("host copy is not on the host")
                 };
-                Ok(with_values!(cpu, l, |g| t2d::gate_backward(&pattern, g, &dvalues, x, wg, d)))
+                Ok(with_values!(cpu, l, |g| t2d::gate_backward(
+                    &pattern, g, &dvalues, x, wg, d
+                )))
             })
         })?;
         let dx = super::tensor_from_f32(dx, &[m, d], x.dtype(), x.device())?;
@@ -101,7 +118,10 @@ pub fn gate_pack(x: &Tensor, gate_proj: &Tensor, config: TwellConfig) -> Result<
     let (m, d) = matrix_dims("x", x)?;
     let (f, d2) = matrix_dims("gate_proj", gate_proj)?;
     if d2 != d {
-        return shape_err("gate_pack", format!("x is [{m}, {d}] but gate_proj is [{f}, {d2}] (want [f, {d}])"));
+        return shape_err(
+            "gate_pack",
+            format!("x is [{m}, {d}] but gate_proj is [{f}, {d2}] (want [f, {d}])"),
+        );
     }
     same_dtype_and_device("gate_pack", x, gate_proj)?;
     check_size("gate_pack", m, f, config)?;

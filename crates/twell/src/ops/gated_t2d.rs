@@ -4,7 +4,10 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{contiguous_2d, cpu_storage, f32_vec, host, matrix_dims, same_dtype_and_device, shape_err, with_rows, with_values, MlpOutput};
+use super::{
+    contiguous_2d, cpu_storage, f32_vec, host, matrix_dims, same_dtype_and_device, shape_err,
+    with_rows, with_values, MlpOutput,
+};
 use crate::cpu::float::Rows;
 use crate::cpu::t2d::{self, GateGrad};
 use crate::format::{Twell, TwellPattern};
@@ -54,7 +57,15 @@ impl CustomOp3 for GatedT2d {
                 let candle_core::Storage::Cpu(cpu) = &*s else {
                     candle_core::bail!("host copy is not on the host")
                 };
-                Ok(with_values!(cpu, l, |g| t2d::backward(&self.pattern, g, x, w, GateGrad::Values, &dout, d)))
+                Ok(with_values!(cpu, l, |g| t2d::backward(
+                    &self.pattern,
+                    g,
+                    x,
+                    w,
+                    GateGrad::Values,
+                    &dout,
+                    d
+                )))
             })
         })?;
         let n = values.elem_count();
@@ -73,12 +84,22 @@ pub fn gated_t2d(gate: &Twell, x: &Tensor, w_ud: &Tensor) -> Result<MlpOutput> {
     let (m, d) = matrix_dims("x", x)?;
     let (f, d2) = matrix_dims("w_ud", w_ud)?;
     if d2 != 2 * d {
-        return shape_err("gated_t2d", format!("x is [{m}, {d}] so w_ud must be [f, {}], got [{f}, {d2}]", 2 * d));
+        return shape_err(
+            "gated_t2d",
+            format!(
+                "x is [{m}, {d}] so w_ud must be [f, {}], got [{f}, {d2}]",
+                2 * d
+            ),
+        );
     }
     if gate.rows() != m || gate.cols() != f {
         return shape_err(
             "gated_t2d",
-            format!("gate is {} x {} but x has {m} rows and w_ud {f} neurons", gate.rows(), gate.cols()),
+            format!(
+                "gate is {} x {} but x has {m} rows and w_ud {f} neurons",
+                gate.rows(),
+                gate.cols()
+            ),
         );
     }
     same_dtype_and_device("gated_t2d", x, w_ud)?;
@@ -87,6 +108,9 @@ pub fn gated_t2d(gate: &Twell, x: &Tensor, w_ud: &Tensor) -> Result<MlpOutput> {
     let op = GatedT2d {
         pattern: pattern.clone(),
     };
-    let joined = gate.values().contiguous()?.apply_op3(&x.contiguous()?, &w_ud.contiguous()?, op)?;
+    let joined =
+        gate.values()
+            .contiguous()?
+            .apply_op3(&x.contiguous()?, &w_ud.contiguous()?, op)?;
     MlpOutput::split(joined, pattern, None)
 }

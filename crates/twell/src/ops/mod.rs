@@ -41,7 +41,11 @@ pub struct MlpOutput {
 }
 
 impl MlpOutput {
-    fn split(joined: Tensor, pattern: Arc<TwellPattern>, gate_values: Option<Arc<Vec<f32>>>) -> Result<Self> {
+    fn split(
+        joined: Tensor,
+        pattern: Arc<TwellPattern>,
+        gate_values: Option<Arc<Vec<f32>>>,
+    ) -> Result<Self> {
         let d = joined.dim(D::Minus1)? - 1;
         Ok(Self {
             out: joined.narrow(1, 0, d)?,
@@ -90,7 +94,9 @@ pub fn up_down_matrix(up: &Tensor, down: &Tensor) -> Result<Tensor> {
     if (d2, f2) != (d, f) {
         return err(TwellError::ShapeMismatch {
             what: "up_down_matrix",
-            detail: format!("up_proj is [{f}, {d}] so down_proj must be [{d}, {f}], got [{d2}, {f2}]"),
+            detail: format!(
+                "up_proj is [{f}, {d}] so down_proj must be [{d}, {f}], got [{d2}, {f2}]"
+            ),
         });
     }
     Tensor::cat(&[up, &down.t()?], 1)?.contiguous()
@@ -142,7 +148,12 @@ pub(crate) fn shape_err<T>(what: &'static str, detail: String) -> Result<T> {
 }
 
 /// Wraps an f32 result as a tensor of `dtype` on `device`.
-pub(crate) fn tensor_from_f32(values: Vec<f32>, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+pub(crate) fn tensor_from_f32(
+    values: Vec<f32>,
+    shape: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
     Tensor::from_vec(values, shape, &Device::Cpu)?
         .to_dtype(dtype)?
         .to_device(device)
@@ -155,17 +166,26 @@ pub(crate) fn host(t: &Tensor) -> Result<Tensor> {
 }
 
 /// Runs `f` on the rows of a contiguous CPU tensor.
-pub(crate) fn with_rows<R>(what: &'static str, t: &Tensor, f: impl FnOnce(Rows<'_>) -> Result<R>) -> Result<R> {
+pub(crate) fn with_rows<R>(
+    what: &'static str,
+    t: &Tensor,
+    f: impl FnOnce(Rows<'_>) -> Result<R>,
+) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
         Storage::Cpu(cpu) => f(Rows::new(what, cpu, layout)?),
-        _ => err(TwellError::Invalid(format!("{what}: expected a host tensor"))),
+        _ => err(TwellError::Invalid(format!(
+            "{what}: expected a host tensor"
+        ))),
     }
 }
 
 /// An f32 vector from a tensor of any float dtype, on the host.
 pub(crate) fn f32_vec(t: &Tensor) -> Result<Vec<f32>> {
-    t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+    t.to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()
 }
 
 /// Dispatches a generic kernel on the dtype of a CPU value storage.
@@ -188,7 +208,10 @@ macro_rules! with_values {
                 let $v = &all[start..end];
                 $body
             }
-            other => candle_core::bail!("TwELL values: unsupported dtype {:?}", candle_core::backend::BackendStorage::dtype(other)),
+            other => candle_core::bail!(
+                "TwELL values: unsupported dtype {:?}",
+                candle_core::backend::BackendStorage::dtype(other)
+            ),
         }
     }};
 }
@@ -202,7 +225,9 @@ pub(crate) fn cpu_storage(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> 
 /// The layout check shared by the `cpu_fwd`s: contiguous, rank 2.
 pub(crate) fn contiguous_2d(what: &'static str, layout: &Layout) -> Result<(usize, usize)> {
     if layout.contiguous_offsets().is_none() {
-        return err(TwellError::Invalid(format!("{what}: input must be contiguous")));
+        return err(TwellError::Invalid(format!(
+            "{what}: input must be contiguous"
+        )));
     }
     match layout.dims() {
         &[r, c] => Ok((r, c)),

@@ -9,7 +9,10 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::gate_pack::gate_and_pack;
-use super::{contiguous_2d, cpu_storage, f32_vec, host, matrix_dims, same_dtype_and_device, shape_err, with_rows, MlpOutput};
+use super::{
+    contiguous_2d, cpu_storage, f32_vec, host, matrix_dims, same_dtype_and_device, shape_err,
+    with_rows, MlpOutput,
+};
 use crate::cpu::float::Rows;
 use crate::cpu::t2d::{self, GateGrad};
 use crate::format::{check_size, TwellConfig, TwellPattern};
@@ -82,12 +85,21 @@ impl CustomOp3 for TwellMlp {
         let grads = with_rows("x", &hx, |x| {
             with_rows("gate_proj", &hg, |wg| {
                 with_rows("w_ud", &hw, |w| {
-                    Ok(t2d::backward(&saved.pattern, &saved.gate, x, w, GateGrad::Weights(wg), &dout, d))
+                    Ok(t2d::backward(
+                        &saved.pattern,
+                        &saved.gate,
+                        x,
+                        w,
+                        GateGrad::Weights(wg),
+                        &dout,
+                        d,
+                    ))
                 })
             })
         })?;
         let dx = super::tensor_from_f32(grads.dx, &[m, d], x.dtype(), x.device())?;
-        let dwg = super::tensor_from_f32(grads.dgate, &[f, d], gate_proj.dtype(), gate_proj.device())?;
+        let dwg =
+            super::tensor_from_f32(grads.dgate, &[f, d], gate_proj.dtype(), gate_proj.device())?;
         let dw = super::tensor_from_f32(grads.dw_ud, &[f, 2 * d], w_ud.dtype(), w_ud.device())?;
         Ok((Some(dx), Some(dwg), Some(dw)))
     }
@@ -96,7 +108,12 @@ impl CustomOp3 for TwellMlp {
 /// The ReGLU MLP `down(relu(gate(x)) ⊙ up(x))` through TwELL, for `x [M, d]`,
 /// `gate_proj [f, d]` and `w_ud [f, 2d]` ([`super::up_down_matrix`]).
 /// Differentiable with respect to all three.
-pub fn twell_mlp(x: &Tensor, gate_proj: &Tensor, w_ud: &Tensor, config: TwellConfig) -> Result<MlpOutput> {
+pub fn twell_mlp(
+    x: &Tensor,
+    gate_proj: &Tensor,
+    w_ud: &Tensor,
+    config: TwellConfig,
+) -> Result<MlpOutput> {
     let (m, d) = matrix_dims("x", x)?;
     let (f, dg) = matrix_dims("gate_proj", gate_proj)?;
     let (f2, dw) = matrix_dims("w_ud", w_ud)?;
@@ -117,7 +134,9 @@ pub fn twell_mlp(x: &Tensor, gate_proj: &Tensor, w_ud: &Tensor, config: TwellCon
         config,
         saved: saved.clone(),
     };
-    let joined = x.contiguous()?.apply_op3(&gate_proj.contiguous()?, &w_ud.contiguous()?, op)?;
+    let joined = x
+        .contiguous()?
+        .apply_op3(&gate_proj.contiguous()?, &w_ud.contiguous()?, op)?;
     let kept = saved.lock().expect("saved lock").clone();
     match kept {
         Some(s) => MlpOutput::split(joined, s.pattern, Some(s.gate)),

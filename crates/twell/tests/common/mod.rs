@@ -18,7 +18,12 @@ pub fn rel_l2(a: &Tensor, b: &Tensor) -> Result<f64> {
 /// Gaussian tensor with a fixed seed.
 pub fn randn(shape: (usize, usize), std: f64, seed: u64, dtype: DType) -> Result<Tensor> {
     let mut rng = StdRng::seed_from_u64(seed);
-    Tensor::from_vec(gaussian(&mut rng, shape.0 * shape.1, std), shape, &Device::Cpu)?.to_dtype(dtype)
+    Tensor::from_vec(
+        gaussian(&mut rng, shape.0 * shape.1, std),
+        shape,
+        &Device::Cpu,
+    )?
+    .to_dtype(dtype)
 }
 
 /// Dense ReGLU MLP through plain candle ops: `(out [M, d], l1 [M])`.
@@ -35,7 +40,9 @@ pub fn dense_reglu(x: &Tensor, wg: &Tensor, wu: &Tensor, wd: &Tensor) -> Result<
 pub fn probe_loss(out: &Tensor, l1: &Tensor, seed: u64) -> Result<Tensor> {
     let (m, d) = out.dims2()?;
     let r_out = randn((m, d), 1.0, seed, DType::F32)?.to_dtype(out.dtype())?;
-    let r_l1 = randn((m, 1), 1.0, seed + 1, DType::F32)?.to_dtype(l1.dtype())?.squeeze(1)?;
+    let r_l1 = randn((m, 1), 1.0, seed + 1, DType::F32)?
+        .to_dtype(l1.dtype())?
+        .squeeze(1)?;
     (out * r_out)?.sum_all()? + (l1 * r_l1)?.sum_all()?
 }
 

@@ -1,0 +1,46 @@
+//! "Drop-in": with a dense SwiGLU config, SparseLlama gives the logits of
+//! candle-transformers' Llama on the same weights, for prefill and cached decode.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::llama as candle_llama;
+use common::{rel_l2, tiny_config, tiny_weights};
+
+#[test]
+fn same_logits_as_candle_transformers_llama() {
+    let dev = Device::Cpu;
+    let hf = tiny_config("silu", 256);
+    let ours_cfg = hf.clone().into_config(false).unwrap();
+    let w = tiny_weights(&ours_cfg, 1);
+    let theirs_cfg: candle_llama::LlamaConfig =
+        serde_json::from_value(serde_json::to_value(&hf).unwrap()).unwrap();
+    let theirs_cfg = theirs_cfg.into_config(false);
+
+    let theirs = candle_llama::Llama::load(
+        VarBuilder::from_tensors(w.clone(), DType::F32, &dev),
+        &theirs_cfg,
+    )
+    .unwrap();
+    let ours = sparse_llama::Llama::load(VarBuilder::from_tensors(w, DType::F32, &dev), &ours_cfg)
+        .unwrap();
+    let mut cache_theirs = candle_llama::Cache::new(true, DType::F32, &theirs_cfg, &dev).unwrap();
+    let mut cache_ours = sparse_llama::Cache::new(true, DType::F32, &ours_cfg, &dev).unwrap();
+
+    let prompt = Tensor::new(&[[5u32, 17, 99, 3, 250, 42, 7, 7, 1, 200]], &dev).unwrap();
+    let a = theirs.forward(&prompt, 0, &mut cache_theirs).unwrap();
+    let b = ours.forward(&prompt, 0, &mut cache_ours).unwrap();
+    assert_eq!(a.dims(), b.dims());
+    assert!(rel_l2(&b, &a) < 1e-5, "prefill: {}", rel_l2(&b, &a));
+    for (step, tok) in [11u32, 12, 13].into_iter().enumerate() {
+        let x = Tensor::new(&[[tok]], &dev).unwrap();
+        let a = theirs.forward(&x, 10 + step, &mut cache_theirs).unwrap();
+        let b = ours.forward(&x, 10 + step, &mut cache_ours).unwrap();
+        assert!(
+            rel_l2(&b, &a) < 1e-5,
+            "decode step {step}: {}",
+            rel_l2(&b, &a)
+        );
+    }
+}
