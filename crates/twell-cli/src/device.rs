@@ -31,7 +31,15 @@ fn cuda(ordinal: usize) -> Result<Device> {
     if !candle_core::utils::cuda_is_available() {
         bail!("--device cuda: this build has no CUDA support (rebuild with --features cuda)");
     }
-    Ok(Device::new_cuda(ordinal)?)
+    let dev = Device::new_cuda(ordinal)?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(c) = &dev {
+        // TWELL_NO_TUNE=1 keeps candle's defaults (to measure what tuning changes).
+        if std::env::var_os("TWELL_NO_TUNE").is_none() {
+            twell::cuda::configure(c)?;
+        }
+    }
+    Ok(dev)
 }
 
 pub fn parse_dtype(s: &str) -> Result<DType> {

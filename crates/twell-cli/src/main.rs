@@ -2,6 +2,7 @@
 
 mod bench;
 mod chart;
+mod check_gpu;
 mod convert;
 mod device;
 mod generate;
@@ -27,6 +28,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Convert a checkpoint (e.g. GGUF) to an HF directory.
     Convert(convert::ConvertArgs),
+    /// Check the CUDA kernels against a dense f32 reference on the GPU.
+    CheckGpu(check_gpu::CheckGpuArgs),
     /// Benchmarks, dense and sparse side by side.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -43,6 +46,7 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Generate(args) => generate::run(&args)?,
         Command::Convert(args) => convert::run(&args)?,
+        Command::CheckGpu(args) => check_gpu::run(&args)?,
         Command::Bench(BenchCommand::Mlp(args)) => {
             let report = bench::mlp::run(&args)?;
             bench::mlp::print(&report);

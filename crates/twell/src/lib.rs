@@ -11,6 +11,8 @@
 //! * [`density`]: synthetic weights with a chosen activation density, for benchmarks.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod density;
 pub mod error;
 pub mod format;
@@ -20,4 +22,4 @@ pub mod ops;
 pub use error::TwellError;
 pub use format::{Twell, TwellConfig, TwellPattern, TwellStats};
 pub use mlp::{Activation, FfnMode, MlpStats, SparseMlp};
-pub use ops::{gate_pack, gated_t2d, twell_mlp, up_down_matrix, MlpOutput};
+pub use ops::{gate_pack, gated_t2d, twell_mlp, up_down_matrix, MlpOutput, L1_COLUMNS};

@@ -10,7 +10,7 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::error::{err, TwellError};
-use crate::format::{TwellConfig, TwellPattern};
+use crate::format::TwellConfig;
 use crate::ops::{twell_mlp, up_down_matrix};
 
 /// Which computation the MLP runs.
@@ -94,30 +94,27 @@ pub struct MlpStats {
     pub overflow_tiles: usize,
     /// Tokens with at least one overflowing tile (sparse path only).
     pub overflow_rows: usize,
-    /// How often each neuron fired in this forward (`[ffn]`), for dead-neuron counts.
+    /// How often each neuron fired in this forward (`[ffn]`), for dead-neuron counts;
+    /// empty after a CUDA forward, which counts per tile only.
     pub fired: Vec<u32>,
     pub sparse: bool,
 }
 
 impl MlpStats {
-    fn from_pattern(p: &TwellPattern) -> Self {
-        let counts = p.counts();
-        let nnz: usize = counts.iter().map(|&c| c as usize).sum();
-        let overflow_rows = p
-            .overflow_row_ptr()
-            .windows(2)
-            .filter(|w| w[1] > w[0])
-            .count();
-        Self {
-            tokens: p.rows(),
-            ffn: p.cols(),
-            mean_l0: nnz as f64 / p.rows().max(1) as f64,
-            density: nnz as f64 / (p.rows() * p.cols()).max(1) as f64,
-            overflow_tiles: p.n_overflow(),
+    fn from_output(res: &crate::ops::MlpOutput) -> Result<Self> {
+        let (tokens, ffn) = (res.out.dim(0)?, res.ffn);
+        let nnz = res.nnz()?;
+        let (overflow_tiles, overflow_rows) = res.overflow()?;
+        Ok(Self {
+            tokens,
+            ffn,
+            mean_l0: nnz as f64 / tokens.max(1) as f64,
+            density: nnz as f64 / (tokens * ffn).max(1) as f64,
+            overflow_tiles,
             overflow_rows,
-            fired: Vec::new(),
+            fired: res.fired_per_neuron().unwrap_or_default(),
             sparse: true,
-        }
+        })
     }
 
     fn from_dense(h: &Tensor) -> Result<Self> {
@@ -329,9 +326,11 @@ impl SparseMlp {
         let x2 = x.reshape(((), d))?;
         let (out, l1) = if self.use_sparse() {
             let res = twell_mlp(&x2, &self.gate, &self.up_down()?, self.config)?;
-            let density = res.pattern.counts().iter().map(|&c| c as f64).sum::<f64>()
-                / (res.pattern.rows() * res.pattern.cols()).max(1) as f64;
-            *self.last_density.lock().expect("density lock") = Some(density);
+            // Host ops know their density for free; a device op's counts are read
+            // back (a sync) only when statistics are being recorded.
+            if res.pattern.is_some() || self.record_stats {
+                *self.last_density.lock().expect("density lock") = Some(res.density()?);
+            }
             if self.record_stats {
                 *self.last.lock().expect("stats lock") = Some(LastForward::Sparse(res.clone()));
             }
@@ -368,11 +367,7 @@ impl SparseMlp {
         let last = self.last.lock().expect("stats lock");
         Ok(match last.as_ref() {
             None => None,
-            Some(LastForward::Sparse(res)) => {
-                let mut s = MlpStats::from_pattern(&res.pattern);
-                s.fired = res.fired_per_neuron();
-                Some(s)
-            }
+            Some(LastForward::Sparse(res)) => Some(MlpStats::from_output(res)?),
             Some(LastForward::Dense(h)) => Some(MlpStats::from_dense(h)?),
         })
     }

@@ -206,7 +206,7 @@ fn l1_equals_sum_of_packed_h() {
         .unwrap()
         .to_scalar::<f32>()
         .unwrap() as usize;
-    let counted: usize = res.pattern.counts().iter().map(|&c| c as usize).sum();
+    let counted = res.nnz().unwrap();
     assert_eq!(counted, nnz);
 }
 

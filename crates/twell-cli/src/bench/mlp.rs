@@ -45,6 +45,10 @@ pub struct MlpBenchArgs {
     /// Write an SVG chart of speed-up against density here.
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// Also time each stage of the CUDA sparse path (gate GEMM, pack, up, down) with
+    /// device events; this synchronises after every sparse call.
+    #[arg(long)]
+    pub stages: bool,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -65,6 +69,9 @@ pub struct MlpRow {
     pub sparse_gbps: f64,
     /// Dense FLOP rate, 6·M·d·f / time.
     pub dense_gflops: f64,
+    /// Mean ms of each CUDA sparse stage (gate GEMM, pack, up, down), with --stages.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stages_ms: Option<[f64; 4]>,
 }
 
 #[derive(Serialize, Debug)]
@@ -134,6 +141,9 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
     if args.reps == 0 || args.weight_sets == 0 {
         bail!("--reps and --weight-sets must be at least 1");
     }
+    if args.stages {
+        std::env::set_var("TWELL_PROFILE", "1");
+    }
     let host_bw = if device.is_cpu() {
         host_read_bandwidth()
     } else {
@@ -170,9 +180,16 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     &twell::up_down_matrix(sets[0].1.up_proj(), sets[0].1.down_proj())?,
                     twell::TwellConfig::default(),
                 )?;
-                let fired = probe.fired_per_neuron();
-                let union = fired.iter().filter(|&&c| c > 0).count();
-                let nnz: u64 = fired.iter().map(|&c| c as u64).sum();
+                // The union of active neurons needs per-neuron counts, which only the
+                // host op keeps; on a GPU it is estimated from the density (uniform).
+                let nnz = probe.nnz()?;
+                let union = match probe.fired_per_neuron() {
+                    Some(fired) => fired.iter().filter(|&&c| c > 0).count(),
+                    None => {
+                        let p = nnz as f64 / (m * ffn) as f64;
+                        (ffn as f64 * (1.0 - (1.0 - p).powi(m as i32))).round() as usize
+                    }
+                };
                 let mut dense_run = |round: usize| -> candle_core::Result<()> {
                     std::hint::black_box(sets[round % sets.len()].0.forward(&x)?);
                     Ok(())
@@ -181,12 +198,14 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     std::hint::black_box(sets[round % sets.len()].1.forward(&x)?);
                     Ok(())
                 };
+                take_stages();
                 let t = interleaved_medians(
                     &device,
                     args.warmup,
                     args.reps,
                     &mut [&mut dense_run, &mut sparse_run],
                 )?;
+                let stages_ms = take_stages();
                 let elem = dtype.size_in_bytes() as f64;
                 let dense_bytes = 3.0 * (hidden * ffn) as f64 * elem;
                 let sparse_bytes = ((hidden * ffn) + union * 2 * hidden) as f64 * elem;
@@ -203,6 +222,7 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     dense_gbps: dense_bytes / t[0] / 1e9,
                     sparse_gbps: sparse_bytes / t[1] / 1e9,
                     dense_gflops: 6.0 * (m * hidden * ffn) as f64 / t[0] / 1e9,
+                    stages_ms,
                 });
                 bar.inc(1);
             }
@@ -224,6 +244,14 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
         crate::chart::speedup_vs_density(path, &report.rows)?;
     }
     Ok(report)
+}
+
+/// The CUDA stage profile gathered since the last call, if profiling.
+fn take_stages() -> Option<[f64; 4]> {
+    #[cfg(feature = "cuda")]
+    return twell::cuda::take_profile();
+    #[cfg(not(feature = "cuda"))]
+    None
 }
 
 pub fn print(report: &MlpReport) {
@@ -262,5 +290,11 @@ pub fn print(report: &MlpReport) {
             r.sparse_gbps,
             r.dense_gflops
         );
+        if let Some(st) = r.stages_ms {
+            println!(
+                "{:>20} stages ms: gate {:.4} | pack {:.4} | up {:.4} | down {:.4}",
+                "", st[0], st[1], st[2], st[3]
+            );
+        }
     }
 }

@@ -18,6 +18,7 @@ use rayon::prelude::*;
 use super::float::{Float, Rows};
 use super::simd::{add_assign, axpy, dot};
 use crate::format::TwellPattern;
+use crate::ops::L1_COLUMNS;
 
 /// Tokens per block: large enough that hot neurons are reused, small enough that
 /// the per-thread partial outputs stay in cache.
@@ -122,7 +123,8 @@ fn x_block<'a>(
     x.f32_range(rows.start * d, rows.len() * d, scratch)
 }
 
-/// Forward: returns `[M, d + 1]` f32, each row `out_i` followed by `l1_i = Σ_j |h_ij|`.
+/// Forward: returns `[M, d + L1_COLUMNS]` f32, each row `out_i` followed by
+/// `l1_i = Σ_j |h_ij|` and zero padding.
 pub fn forward<T: Float>(
     pattern: &TwellPattern,
     g: &[T],
@@ -131,7 +133,7 @@ pub fn forward<T: Float>(
     d: usize,
 ) -> Vec<f32> {
     let m = pattern.rows();
-    let width = d + 1;
+    let width = d + L1_COLUMNS;
     let mut out = vec![0f32; m * width];
     let mut xs = Vec::new();
     for start in (0..m).step_by(TOKEN_BLOCK) {
@@ -191,8 +193,8 @@ pub struct T2dGrads {
 /// `(value position, ∂L/∂g)` pairs it found.
 type ChunkGrads = (Vec<f32>, Vec<(u32, f32)>);
 
-/// Backward of `forward`. `dout` is `[M, d + 1]`: the output gradient and, last, the
-/// gradient of each token's L1 term.
+/// Backward of `forward`. `dout` is `[M, d + L1_COLUMNS]`: the output gradient, then
+/// the gradient of each token's L1 term (the padding's gradient is ignored).
 #[allow(clippy::too_many_arguments)]
 pub fn backward<T: Float>(
     pattern: &TwellPattern,
@@ -204,7 +206,7 @@ pub fn backward<T: Float>(
     d: usize,
 ) -> T2dGrads {
     let (m, f) = (pattern.rows(), pattern.cols());
-    let width = d + 1;
+    let width = d + L1_COLUMNS;
     let mut dx = vec![0f32; m * d];
     let mut dw_ud = vec![0f32; f * 2 * d];
     let fused = matches!(gate, GateGrad::Weights(_));

@@ -1,5 +1,6 @@
 //! `gated_t2d`: the sparse up and down projections of a packed gate (gated T2D).
 
+use super::{Activity, L1_COLUMNS};
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
@@ -12,7 +13,7 @@ use crate::cpu::float::Rows;
 use crate::cpu::t2d::{self, GateGrad};
 use crate::format::{Twell, TwellPattern};
 
-/// The op behind [`gated_t2d`]: inputs `(gate values, x, w_ud)`, output `[M, d + 1]`.
+/// The op behind [`gated_t2d`]: inputs `(gate values, x, w_ud)`, output `[M, d + L1_COLUMNS]`.
 pub struct GatedT2d {
     pattern: Arc<TwellPattern>,
 }
@@ -36,7 +37,10 @@ impl CustomOp3 for GatedT2d {
         let x = Rows::new("x", xs, xl)?;
         let w_ud = Rows::new("w_ud", ws, wl)?;
         let out = with_values!(vs, vl, |g| t2d::forward(&self.pattern, g, x, w_ud, d));
-        Ok((cpu_storage(out, x.dtype())?, Shape::from((m, d + 1))))
+        Ok((
+            cpu_storage(out, x.dtype())?,
+            Shape::from((m, d + L1_COLUMNS)),
+        ))
     }
 
     fn bwd(
@@ -112,5 +116,13 @@ pub fn gated_t2d(gate: &Twell, x: &Tensor, w_ud: &Tensor) -> Result<MlpOutput> {
         gate.values()
             .contiguous()?
             .apply_op3(&x.contiguous()?, &w_ud.contiguous()?, op)?;
-    MlpOutput::split(joined, pattern, None)
+    MlpOutput::split(
+        joined,
+        Activity::Host {
+            pattern,
+            gate: None,
+        },
+        gate.config(),
+        f,
+    )
 }

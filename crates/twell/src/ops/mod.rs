@@ -4,8 +4,9 @@
 //! * [`gated_t2d`]: the sparse up and down projections of a packed gate;
 //! * [`twell_mlp`]: both fused, the whole ReGLU MLP.
 //!
-//! The ops that produce an MLP output return `[M, d + 1]`: the output rows and, in
-//! the last column, each token's L1 term `Σ_j |h_j|`. Both come from the same pass,
+//! The ops that produce an MLP output return `[M, d + L1_COLUMNS]`: the output rows,
+//! then in column `d` each token's L1 term `Σ_j |h_j|` (the rest is padding that keeps
+//! GPU rows 16-byte aligned). Both come from the same pass,
 //! and both carry gradients, so the L1 penalty costs no extra sweep.
 //! Weights for up and down travel as one neuron-major matrix `w_ud [f, 2d]` whose
 //! row `j` is `[Wu_j | Wd_j]`: an active neuron's weights are one contiguous read.
@@ -26,6 +27,10 @@ use crate::cpu::float::{is_value_dtype, Rows};
 use crate::error::{err, TwellError};
 use crate::format::TwellPattern;
 
+/// Columns after the `d` outputs of a sparse MLP op's result: column `d` holds the
+/// token's L1 term, the others pad each row to a multiple of 16 bytes.
+pub const L1_COLUMNS: usize = 8;
+
 /// The output of a sparse MLP op.
 #[derive(Clone, Debug)]
 pub struct MlpOutput {
@@ -33,31 +38,79 @@ pub struct MlpOutput {
     pub out: Tensor,
     /// `[M]`: `Σ_j |h_j|` of each token, differentiable.
     pub l1: Tensor,
-    /// Where the gate was active: per-token L0, density and overflow for the stats.
-    pub pattern: Arc<TwellPattern>,
+    /// Where the gate was active (host ops): per-token L0, density and overflow.
+    pub pattern: Option<Arc<TwellPattern>>,
     /// The gate values in the pattern's value layout (f32, host), where the op kept
     /// them anyway: needed to see which neurons fired inside overflow tiles.
     pub gate_values: Option<Arc<Vec<f32>>>,
+    /// `[M, n_tiles]` u32 nonzero counts (device ops), read back only when asked.
+    pub counts: Option<Tensor>,
+    /// The TwELL configuration the op ran with.
+    pub config: crate::format::TwellConfig,
+    /// Neurons (d_ff).
+    pub ffn: usize,
 }
 
 impl MlpOutput {
     fn split(
         joined: Tensor,
-        pattern: Arc<TwellPattern>,
-        gate_values: Option<Arc<Vec<f32>>>,
+        activity: Activity,
+        config: crate::format::TwellConfig,
+        ffn: usize,
     ) -> Result<Self> {
-        let d = joined.dim(D::Minus1)? - 1;
+        let d = joined.dim(D::Minus1)? - L1_COLUMNS;
+        let (pattern, gate_values, counts) = match activity {
+            Activity::Host { pattern, gate } => (Some(pattern), gate, None),
+            Activity::Device { counts } => (None, None, Some(counts)),
+        };
         Ok(Self {
             out: joined.narrow(1, 0, d)?,
             l1: joined.narrow(1, d, 1)?.squeeze(1)?,
             pattern,
             gate_values,
+            counts,
+            config,
+            ffn,
         })
     }
 
-    /// How many tokens activated each neuron (`[f]`).
-    pub fn fired_per_neuron(&self) -> Vec<u32> {
-        let p = &self.pattern;
+    /// The per-(token, tile) nonzero counts, on the host.
+    pub fn host_counts(&self) -> Result<Vec<u32>> {
+        match (&self.pattern, &self.counts) {
+            (Some(p), _) => Ok(p.counts().iter().map(|&c| c as u32).collect()),
+            (None, Some(c)) => c.flatten_all()?.to_vec1::<u32>(),
+            (None, None) => candle_core::bail!("MlpOutput has no activity record"),
+        }
+    }
+
+    /// Nonzeros of `h` over all tokens (reads device counts back: a sync on GPU).
+    pub fn nnz(&self) -> Result<usize> {
+        Ok(self.host_counts()?.iter().map(|&c| c as usize).sum())
+    }
+
+    /// `nnz / (M · f)`.
+    pub fn density(&self) -> Result<f64> {
+        let m = self.out.dim(0)?;
+        Ok(self.nnz()? as f64 / (m * self.ffn).max(1) as f64)
+    }
+
+    /// `(overflowing tiles, tokens with an overflowing tile)`.
+    pub fn overflow(&self) -> Result<(usize, usize)> {
+        let counts = self.host_counts()?;
+        let n_tiles = self.config.n_tiles(self.ffn).max(1);
+        let cap = self.config.capacity() as u32;
+        let tiles = counts.iter().filter(|&&c| c > cap).count();
+        let rows = counts
+            .chunks(n_tiles)
+            .filter(|r| r.iter().any(|&c| c > cap))
+            .count();
+        Ok((tiles, rows))
+    }
+
+    /// How many tokens activated each neuron (`[f]`); `None` after a device op, which
+    /// keeps counts per tile only.
+    pub fn fired_per_neuron(&self) -> Option<Vec<u32>> {
+        let p = self.pattern.as_ref()?;
         let mut fired = vec![0u32; p.cols()];
         match &self.gate_values {
             Some(values) => {
@@ -81,7 +134,7 @@ impl MlpOutput {
                 }
             }
         }
-        fired
+        Some(fired)
     }
 }
 
@@ -103,6 +156,17 @@ pub fn up_down_matrix(up: &Tensor, down: &Tensor) -> Result<Tensor> {
 }
 
 /// `(rows, cols)` of a rank-2 tensor with a TwELL value dtype and no empty dimension.
+/// Where an op recorded which neurons fired.
+pub(crate) enum Activity {
+    Host {
+        pattern: Arc<TwellPattern>,
+        gate: Option<Arc<Vec<f32>>>,
+    },
+    Device {
+        counts: Tensor,
+    },
+}
+
 pub(crate) fn matrix_dims(what: &'static str, t: &Tensor) -> Result<(usize, usize)> {
     let (r, c) = match t.dims() {
         &[r, c] => (r, c),

@@ -4,6 +4,7 @@
 //! each token's L1 term. The pattern and gate values found in the forward pass are
 //! kept for the backward pass, so the gate GEMM runs once per training step.
 
+use super::{Activity, L1_COLUMNS};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
@@ -19,24 +20,26 @@ use crate::format::{check_size, TwellConfig, TwellPattern};
 
 /// What the forward pass leaves for the backward pass and the caller.
 #[derive(Clone)]
-struct Saved {
-    pattern: Arc<TwellPattern>,
-    /// Gate values in f32, in the pattern's value layout.
-    gate: Arc<Vec<f32>>,
+enum Saved {
+    /// The CPU pass: the pattern and the gate values in f32 (value layout).
+    Host {
+        pattern: Arc<TwellPattern>,
+        gate: Arc<Vec<f32>>,
+    },
+    /// The CUDA pass: per-(token, tile) counts on the device.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Device { counts: Tensor },
 }
 
-/// The op behind [`twell_mlp`]: inputs `(x, gate_proj, w_ud)`, output `[M, d + 1]`.
+/// The op behind [`twell_mlp`]: inputs `(x, gate_proj, w_ud)`, output `[M, d + L1_COLUMNS]`.
 pub struct TwellMlp {
     config: TwellConfig,
     saved: Arc<Mutex<Option<Saved>>>,
 }
 
 impl TwellMlp {
-    fn saved(&self) -> Result<Saved> {
-        match self.saved.lock().expect("saved lock").clone() {
-            Some(s) => Ok(s),
-            None => candle_core::bail!("twell-mlp: backward called before forward"),
-        }
+    fn saved(&self) -> Option<Saved> {
+        self.saved.lock().expect("saved lock").clone()
     }
 }
 
@@ -62,11 +65,41 @@ impl CustomOp3 for TwellMlp {
         let w_ud = Rows::new("w_ud", ws, wl)?;
         let (pattern, gate) = gate_and_pack::<f32>(x, wg, m, d, f, self.config);
         let out = t2d::forward(&pattern, &gate, x, w_ud, d);
-        *self.saved.lock().expect("saved lock") = Some(Saved {
+        *self.saved.lock().expect("saved lock") = Some(Saved::Host {
             pattern: Arc::new(pattern),
             gate: Arc::new(gate),
         });
-        Ok((cpu_storage(out, x.dtype())?, Shape::from((m, d + 1))))
+        Ok((
+            cpu_storage(out, x.dtype())?,
+            Shape::from((m, d + L1_COLUMNS)),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (storage, shape, activity) =
+            crate::cuda::twell_mlp_forward(xs, xl, gs, gl, ws, wl, self.config)?;
+        let (m, n_tiles) = (xl.dims()[0], self.config.n_tiles(gl.dims()[0]));
+        let dev = xs.device.clone();
+        let counts = Tensor::from_storage(
+            candle_core::Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(
+                activity.counts,
+                dev,
+            )),
+            (m, n_tiles),
+            candle_core::op::BackpropOp::none(),
+            false,
+        );
+        *self.saved.lock().expect("saved lock") = Some(Saved::Device { counts });
+        Ok((storage, shape))
     }
 
     fn bwd(
@@ -77,7 +110,6 @@ impl CustomOp3 for TwellMlp {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let saved = self.saved()?;
         let (m, d) = x.dims2()?;
         let f = w_ud.dim(0)?;
         let dout = f32_vec(grad_res)?;
@@ -85,9 +117,18 @@ impl CustomOp3 for TwellMlp {
         let grads = with_rows("x", &hx, |x| {
             with_rows("gate_proj", &hg, |wg| {
                 with_rows("w_ud", &hw, |w| {
+                    // The CPU pass kept its pattern; after a device pass it is
+                    // recomputed here (the backward runs on the host for now).
+                    let (pattern, gate) = match self.saved() {
+                        Some(Saved::Host { pattern, gate }) => (pattern, gate),
+                        _ => {
+                            let (p, g) = gate_and_pack::<f32>(x, wg, m, d, f, self.config);
+                            (Arc::new(p), Arc::new(g))
+                        }
+                    };
                     Ok(t2d::backward(
-                        &saved.pattern,
-                        &saved.gate,
+                        &pattern,
+                        &gate,
                         x,
                         w,
                         GateGrad::Weights(wg),
@@ -138,8 +179,13 @@ pub fn twell_mlp(
         .contiguous()?
         .apply_op3(&gate_proj.contiguous()?, &w_ud.contiguous()?, op)?;
     let kept = saved.lock().expect("saved lock").clone();
-    match kept {
-        Some(s) => MlpOutput::split(joined, s.pattern, Some(s.gate)),
+    let activity = match kept {
+        Some(Saved::Host { pattern, gate }) => Activity::Host {
+            pattern,
+            gate: Some(gate),
+        },
+        Some(Saved::Device { counts }) => Activity::Device { counts },
         None => candle_core::bail!("twell-mlp: forward produced no pattern"),
-    }
+    };
+    MlpOutput::split(joined, activity, config, f)
 }

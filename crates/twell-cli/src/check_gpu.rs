@@ -1,0 +1,202 @@
+//! `twell check-gpu`: the CUDA TwELL path against a dense f32 reference on the same
+//! GPU, over shapes, token counts (1, odd, past 65,536), densities and overflow, with
+//! outputs poisoned before every launch. Exits non-zero on any failure.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use serde::Serialize;
+use twell::density::{synthetic_input, synthetic_mlp};
+use twell::{twell_mlp, up_down_matrix, TwellConfig};
+
+#[derive(clap::Args, Debug)]
+pub struct CheckGpuArgs {
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub ordinal: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// bf16 inputs, f32 reference: the relative L2 error bf16 rounding allows.
+const TOLERANCE: f64 = 2e-2;
+
+#[derive(Serialize, Debug)]
+struct CaseResult {
+    m: usize,
+    d: usize,
+    f: usize,
+    tile: usize,
+    compression: usize,
+    target_density: f64,
+    density: f64,
+    overflow_tiles: usize,
+    err_out: f64,
+    err_l1: f64,
+    nnz_gpu: usize,
+    nnz_reference: usize,
+    pass: bool,
+}
+
+fn rel_l2(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.to_dtype(DType::F32)?.flatten_all()?;
+    let b = b.to_dtype(DType::F32)?.flatten_all()?;
+    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+    let den = b.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+    Ok((num / den.max(1e-30)).sqrt())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_case(
+    dev: &Device,
+    m: usize,
+    d: usize,
+    f: usize,
+    density: f64,
+    tile: usize,
+    cf: usize,
+    seed: u64,
+) -> Result<CaseResult> {
+    let config = TwellConfig::new(tile, cf)?;
+    let w = synthetic_mlp(d, f, density, DType::BF16, dev, seed)?;
+    let x = synthetic_input(m, d, DType::BF16, dev, seed + 1)?;
+    let res = twell_mlp(&x, &w.gate, &up_down_matrix(&w.up, &w.down)?, config)?;
+    // Dense f32 reference on the same bf16 numbers.
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let (x32, g32, u32_, d32) = (f32(&x)?, f32(&w.gate)?, f32(&w.up)?, f32(&w.down)?);
+    let h = (x32.matmul(&g32.t()?)?.relu()? * x32.matmul(&u32_.t()?)?)?;
+    let out_ref = h.matmul(&d32.t()?)?;
+    let l1_ref = h.abs()?.sum(1)?;
+    let nnz_reference = h
+        .ne(0f32)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()? as usize;
+    let err_out = rel_l2(&res.out, &out_ref)?;
+    let err_l1 = rel_l2(&res.l1, &l1_ref)?;
+    let nnz_gpu = res.nnz()?;
+    let (overflow_tiles, _) = res.overflow()?;
+    // The gate is rounded to bf16 on the GPU and kept in f32 by the reference: a few
+    // near-zero gates may fall on different sides of zero.
+    let nnz_close = nnz_gpu.abs_diff(nnz_reference) <= 16 + nnz_reference / 100;
+    let pass = err_out < TOLERANCE && err_l1 < TOLERANCE && nnz_close;
+    Ok(CaseResult {
+        m,
+        d,
+        f,
+        tile,
+        compression: cf,
+        target_density: density,
+        density: nnz_gpu as f64 / (m * f) as f64,
+        overflow_tiles,
+        err_out,
+        err_l1,
+        nnz_gpu,
+        nnz_reference,
+        pass,
+    })
+}
+
+/// The backward pass of a CUDA forward against the dense autograd reference.
+fn check_backward(dev: &Device) -> Result<(f64, bool)> {
+    let (m, d, f) = (96, 256, 1024);
+    let w = synthetic_mlp(d, f, 0.05, DType::BF16, dev, 77)?;
+    let x = synthetic_input(m, d, DType::BF16, dev, 78)?;
+    let vars = [&x, &w.gate, &w.up, &w.down]
+        .map(|t| Var::from_tensor(&t.to_dtype(DType::F32).unwrap()).unwrap());
+    let bf = |v: &Var| v.as_tensor().to_dtype(DType::BF16);
+    let res = twell_mlp(
+        &bf(&vars[0])?,
+        &bf(&vars[1])?,
+        &up_down_matrix(&bf(&vars[2])?, &bf(&vars[3])?)?,
+        TwellConfig::default(),
+    )?;
+    let loss =
+        (res.out.to_dtype(DType::F32)?.sum_all()? + res.l1.to_dtype(DType::F32)?.sum_all()?)?;
+    let gs = loss.backward()?;
+    let (xv, gv, uv, dv) = (
+        vars[0].as_tensor(),
+        vars[1].as_tensor(),
+        vars[2].as_tensor(),
+        vars[3].as_tensor(),
+    );
+    let h = (xv.matmul(&gv.t()?)?.relu()? * xv.matmul(&uv.t()?)?)?;
+    let loss_ref = (h.matmul(&dv.t()?)?.sum_all()? + h.abs()?.sum_all()?)?;
+    let gr = loss_ref.backward()?;
+    let mut worst: f64 = 0.0;
+    for v in &vars {
+        let a = gs
+            .get(v.as_tensor())
+            .context("no gradient from the TwELL path")?;
+        let b = gr
+            .get(v.as_tensor())
+            .context("no gradient from the reference")?;
+        worst = worst.max(rel_l2(a, b)?);
+    }
+    Ok((worst, worst < 3.0 * TOLERANCE))
+}
+
+pub fn run(args: &CheckGpuArgs) -> Result<()> {
+    if !candle_core::utils::cuda_is_available() {
+        bail!("check-gpu needs a build with --features cuda");
+    }
+    let dev = crate::device::parse_device(&format!("cuda:{}", args.ordinal))?;
+    std::env::set_var("TWELL_POISON", "1");
+    #[rustfmt::skip]
+    let cases: &[(usize, usize, usize, f64, usize, usize)] = &[
+        (1, 2048, 5632, 0.01, 256, 8),
+        (1, 576, 1536, 0.05, 256, 8),
+        (7, 4096, 11008, 0.005, 256, 8),
+        (33, 576, 1000, 0.05, 256, 8),
+        (64, 2048, 5632, 0.03, 256, 8),
+        (65, 2048, 5632, 0.03, 256, 8),
+        (513, 2048, 5632, 0.1, 32, 8),
+        (1000, 576, 1536, 0.001, 256, 8),
+        (2048, 2048, 5632, 0.01, 256, 8),
+        (2048, 2048, 5632, 0.5, 256, 8),
+        (4096, 4096, 11008, 0.03, 256, 4),
+        (16384, 2048, 5632, 0.3, 256, 8),
+        (131072, 576, 1536, 0.02, 256, 8),
+    ];
+    let mut results = Vec::new();
+    println!(
+        "{:>7} {:>5} {:>6} {:>5} {:>3} {:>8} {:>8} {:>9} {:>9} {:>9} {:>10} {:>10} pass",
+        "M",
+        "d",
+        "d_ff",
+        "tile",
+        "cf",
+        "target",
+        "density",
+        "overflow",
+        "err out",
+        "err l1",
+        "nnz gpu",
+        "nnz ref"
+    );
+    for (k, &(m, d, f, density, tile, cf)) in cases.iter().enumerate() {
+        let r = check_case(&dev, m, d, f, density, tile, cf, 100 + k as u64)?;
+        println!(
+            "{:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>7.2}% {:>9} {:>9.2e} {:>9.2e} {:>10} {:>10} {}",
+            r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, 100.0 * r.density,
+            r.overflow_tiles, r.err_out, r.err_l1, r.nnz_gpu, r.nnz_reference, if r.pass { "ok" } else { "FAIL" }
+        );
+        results.push(r);
+    }
+    let (bwd_err, bwd_ok) = check_backward(&dev)?;
+    println!(
+        "backward (M=96, d=256, d_ff=1024, 5%): worst gradient rel err {bwd_err:.2e} {}",
+        if bwd_ok { "ok" } else { "FAIL" }
+    );
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
+    }
+    let failed = results.iter().filter(|r| !r.pass).count() + usize::from(!bwd_ok);
+    if failed > 0 {
+        bail!("{failed} GPU check(s) failed");
+    }
+    println!("all {} GPU checks passed", results.len() + 1);
+    Ok(())
+}

@@ -1,0 +1,40 @@
+//! Compiles `kernels/*.cu` to PTX with nvcc when the `cuda` feature is on.
+//!
+//! The PTX targets compute_80 so one build runs on Ampere and Hopper (the driver
+//! compiles it for the card at load). nvcc must be CUDA 13.0 or older than the GPU's
+//! driver: newer PTX does not load.
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=../../kernels");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    let kernels =
+        std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("manifest dir"))
+            .join("../../kernels");
+    let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".to_string());
+    for name in ["gate_pack", "gated_t2d"] {
+        let src = kernels.join(format!("{name}.cu"));
+        let ptx = out.join(format!("{name}.ptx"));
+        let status = std::process::Command::new(&nvcc)
+            .args([
+                "--ptx",
+                "-O3",
+                "-std=c++17",
+                "-arch=compute_80",
+                "-lineinfo",
+            ])
+            .arg("-I")
+            .arg(&kernels)
+            .arg("-o")
+            .arg(&ptx)
+            .arg(&src)
+            .status()
+            .unwrap_or_else(|e| {
+                panic!("cannot run {nvcc} (source ../shared/cuda/setup-cuda-build.sh?): {e}")
+            });
+        assert!(status.success(), "nvcc failed on {}", src.display());
+    }
+}

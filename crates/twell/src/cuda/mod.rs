@@ -1,0 +1,369 @@
+//! CUDA launchers of the TwELL kernels (`kernels/*.cu`, built to PTX by `build.rs`).
+//!
+//! Everything runs on candle's stream of the input's device, with no host
+//! synchronisation: the gate GEMM through cuBLAS, then `gate_pack`, then the two
+//! `gated_t2d` kernels. Scratch buffers come from the stream-ordered pool.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::cublas::{sys::cublasOperation_t, Gemm, GemmConfig};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
+use half::bf16;
+
+use crate::error::{err, TwellError};
+use crate::format::TwellConfig;
+use crate::ops::L1_COLUMNS;
+
+const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
+const GATED_T2D_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));
+
+/// Threads per block of the warp-per-item kernels.
+const BLOCK_THREADS: u32 = 256;
+/// Up to this many tokens the launches split each row's work across many warps
+/// (decode); above it a warp owns a whole tile or row chunk (prefill).
+pub const DECODE_MAX_TOKENS: usize = 64;
+/// d-elements one warp covers in the down kernel (`WARP_CHUNK` in the .cu).
+const WARP_CHUNK: usize = 256;
+
+/// [`DECODE_MAX_TOKENS`], or `TWELL_DECODE_MAX_TOKENS` when set (to measure both
+/// work splits at one size).
+fn decode_max_tokens() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("TWELL_DECODE_MAX_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DECODE_MAX_TOKENS)
+    })
+}
+
+fn warp_launch(warps: usize) -> Result<LaunchConfig> {
+    let warps_per_block = (BLOCK_THREADS / 32) as usize;
+    let blocks = warps.div_ceil(warps_per_block);
+    if blocks > i32::MAX as usize {
+        return err(TwellError::Invalid(format!(
+            "{warps} warps exceed one CUDA grid"
+        )));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (blocks.max(1) as u32, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// A contiguous bf16 view of a CUDA storage.
+fn bf16_view<'a>(what: &'static str, s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, bf16>> {
+    if s.dtype() != DType::BF16 {
+        return err(TwellError::Invalid(format!(
+            "{what}: the CUDA TwELL kernels take bf16, got {:?} (load the model in bf16)",
+            s.dtype()
+        )));
+    }
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(s.as_cuda_slice::<bf16>()?.slice(a..b)),
+        None => err(TwellError::Invalid(format!(
+            "{what}: input must be contiguous"
+        ))),
+    }
+}
+
+/// Bytes of cuBLAS workspace: Hopper's fast GEMM kernels need one (NVIDIA recommends
+/// 32 MiB), and a handle without one falls back to slower kernels.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Tunes a CUDA device for the dense and the sparse path alike:
+/// * the stream-ordered memory pool keeps freed memory instead of unmapping it at
+///   every synchronisation (as PyTorch's caching allocator does), so per-call
+///   scratch costs no driver calls;
+/// * candle's cuBLAS handle gets a workspace.
+///
+/// Idempotent per device. Every CUDA entry point of `twell` (CLI, benches) calls it.
+pub fn configure(dev: &CudaDevice) -> Result<()> {
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    static DONE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let mut done = DONE.lock().expect("configure lock");
+    if !done.get_or_insert_with(HashSet::new).insert(ordinal) {
+        return Ok(());
+    }
+    // Each step only tunes speed: a failure is reported and the device used as it is.
+    if let Err(e) = keep_pool_memory(dev) {
+        eprintln!("twell: could not set the memory pool's release threshold ({e}); continuing");
+    }
+    if let Err(e) = give_cublas_workspace(dev) {
+        eprintln!("twell: could not give cuBLAS a workspace ({e}); continuing");
+    }
+    Ok(())
+}
+
+fn keep_pool_memory(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().w()?;
+    // SAFETY: plain driver calls on the live, current device; `threshold` outlives them.
+    unsafe {
+        let pool = driver::result::device::get_default_mem_pool(ctx.cu_device()).w()?;
+        let mut threshold: u64 = u64::MAX;
+        driver::result::mem_pool::set_attribute(
+            pool,
+            driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .w()?;
+    }
+    Ok(())
+}
+
+fn give_cublas_workspace(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::cublas;
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let workspace = dev.alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)?;
+    let blas = dev.cublas_handle();
+    let stream = dev.cuda_stream();
+    {
+        let (ptr, _guard) = workspace.device_ptr(&stream);
+        // SAFETY: the buffer is CUBLAS_WORKSPACE_BYTES long and never freed (below).
+        let status = unsafe {
+            cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                ptr as *mut std::ffi::c_void,
+                CUBLAS_WORKSPACE_BYTES,
+            )
+        };
+        if status != cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return err(TwellError::Invalid(format!(
+                "cublasSetWorkspace: {status:?}"
+            )));
+        }
+    }
+    // The handle keeps using the workspace for the life of the process.
+    std::mem::forget(workspace);
+    Ok(())
+}
+
+/// Stages of the forward pass, for `TWELL_PROFILE=1`.
+pub const STAGES: [&str; 4] = ["gate GEMM", "pack", "up", "down"];
+
+static PROFILE: std::sync::Mutex<([f64; 4], usize)> = std::sync::Mutex::new(([0.0; 4], 0));
+
+fn profiling() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TWELL_PROFILE").is_some())
+}
+
+/// Mean milliseconds per call of each stage since the last reset (`TWELL_PROFILE=1`
+/// only; profiling synchronises after every call).
+pub fn take_profile() -> Option<[f64; 4]> {
+    let mut p = PROFILE.lock().expect("profile lock");
+    let (sums, n) = *p;
+    *p = ([0.0; 4], 0);
+    (n > 0).then(|| sums.map(|s| s / n as f64))
+}
+
+/// What the forward pass leaves on the device besides the output.
+pub struct Activity {
+    /// `[M, n_tiles]`: nonzeros of each (token, tile), true counts.
+    pub counts: CudaSlice<u32>,
+}
+
+/// `g = x · Wgᵀ` into a fresh `[m, f]` bf16 buffer, through cuBLAS.
+fn gate_gemm(
+    dev: &CudaDevice,
+    x: &CudaView<bf16>,
+    wg: &CudaView<bf16>,
+    m: usize,
+    d: usize,
+    f: usize,
+) -> Result<CudaSlice<bf16>> {
+    // SAFETY: cuBLAS writes every element below.
+    let mut gate = unsafe { dev.alloc::<bf16>(m * f)? };
+    // Row-major G [m, f] is column-major Gᵀ [f, m] = Wg [f, d] · xᵀ [d, m].
+    let cfg = GemmConfig {
+        transa: cublasOperation_t::CUBLAS_OP_T,
+        transb: cublasOperation_t::CUBLAS_OP_N,
+        m: f as i32,
+        n: m as i32,
+        k: d as i32,
+        alpha: bf16::ONE,
+        lda: d as i32,
+        ldb: d as i32,
+        beta: bf16::ZERO,
+        ldc: f as i32,
+    };
+    // SAFETY: shapes and leading dimensions match the buffers above.
+    unsafe { dev.cublas_handle().gemm(cfg, wg, x, &mut gate) }.w()?;
+    Ok(gate)
+}
+
+/// Fills a bf16 buffer with a NaN pattern when `TWELL_POISON` is set, so tests can
+/// see any output element a kernel failed to write.
+fn poison(dev: &CudaDevice, buf: &mut CudaSlice<bf16>) -> Result<()> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var_os("TWELL_POISON").is_some()) {
+        return Ok(());
+    }
+    let func = dev.get_or_load_custom_func("twell_fill_u16", "twell_gate_pack", GATE_PACK_PTX)?;
+    let n = buf.len() as i64;
+    let bits: u16 = 0x7fc1;
+    let mut b = func.builder();
+    b.arg(buf);
+    b.arg(&n);
+    b.arg(&bits);
+    // SAFETY: the kernel writes n u16 words of `buf`.
+    unsafe { b.launch(warp_launch(1024 * 8)?) }.w()?;
+    Ok(())
+}
+
+/// The whole ReGLU MLP for `x [m, d]`, `wg [f, d]`, `w_ud [f, 2d]` (bf16):
+/// returns `[m, d + L1_COLUMNS]` (outputs, then each token's L1 term) and the counts.
+pub fn twell_mlp_forward(
+    x: &CudaStorage,
+    xl: &Layout,
+    wg: &CudaStorage,
+    wl: &Layout,
+    w_ud: &CudaStorage,
+    ul: &Layout,
+    config: TwellConfig,
+) -> Result<(CudaStorage, Shape, Activity)> {
+    let (m, d) = xl.shape().dims2()?;
+    let f = wl.shape().dims2()?.0;
+    if d % 8 != 0 {
+        return err(TwellError::Invalid(format!(
+            "the CUDA TwELL kernels need hidden % 8 == 0 (16-byte rows), got hidden {d}"
+        )));
+    }
+    let dev = x.device().clone();
+    let (xv, wgv, wudv) = (
+        bf16_view("x", x, xl)?,
+        bf16_view("gate_proj", wg, wl)?,
+        bf16_view("w_ud", w_ud, ul)?,
+    );
+    let (tile, cap) = (config.tile(), config.capacity());
+    let n_tiles = config.n_tiles(f);
+    let (m_i, d_i, f_i, tile_i, cap_i, nt_i) = (
+        m as i32,
+        d as i32,
+        f as i32,
+        tile as i32,
+        cap as i32,
+        n_tiles as i32,
+    );
+
+    let stream = dev.cuda_stream();
+    let mut marks = Vec::new();
+    let mark = |marks: &mut Vec<_>| -> Result<()> {
+        if profiling() {
+            // Timing events: the default flags (cudarc disables timing when given None).
+            marks.push(
+                stream
+                    .record_event(Some(candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .w()?,
+            );
+        }
+        Ok(())
+    };
+    mark(&mut marks)?;
+    let mut gate = gate_gemm(&dev, &xv, &wgv, m, d, f)?;
+    mark(&mut marks)?;
+    // SAFETY: gate_pack writes every count, and every slot the consumers read.
+    let mut counts = unsafe { dev.alloc::<u32>(m * n_tiles)? };
+    let mut indices = unsafe { dev.alloc::<u8>(m * n_tiles * cap)? };
+    let mut values = unsafe { dev.alloc::<bf16>(m * n_tiles * cap)? };
+    let mut l1 = dev.alloc_zeros::<f32>(m)?;
+
+    let pack =
+        dev.get_or_load_custom_func("twell_gate_pack_bf16", "twell_gate_pack", GATE_PACK_PTX)?;
+    let mut b = pack.builder();
+    b.arg(&gate)
+        .arg(&mut counts)
+        .arg(&mut indices)
+        .arg(&mut values);
+    b.arg(&m_i).arg(&f_i).arg(&tile_i).arg(&cap_i).arg(&nt_i);
+    // SAFETY: one warp per (row, tile), bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(m * n_tiles)?) }.w()?;
+    mark(&mut marks)?;
+
+    let decode = m <= decode_max_tokens();
+    let slots_per_warp: usize = if decode { 1 } else { cap };
+    let spw_i = slots_per_warp as i32;
+    let up = dev.get_or_load_custom_func("gated_t2d_up_bf16", "gated_t2d", GATED_T2D_PTX)?;
+    let mut b = up.builder();
+    b.arg(&xv)
+        .arg(&wudv)
+        .arg(&counts)
+        .arg(&indices)
+        .arg(&mut values)
+        .arg(&mut gate)
+        .arg(&mut l1);
+    b.arg(&m_i)
+        .arg(&d_i)
+        .arg(&f_i)
+        .arg(&tile_i)
+        .arg(&cap_i)
+        .arg(&nt_i)
+        .arg(&spw_i);
+    // SAFETY: one warp per (row, tile, slot group), bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(m * n_tiles * (cap / slots_per_warp))?) }.w()?;
+    mark(&mut marks)?;
+
+    let ld = d + L1_COLUMNS;
+    // SAFETY: the down (or finish) kernel writes every element; `poison` checks that.
+    let mut out = unsafe { dev.alloc::<bf16>(m * ld)? };
+    poison(&dev, &mut out)?;
+    let tile_groups = if decode { n_tiles } else { 1 };
+    // The f32 partial sums exist only on the decode path; prefill stores bf16 directly.
+    let mut acc = if decode {
+        dev.alloc_zeros::<f32>(m * d)?
+    } else {
+        unsafe { dev.alloc::<f32>(1)? }
+    };
+    let n_chunks = d.div_ceil(WARP_CHUNK);
+    let tg_i = tile_groups as i32;
+    let down = dev.get_or_load_custom_func("gated_t2d_down_bf16", "gated_t2d", GATED_T2D_PTX)?;
+    let mut b = down.builder();
+    b.arg(&wudv)
+        .arg(&counts)
+        .arg(&indices)
+        .arg(&values)
+        .arg(&gate)
+        .arg(&l1)
+        .arg(&mut acc)
+        .arg(&mut out);
+    b.arg(&m_i)
+        .arg(&d_i)
+        .arg(&f_i)
+        .arg(&tile_i)
+        .arg(&cap_i)
+        .arg(&nt_i)
+        .arg(&tg_i);
+    // SAFETY: one warp per (row, chunk, tile group), bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(m * n_chunks * tile_groups)?) }.w()?;
+    if decode {
+        let finish =
+            dev.get_or_load_custom_func("gated_t2d_finish_bf16", "gated_t2d", GATED_T2D_PTX)?;
+        let mut b = finish.builder();
+        b.arg(&acc).arg(&l1).arg(&mut out).arg(&m_i).arg(&d_i);
+        let blocks = (m * ld).div_ceil(BLOCK_THREADS as usize).min(4096) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks.max(1), 1, 1),
+            block_dim: (BLOCK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: grid-stride loop over m · ld elements.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    mark(&mut marks)?;
+    if profiling() {
+        stream.synchronize().w()?;
+        let mut p = PROFILE.lock().expect("profile lock");
+        for k in 0..4 {
+            p.0[k] += marks[k].elapsed_ms(&marks[k + 1]).w()? as f64;
+        }
+        p.1 += 1;
+    }
+    let storage = CudaStorage::wrap_cuda_slice(out, dev);
+    Ok((storage, Shape::from((m, ld)), Activity { counts }))
+}

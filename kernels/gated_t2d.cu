@@ -1,0 +1,170 @@
+// gated_t2d: the sparse up and down projections of a TwELL gate.
+//
+//   up   (SDDMM): h_ij = g_ij * (x_i . Wu_j) for each active (i, j), written over g
+//   down (SpMM) : out_i = sum_j h_ij * Wd_j, and out_i[d] = sum_j |h_ij| (the L1 term)
+//
+// Weights are neuron-major: row j of w_ud [f, 2d] is [Wu_j | Wd_j], so each active
+// neuron costs two contiguous 2d-byte reads. Overflowing tiles (count > capacity) are
+// read from the dense gate, where the up kernel also leaves their h.
+//
+// Work is split so that every size fills the GPU: for many tokens a warp takes a whole
+// tile (up) or a whole row chunk (down); for few tokens (decode) a warp takes one slot
+// (up) or one tile of one chunk (down), the partial sums meeting in f32 atomics.
+#include "twell_common.cuh"
+
+extern "C" __global__ void gated_t2d_up_bf16(
+    const __nv_bfloat16* __restrict__ x,      // [M, d]
+    const __nv_bfloat16* __restrict__ w_ud,   // [f, 2d]
+    const uint32_t* __restrict__ counts,      // [M, n_tiles]
+    const uint8_t* __restrict__ indices,      // [M, n_tiles, cap]
+    __nv_bfloat16* __restrict__ values,       // [M, n_tiles, cap]: g in, h out
+    __nv_bfloat16* __restrict__ gate,         // [M, f]: overflow tiles become h
+    float* __restrict__ l1,                   // [M], zeroed
+    int M, int d, int f, int tile, int cap, int n_tiles, int slots_per_warp) {
+    const int groups = cap / slots_per_warp;
+    const long long w = global_warp();
+    const int lane = threadIdx.x & 31;
+    if (w >= static_cast<long long>(M) * n_tiles * groups) return;
+    const int grp = static_cast<int>(w % groups);
+    const long long rt = w / groups;  // (row, tile)
+    const long long row = rt / n_tiles;
+    const int t = static_cast<int>(rt % n_tiles);
+    const int count = static_cast<int>(counts[rt]);
+    const __nv_bfloat16* xr = x + row * d;
+    float l1_acc = 0.f;
+    if (count <= cap) {
+        const int s1 = min(count, (grp + 1) * slots_per_warp);
+        for (int s = grp * slots_per_warp; s < s1; ++s) {
+            const long long slot = rt * cap + s;
+            const int j = t * tile + indices[slot];
+            const float g = __bfloat162float(values[slot]);
+            const float u = warp_dot(xr, w_ud + static_cast<long long>(j) * 2 * d, d);
+            const __nv_bfloat16 h = __float2bfloat16(g * u);
+            l1_acc += fabsf(__bfloat162float(h));
+            if (lane == 0) values[slot] = h;
+        }
+    } else if (grp == 0) {
+        const int c0 = t * tile;
+        const int width = min(tile, f - c0);
+        __nv_bfloat16* src = gate + row * f + c0;
+        for (int k = 0; k < width; k += 32) {
+            const int c = k + lane;
+            const float g = c < width ? __bfloat162float(src[c]) : 0.f;
+            uint32_t mask = __ballot_sync(FULL_MASK, g > 0.f);
+            // Non-positive gates are dropped (the ReLU), so the tile reads as h after.
+            if (c < width && !(g > 0.f)) src[c] = __float2bfloat16(0.f);
+            while (mask) {
+                const int b = __ffs(mask) - 1;
+                mask &= mask - 1;
+                const float gb = __shfl_sync(FULL_MASK, g, b);
+                const int j = c0 + k + b;
+                const float u = warp_dot(xr, w_ud + static_cast<long long>(j) * 2 * d, d);
+                const __nv_bfloat16 h = __float2bfloat16(gb * u);
+                l1_acc += fabsf(__bfloat162float(h));
+                if (lane == b) src[k + b] = h;
+            }
+        }
+    }
+    if (lane == 0 && l1_acc != 0.f) atomicAdd(l1 + row, l1_acc);
+}
+
+// Adds h * Wd_j[e0 .. e0 + 8) to acc.
+__device__ __forceinline__ void axpy8(float h, const __nv_bfloat16* __restrict__ wd, float* acc) {
+    float w[VEC];
+    load8(wd, w);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[k] = fmaf(h, w[k], acc[k]);
+}
+
+extern "C" __global__ void gated_t2d_down_bf16(
+    const __nv_bfloat16* __restrict__ w_ud,    // [f, 2d]
+    const uint32_t* __restrict__ counts,       // [M, n_tiles]
+    const uint8_t* __restrict__ indices,       // [M, n_tiles, cap]
+    const __nv_bfloat16* __restrict__ values,  // [M, n_tiles, cap]: h
+    const __nv_bfloat16* __restrict__ gate,    // [M, f]: h of overflow tiles
+    const float* __restrict__ l1,              // [M]
+    float* __restrict__ acc_out,               // [M, d] f32, used when tile_groups > 1
+    __nv_bfloat16* __restrict__ out,           // [M, d + L1_COLUMNS]
+    int M, int d, int f, int tile, int cap, int n_tiles, int tile_groups) {
+    const int n_chunks = (d + WARP_CHUNK - 1) / WARP_CHUNK;
+    const long long w = global_warp();
+    const int lane = threadIdx.x & 31;
+    if (w >= static_cast<long long>(M) * n_chunks * tile_groups) return;
+    const int tg = static_cast<int>(w % tile_groups);
+    const long long rc = w / tile_groups;
+    const int chunk = static_cast<int>(rc % n_chunks);
+    const long long row = rc / n_chunks;
+    const int e0 = chunk * WARP_CHUNK + lane * VEC;
+    const bool mine = e0 < d;
+    const int per_group = (n_tiles + tile_groups - 1) / tile_groups;
+    const int t0 = tg * per_group, t1 = min(n_tiles, t0 + per_group);
+    const __nv_bfloat16* wd = w_ud + d + e0;  // + j * 2d per neuron
+    float acc[VEC] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int t = t0; t < t1; ++t) {
+        const long long rt = row * n_tiles + t;
+        const int count = static_cast<int>(counts[rt]);
+        if (count <= cap) {
+            const long long s0 = rt * cap;
+            int s = 0;
+            // Four neurons at a time: four independent 16-byte loads in flight.
+            for (; s + 4 <= count; s += 4) {
+                int j[4];
+                float h[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    j[q] = t * tile + indices[s0 + s + q];
+                    h[q] = __bfloat162float(values[s0 + s + q]);
+                }
+                if (mine) {
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) axpy8(h[q], wd + static_cast<long long>(j[q]) * 2 * d, acc);
+                }
+            }
+            for (; s < count; ++s) {
+                const int j = t * tile + indices[s0 + s];
+                const float h = __bfloat162float(values[s0 + s]);
+                if (mine) axpy8(h, wd + static_cast<long long>(j) * 2 * d, acc);
+            }
+        } else {
+            const int c0 = t * tile;
+            const int width = min(tile, f - c0);
+            const __nv_bfloat16* src = gate + row * f + c0;
+            for (int k = 0; k < width; k += 32) {
+                const int c = k + lane;
+                const float hv = c < width ? __bfloat162float(src[c]) : 0.f;
+                uint32_t mask = __ballot_sync(FULL_MASK, hv != 0.f);
+                while (mask) {
+                    const int b = __ffs(mask) - 1;
+                    mask &= mask - 1;
+                    const float h = __shfl_sync(FULL_MASK, hv, b);
+                    if (mine) axpy8(h, wd + static_cast<long long>(c0 + k + b) * 2 * d, acc);
+                }
+            }
+        }
+    }
+    const long long ld = d + L1_COLUMNS;
+    if (tile_groups == 1) {
+        if (mine) store8(out + row * ld + e0, acc);
+        if (chunk == 0 && lane == 0) {
+            float tail[VEC] = {l1[row], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            store8(out + row * ld + d, tail);
+        }
+    } else if (mine) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) atomicAdd(acc_out + row * d + e0 + k, acc[k]);
+    }
+}
+
+// Decode path epilogue: the f32 partial sums to bf16, and the L1 column.
+extern "C" __global__ void gated_t2d_finish_bf16(const float* __restrict__ acc, const float* __restrict__ l1,
+                                                 __nv_bfloat16* __restrict__ out, int M, int d) {
+    const long long ld = d + L1_COLUMNS;
+    const long long n = static_cast<long long>(M) * ld;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const long long row = i / ld;
+        const int col = static_cast<int>(i % ld);
+        float v = col < d ? acc[row * d + col] : (col == d ? l1[row] : 0.f);
+        out[i] = __float2bfloat16(v);
+    }
+}
