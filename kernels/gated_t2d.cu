@@ -168,3 +168,209 @@ extern "C" __global__ void gated_t2d_finish_bf16(const float* __restrict__ acc, 
         out[i] = __float2bfloat16(v);
     }
 }
+
+// Prefill path, up: one warp per token row. The row of x stays in registers (MAXV
+// 16-byte vectors per lane, packed bf16), each tile's count is read by its own lane,
+// empty tiles are skipped by a ballot, and each tile's slot list is read and its h
+// written back with one coalesced access. The token's L1 term is stored, not added.
+template <int MAXV>
+__device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,
+                       const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
+                       __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate,
+                       float* __restrict__ l1_out, int M, int d, int f, int tile, int cap, int n_tiles) {
+    const long long row = global_warp();
+    const int lane = threadIdx.x & 31;
+    if (row >= M) return;
+    uint4 xr[MAXV];
+#pragma unroll
+    for (int i = 0; i < MAXV; ++i) {
+        const int e = (lane + 32 * i) * VEC;
+        xr[i] = e < d ? *reinterpret_cast<const uint4*>(x + row * d + e) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    const long long two_d = 2LL * d;
+    auto dot = [&](int j) {
+        const __nv_bfloat16* wu = w_ud + j * two_d;
+        float part = 0.f;
+#pragma unroll
+        for (int i = 0; i < MAXV; ++i) {
+            const int e = (lane + 32 * i) * VEC;
+            if (e < d) {
+                float b[VEC];
+                load8(wu + e, b);
+                const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xr[i]);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float2 xf = __bfloat1622float2(xh[q]);
+                    part = fmaf(xf.x, b[2 * q], part);
+                    part = fmaf(xf.y, b[2 * q + 1], part);
+                }
+            }
+        }
+        return warp_sum(part);
+    };
+    float l1 = 0.f;
+    for (int tb = 0; tb < n_tiles; tb += 32) {
+        const int t = tb + lane;
+        const int c = t < n_tiles ? static_cast<int>(counts[row * n_tiles + t]) : 0;
+        uint32_t listed = __ballot_sync(FULL_MASK, c > 0 && c <= cap);
+        uint32_t spilled = __ballot_sync(FULL_MASK, c > cap);
+        while (listed) {
+            const int b = __ffs(listed) - 1;
+            listed &= listed - 1;
+            const int tt = tb + b;
+            const int count = __shfl_sync(FULL_MASK, c, b);
+            const long long s0 = (row * n_tiles + tt) * static_cast<long long>(cap);
+            for (int sb = 0; sb < count; sb += 32) {
+                const int s = sb + lane;
+                int j = 0;
+                float g = 0.f;
+                if (s < count) {
+                    j = tt * tile + indices[s0 + s];
+                    g = __bfloat162float(values[s0 + s]);
+                }
+                const int n = min(32, count - sb);
+                __nv_bfloat16 mine = __float2bfloat16(0.f);
+                // One neuron at a time: interleaving two (twice the loads in flight)
+                // measured slower, the extra registers costing more than they hid.
+                for (int q = 0; q < n; ++q) {
+                    const float u = dot(__shfl_sync(FULL_MASK, j, q));
+                    const __nv_bfloat16 h = __float2bfloat16(__shfl_sync(FULL_MASK, g, q) * u);
+                    l1 += fabsf(__bfloat162float(h));
+                    if (lane == q) mine = h;
+                }
+                if (s < count) values[s0 + s] = mine;
+            }
+        }
+        while (spilled) {
+            const int b = __ffs(spilled) - 1;
+            spilled &= spilled - 1;
+            const int c0 = (tb + b) * tile;
+            const int width = min(tile, f - c0);
+            __nv_bfloat16* src = gate + row * f + c0;
+            for (int k = 0; k < width; k += 32) {
+                const int col = k + lane;
+                const float g = col < width ? __bfloat162float(src[col]) : 0.f;
+                uint32_t mask = __ballot_sync(FULL_MASK, g > 0.f);
+                __nv_bfloat16 mine = __float2bfloat16(0.f);  // non-positive gates become 0
+                while (mask) {
+                    const int q = __ffs(mask) - 1;
+                    mask &= mask - 1;
+                    const float u = dot(c0 + k + q);
+                    const __nv_bfloat16 h = __float2bfloat16(__shfl_sync(FULL_MASK, g, q) * u);
+                    l1 += fabsf(__bfloat162float(h));
+                    if (lane == q) mine = h;
+                }
+                if (col < width) src[col] = mine;
+            }
+        }
+    }
+    if (lane == 0) l1_out[row] = l1;
+}
+
+#define UP_ROW_KERNEL(MAXV)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) gated_t2d_up_rows_bf16_v##MAXV(                \
+        const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                \
+        const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,                   \
+        __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate, float* __restrict__ l1, \
+        int M, int d, int f, int tile, int cap, int n_tiles) {                                      \
+        up_row<MAXV>(x, w_ud, counts, indices, values, gate, l1, M, d, f, tile, cap, n_tiles);      \
+    }
+UP_ROW_KERNEL(1)
+UP_ROW_KERNEL(2)
+UP_ROW_KERNEL(4)
+UP_ROW_KERNEL(8)
+UP_ROW_KERNEL(16)
+
+// Prefill path, down: one warp per token row, the output row in registers (MAXV
+// 16-byte vectors per lane). Each tile's count is read by its own lane and empty tiles
+// are skipped by a ballot; each tile's (j, h) list is read with one coalesced load and
+// broadcast; every neuron then costs MAXV independent 16-byte loads per lane (its
+// whole Wd row), with no reduction between them. Stores bf16 and the L1 column.
+template <int MAXV>
+__device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,
+                         const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,
+                         const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,
+                         __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles) {
+    const long long row = global_warp();
+    const int lane = threadIdx.x & 31;
+    if (row >= M) return;
+    const long long two_d = 2LL * d;
+    float acc[MAXV][VEC];
+#pragma unroll
+    for (int i = 0; i < MAXV; ++i)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[i][k] = 0.f;
+    auto add = [&](int j, float h) {
+        const __nv_bfloat16* wd = w_ud + j * two_d + d;
+#pragma unroll
+        for (int i = 0; i < MAXV; ++i) {
+            const int e = (lane + 32 * i) * VEC;
+            if (e < d) axpy8(h, wd + e, acc[i]);
+        }
+    };
+    for (int tb = 0; tb < n_tiles; tb += 32) {
+        const int t = tb + lane;
+        const int c = t < n_tiles ? static_cast<int>(counts[row * n_tiles + t]) : 0;
+        uint32_t listed = __ballot_sync(FULL_MASK, c > 0 && c <= cap);
+        uint32_t spilled = __ballot_sync(FULL_MASK, c > cap);
+        while (listed) {
+            const int b = __ffs(listed) - 1;
+            listed &= listed - 1;
+            const int tt = tb + b;
+            const int count = __shfl_sync(FULL_MASK, c, b);
+            const long long s0 = (row * n_tiles + tt) * static_cast<long long>(cap);
+            for (int sb = 0; sb < count; sb += 32) {
+                const int s = sb + lane;
+                int j = 0;
+                float h = 0.f;
+                if (s < count) {
+                    j = tt * tile + indices[s0 + s];
+                    h = __bfloat162float(values[s0 + s]);
+                }
+                const int n = min(32, count - sb);
+                for (int q = 0; q < n; ++q) add(__shfl_sync(FULL_MASK, j, q), __shfl_sync(FULL_MASK, h, q));
+            }
+        }
+        while (spilled) {
+            const int b = __ffs(spilled) - 1;
+            spilled &= spilled - 1;
+            const int c0 = (tb + b) * tile;
+            const int width = min(tile, f - c0);
+            const __nv_bfloat16* src = gate + row * f + c0;
+            for (int k = 0; k < width; k += 32) {
+                const int col = k + lane;
+                const float hv = col < width ? __bfloat162float(src[col]) : 0.f;
+                uint32_t mask = __ballot_sync(FULL_MASK, hv != 0.f);
+                while (mask) {
+                    const int q = __ffs(mask) - 1;
+                    mask &= mask - 1;
+                    add(c0 + k + q, __shfl_sync(FULL_MASK, hv, q));
+                }
+            }
+        }
+    }
+    const long long ld = d + L1_COLUMNS;
+#pragma unroll
+    for (int i = 0; i < MAXV; ++i) {
+        const int e = (lane + 32 * i) * VEC;
+        if (e < d) store8(out + row * ld + e, acc[i]);
+    }
+    if (lane == 0) {
+        float tail[VEC] = {l1[row], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        store8(out + row * ld + d, tail);
+    }
+}
+
+#define DOWN_ROW_KERNEL(MAXV)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) gated_t2d_down_rows_bf16_v##MAXV(               \
+        const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,                 \
+        const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,               \
+        const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,                        \
+        __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles) {      \
+        down_row<MAXV>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap, n_tiles);   \
+    }
+DOWN_ROW_KERNEL(1)
+DOWN_ROW_KERNEL(2)
+DOWN_ROW_KERNEL(4)
+DOWN_ROW_KERNEL(8)
+DOWN_ROW_KERNEL(16)

@@ -81,6 +81,20 @@ impl Activation {
 /// measured M (docs/benchmarks.md), and loses at 50%.
 pub const DEFAULT_BREAK_EVEN_DENSITY: f64 = 0.15;
 
+/// The same on CUDA (H200, hidden 2048 / d_ff 5632): at 16k–65k tokens the sparse
+/// path beats cuBLAS dense up to about 1% density (docs/benchmarks.md).
+pub const CUDA_BREAK_EVEN_DENSITY: f64 = 0.01;
+
+/// From 2 tokens up to this many the CUDA sparse path lost to dense at every density
+/// measured, so `Auto` runs dense there.
+pub const CUDA_AUTO_MIN_TOKENS: usize = 2048;
+
+/// Single-token decode on CUDA: sparse won up to 3% density and lost at 10%.
+pub const CUDA_DECODE_BREAK_EVEN_DENSITY: f64 = 0.05;
+
+/// In `Auto` mode on a GPU, the density is re-measured every this many calls.
+pub const AUTO_RECHECK_CALLS: usize = 32;
+
 /// Which path the last forward took and what it saw.
 #[derive(Clone, Debug)]
 pub struct MlpStats {
@@ -151,8 +165,10 @@ pub struct SparseMlp {
     activation: Activation,
     mode: FfnMode,
     config: TwellConfig,
-    break_even: f64,
+    /// `None`: the device's default break-even.
+    break_even: Option<f64>,
     record_stats: bool,
+    calls: std::sync::atomic::AtomicUsize,
     last: Mutex<Option<LastForward>>,
     last_density: Mutex<Option<f64>>,
 }
@@ -201,8 +217,9 @@ impl SparseMlp {
             activation,
             mode,
             config: TwellConfig::default(),
-            break_even: DEFAULT_BREAK_EVEN_DENSITY,
+            break_even: None,
             record_stats: false,
+            calls: std::sync::atomic::AtomicUsize::new(0),
             last: Mutex::new(None),
             last_density: Mutex::new(None),
         })
@@ -229,7 +246,7 @@ impl SparseMlp {
 
     /// Sets the density above which `Auto` runs dense.
     pub fn with_break_even(mut self, density: f64) -> Self {
-        self.break_even = density;
+        self.break_even = Some(density);
         self
     }
 
@@ -271,15 +288,40 @@ impl SparseMlp {
     }
 
     /// Whether this call takes the sparse path.
-    fn use_sparse(&self) -> bool {
+    fn use_sparse(&self, tokens: usize, device: &candle_core::Device) -> bool {
         match (self.activation, self.mode) {
             (Activation::Silu, _) | (_, FfnMode::Dense) => false,
             (_, FfnMode::Sparse) => true,
-            (_, FfnMode::Auto) => match *self.last_density.lock().expect("density lock") {
-                Some(density) => density <= self.break_even,
-                None => true,
-            },
+            (_, FfnMode::Auto) => {
+                // On a GPU the sparse path pays for one token or for many, not for a
+                // few (docs/benchmarks.md).
+                let cuda = device.is_cuda();
+                if cuda && tokens > 1 && tokens < CUDA_AUTO_MIN_TOKENS {
+                    return false;
+                }
+                let break_even = match (self.break_even, cuda) {
+                    (Some(b), _) => b,
+                    (None, true) if tokens == 1 => CUDA_DECODE_BREAK_EVEN_DENSITY,
+                    (None, true) => CUDA_BREAK_EVEN_DENSITY,
+                    (None, false) => DEFAULT_BREAK_EVEN_DENSITY,
+                };
+                match *self.last_density.lock().expect("density lock") {
+                    Some(density) => density <= break_even,
+                    None => true,
+                }
+            }
         }
+    }
+
+    /// Whether this call should measure the density: always on the host (free), and
+    /// on a GPU every `AUTO_RECHECK_CALLS` calls in Auto mode (a read-back is a sync).
+    fn measure_now(&self, device: &candle_core::Device) -> bool {
+        let call = self
+            .calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.record_stats
+            || (self.mode == FfnMode::Auto
+                && (device.is_cpu() || call.is_multiple_of(AUTO_RECHECK_CALLS)))
     }
 
     /// The neuron-major `[f, 2d]` up/down matrix: rebuilt (differentiably) when the
@@ -324,11 +366,12 @@ impl SparseMlp {
         }
         let lead = &dims[..dims.len() - 1];
         let x2 = x.reshape(((), d))?;
-        let (out, l1) = if self.use_sparse() {
+        let measure = self.measure_now(x.device());
+        let (out, l1) = if self.use_sparse(x2.dim(0)?, x.device()) {
             let res = twell_mlp(&x2, &self.gate, &self.up_down()?, self.config)?;
             // Host ops know their density for free; a device op's counts are read
-            // back (a sync) only when statistics are being recorded.
-            if res.pattern.is_some() || self.record_stats {
+            // back (a sync) only when measuring.
+            if res.pattern.is_some() || measure {
                 *self.last_density.lock().expect("density lock") = Some(res.density()?);
             }
             if self.record_stats {
@@ -344,7 +387,7 @@ impl SparseMlp {
             } else {
                 None
             };
-            if self.mode == FfnMode::Auto || self.record_stats {
+            if measure {
                 let stats = MlpStats::from_dense(&h.detach())?;
                 *self.last_density.lock().expect("density lock") = Some(stats.density);
                 if self.record_stats {

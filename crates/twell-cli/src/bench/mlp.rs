@@ -62,6 +62,9 @@ pub struct MlpRow {
     pub dense_ms: f64,
     pub sparse_ms: f64,
     pub speedup: f64,
+    /// `SparseMlp` in `Auto` mode: sparse or dense by measured density and size.
+    pub auto_ms: f64,
+    pub auto_speedup: f64,
     /// Weight bytes the dense MLP must read, over its time.
     pub dense_gbps: f64,
     /// Weight bytes the sparse MLP must read (all of Wg, the union of active up/down
@@ -157,7 +160,7 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
     let mut rows = Vec::new();
     for &(hidden, ffn) in &shapes {
         for &density in &args.density {
-            let sets: Vec<(DenseMlp, SparseMlp)> = (0..args.weight_sets)
+            let sets: Vec<(DenseMlp, SparseMlp, SparseMlp)> = (0..args.weight_sets)
                 .map(|k| {
                     let w = synthetic_mlp(hidden, ffn, density, dtype, &device, 1000 + k as u64)?;
                     let sparse = SparseMlp::new(
@@ -167,7 +170,14 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                         Activation::Relu,
                         FfnMode::Sparse,
                     )?;
-                    Ok((DenseMlp::new(&w), sparse))
+                    let auto = SparseMlp::new(
+                        w.gate.clone(),
+                        w.up.clone(),
+                        w.down.clone(),
+                        Activation::Relu,
+                        FfnMode::Auto,
+                    )?;
+                    Ok((DenseMlp::new(&w), sparse, auto))
                 })
                 .collect::<candle_core::Result<_>>()?;
             for &m in &args.tokens {
@@ -198,12 +208,16 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     std::hint::black_box(sets[round % sets.len()].1.forward(&x)?);
                     Ok(())
                 };
+                let mut auto_run = |round: usize| -> candle_core::Result<()> {
+                    std::hint::black_box(sets[round % sets.len()].2.forward(&x)?);
+                    Ok(())
+                };
                 take_stages();
                 let t = interleaved_medians(
                     &device,
                     args.warmup,
                     args.reps,
-                    &mut [&mut dense_run, &mut sparse_run],
+                    &mut [&mut dense_run, &mut sparse_run, &mut auto_run],
                 )?;
                 let stages_ms = take_stages();
                 let elem = dtype.size_in_bytes() as f64;
@@ -219,6 +233,8 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     dense_ms: t[0] * 1e3,
                     sparse_ms: t[1] * 1e3,
                     speedup: t[0] / t[1],
+                    auto_ms: t[2] * 1e3,
+                    auto_speedup: t[0] / t[2],
                     dense_gbps: dense_bytes / t[0] / 1e9,
                     sparse_gbps: sparse_bytes / t[1] / 1e9,
                     dense_gflops: 6.0 * (m * hidden * ffn) as f64 / t[0] / 1e9,
@@ -260,7 +276,7 @@ pub fn print(report: &MlpReport) {
         report.device, report.dtype, report.threads, report.host_read_gbps
     );
     println!(
-        "{:>6} {:>6} {:>6} {:>8} {:>8} {:>7} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9}",
+        "{:>6} {:>6} {:>6} {:>8} {:>8} {:>7} {:>10} {:>10} {:>8} {:>6} {:>9} {:>9} {:>9}",
         "hidden",
         "d_ff",
         "M",
@@ -270,13 +286,14 @@ pub fn print(report: &MlpReport) {
         "dense ms",
         "sparse ms",
         "speedup",
+        "auto",
         "dense GB/s",
         "sparse GB/s",
         "dense GF/s"
     );
     for r in &report.rows {
         println!(
-            "{:>6} {:>6} {:>6} {:>7.2}% {:>7.2}% {:>7.1} {:>10.3} {:>10.3} {:>7.2}x {:>9.1} {:>9.1} {:>9.1}",
+            "{:>6} {:>6} {:>6} {:>7.2}% {:>7.2}% {:>7.1} {:>10.3} {:>10.3} {:>7.2}x {:>5.2}x {:>9.1} {:>9.1} {:>9.1}",
             r.hidden,
             r.ffn,
             r.tokens,
@@ -286,6 +303,7 @@ pub fn print(report: &MlpReport) {
             r.dense_ms,
             r.sparse_ms,
             r.speedup,
+            r.auto_speedup,
             r.dense_gbps,
             r.sparse_gbps,
             r.dense_gflops

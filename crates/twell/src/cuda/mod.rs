@@ -38,6 +38,13 @@ fn decode_max_tokens() -> usize {
     })
 }
 
+/// The prefill up kernel keeps a row of x in registers as `MAXV` 16-byte vectors per
+/// lane; the instantiations are 1, 2, 4, 8 and 16 (d up to 4096).
+fn row_vectors(d: usize) -> Option<usize> {
+    let need = d.div_ceil(32 * 8);
+    [1, 2, 4, 8, 16].into_iter().find(|&v| v >= need)
+}
+
 fn warp_launch(warps: usize) -> Result<LaunchConfig> {
     let warps_per_block = (BLOCK_THREADS / 32) as usize;
     let blocks = warps.div_ceil(warps_per_block);
@@ -272,10 +279,14 @@ pub fn twell_mlp_forward(
     let mut counts = unsafe { dev.alloc::<u32>(m * n_tiles)? };
     let mut indices = unsafe { dev.alloc::<u8>(m * n_tiles * cap)? };
     let mut values = unsafe { dev.alloc::<bf16>(m * n_tiles * cap)? };
-    let mut l1 = dev.alloc_zeros::<f32>(m)?;
 
-    let pack =
-        dev.get_or_load_custom_func("twell_gate_pack_bf16", "twell_gate_pack", GATE_PACK_PTX)?;
+    // 16-byte loads need every row and tile start aligned: d_ff % 8 == 0.
+    let pack_name = if f % 8 == 0 {
+        "twell_gate_pack_vec_bf16"
+    } else {
+        "twell_gate_pack_bf16"
+    };
+    let pack = dev.get_or_load_custom_func(pack_name, "twell_gate_pack", GATE_PACK_PTX)?;
     let mut b = pack.builder();
     b.arg(&gate)
         .arg(&mut counts)
@@ -286,74 +297,133 @@ pub fn twell_mlp_forward(
     unsafe { b.launch(warp_launch(m * n_tiles)?) }.w()?;
     mark(&mut marks)?;
 
-    let decode = m <= decode_max_tokens();
-    let slots_per_warp: usize = if decode { 1 } else { cap };
-    let spw_i = slots_per_warp as i32;
-    let up = dev.get_or_load_custom_func("gated_t2d_up_bf16", "gated_t2d", GATED_T2D_PTX)?;
-    let mut b = up.builder();
-    b.arg(&xv)
-        .arg(&wudv)
-        .arg(&counts)
-        .arg(&indices)
-        .arg(&mut values)
-        .arg(&mut gate)
-        .arg(&mut l1);
-    b.arg(&m_i)
-        .arg(&d_i)
-        .arg(&f_i)
-        .arg(&tile_i)
-        .arg(&cap_i)
-        .arg(&nt_i)
-        .arg(&spw_i);
-    // SAFETY: one warp per (row, tile, slot group), bounds checked in the kernel.
-    unsafe { b.launch(warp_launch(m * n_tiles * (cap / slots_per_warp))?) }.w()?;
-    mark(&mut marks)?;
-
     let ld = d + L1_COLUMNS;
-    // SAFETY: the down (or finish) kernel writes every element; `poison` checks that.
+    // SAFETY: the last kernel writes every element; `poison` lets the tests check that.
     let mut out = unsafe { dev.alloc::<bf16>(m * ld)? };
     poison(&dev, &mut out)?;
-    let tile_groups = if decode { n_tiles } else { 1 };
-    // The f32 partial sums exist only on the decode path; prefill stores bf16 directly.
-    let mut acc = if decode {
-        dev.alloc_zeros::<f32>(m * d)?
-    } else {
-        unsafe { dev.alloc::<f32>(1)? }
-    };
-    let n_chunks = d.div_ceil(WARP_CHUNK);
-    let tg_i = tile_groups as i32;
-    let down = dev.get_or_load_custom_func("gated_t2d_down_bf16", "gated_t2d", GATED_T2D_PTX)?;
-    let mut b = down.builder();
-    b.arg(&wudv)
-        .arg(&counts)
-        .arg(&indices)
-        .arg(&values)
-        .arg(&gate)
-        .arg(&l1)
-        .arg(&mut acc)
-        .arg(&mut out);
-    b.arg(&m_i)
-        .arg(&d_i)
-        .arg(&f_i)
-        .arg(&tile_i)
-        .arg(&cap_i)
-        .arg(&nt_i)
-        .arg(&tg_i);
-    // SAFETY: one warp per (row, chunk, tile group), bounds checked in the kernel.
-    unsafe { b.launch(warp_launch(m * n_chunks * tile_groups)?) }.w()?;
-    if decode {
-        let finish =
-            dev.get_or_load_custom_func("gated_t2d_finish_bf16", "gated_t2d", GATED_T2D_PTX)?;
-        let mut b = finish.builder();
-        b.arg(&acc).arg(&l1).arg(&mut out).arg(&m_i).arg(&d_i);
-        let blocks = (m * ld).div_ceil(BLOCK_THREADS as usize).min(4096) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks.max(1), 1, 1),
-            block_dim: (BLOCK_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: grid-stride loop over m · ld elements.
-        unsafe { b.launch(cfg) }.w()?;
+    let decode = m <= decode_max_tokens();
+    match (decode, row_vectors(d)) {
+        (false, Some(v)) => {
+            // Prefill: a warp per row computes h (x in registers), then a warp per
+            // row accumulates the down projection (the output row in registers).
+            // SAFETY: up_rows writes every row's L1 term.
+            let mut l1 = unsafe { dev.alloc::<f32>(m)? };
+            let up = dev.get_or_load_custom_func(
+                &format!("gated_t2d_up_rows_bf16_v{v}"),
+                "gated_t2d",
+                GATED_T2D_PTX,
+            )?;
+            let mut b = up.builder();
+            b.arg(&xv)
+                .arg(&wudv)
+                .arg(&counts)
+                .arg(&indices)
+                .arg(&mut values)
+                .arg(&mut gate)
+                .arg(&mut l1);
+            b.arg(&m_i)
+                .arg(&d_i)
+                .arg(&f_i)
+                .arg(&tile_i)
+                .arg(&cap_i)
+                .arg(&nt_i);
+            // SAFETY: one warp per row, bounds checked in the kernel.
+            unsafe { b.launch(warp_launch(m)?) }.w()?;
+            mark(&mut marks)?;
+            let down_name = format!("gated_t2d_down_rows_bf16_v{v}");
+            let down = dev.get_or_load_custom_func(&down_name, "gated_t2d", GATED_T2D_PTX)?;
+            let mut b = down.builder();
+            b.arg(&wudv)
+                .arg(&counts)
+                .arg(&indices)
+                .arg(&values)
+                .arg(&gate)
+                .arg(&l1)
+                .arg(&mut out);
+            b.arg(&m_i)
+                .arg(&d_i)
+                .arg(&f_i)
+                .arg(&tile_i)
+                .arg(&cap_i)
+                .arg(&nt_i);
+            // SAFETY: one warp per row, bounds checked in the kernel.
+            unsafe { b.launch(warp_launch(m)?) }.w()?;
+        }
+        _ => {
+            // Decode (or rows too wide for registers): h spread over a warp per slot
+            // (decode) or per tile, then the down projection, whose partial sums
+            // meet in f32 atomics when rows are few.
+            let mut l1 = dev.alloc_zeros::<f32>(m)?;
+            let slots_per_warp: usize = if decode { 1 } else { cap };
+            let spw_i = slots_per_warp as i32;
+            let up =
+                dev.get_or_load_custom_func("gated_t2d_up_bf16", "gated_t2d", GATED_T2D_PTX)?;
+            let mut b = up.builder();
+            b.arg(&xv)
+                .arg(&wudv)
+                .arg(&counts)
+                .arg(&indices)
+                .arg(&mut values)
+                .arg(&mut gate)
+                .arg(&mut l1);
+            b.arg(&m_i)
+                .arg(&d_i)
+                .arg(&f_i)
+                .arg(&tile_i)
+                .arg(&cap_i)
+                .arg(&nt_i)
+                .arg(&spw_i);
+            // SAFETY: one warp per (row, tile, slot group), bounds checked in the kernel.
+            unsafe { b.launch(warp_launch(m * n_tiles * (cap / slots_per_warp))?) }.w()?;
+            mark(&mut marks)?;
+
+            let tile_groups = if decode { n_tiles } else { 1 };
+            // The f32 partial sums exist only on the decode path.
+            let mut acc = if decode {
+                dev.alloc_zeros::<f32>(m * d)?
+            } else {
+                unsafe { dev.alloc::<f32>(1)? }
+            };
+            let n_chunks = d.div_ceil(WARP_CHUNK);
+            let tg_i = tile_groups as i32;
+            let down =
+                dev.get_or_load_custom_func("gated_t2d_down_bf16", "gated_t2d", GATED_T2D_PTX)?;
+            let mut b = down.builder();
+            b.arg(&wudv)
+                .arg(&counts)
+                .arg(&indices)
+                .arg(&values)
+                .arg(&gate)
+                .arg(&l1)
+                .arg(&mut acc)
+                .arg(&mut out);
+            b.arg(&m_i)
+                .arg(&d_i)
+                .arg(&f_i)
+                .arg(&tile_i)
+                .arg(&cap_i)
+                .arg(&nt_i)
+                .arg(&tg_i);
+            // SAFETY: one warp per (row, chunk, tile group), bounds checked in the kernel.
+            unsafe { b.launch(warp_launch(m * n_chunks * tile_groups)?) }.w()?;
+            if decode {
+                let finish = dev.get_or_load_custom_func(
+                    "gated_t2d_finish_bf16",
+                    "gated_t2d",
+                    GATED_T2D_PTX,
+                )?;
+                let mut b = finish.builder();
+                b.arg(&acc).arg(&l1).arg(&mut out).arg(&m_i).arg(&d_i);
+                let blocks = (m * ld).div_ceil(BLOCK_THREADS as usize).min(4096) as u32;
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks.max(1), 1, 1),
+                    block_dim: (BLOCK_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: grid-stride loop over m · ld elements.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+        }
     }
     mark(&mut marks)?;
     if profiling() {
