@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_twell::sparse_llama::checkpoint::save_hf;
+use candle_twell::sparse_llama::tokenizer::byte_level_tokenizer;
 use candle_twell::sparse_llama::{Cache, Llama, LlamaConfig};
 use candle_twell::twell::density::gaussian;
 use rand::{rngs::StdRng, SeedableRng};
@@ -66,7 +67,7 @@ fn main() -> Result<()> {
             );
         }
         let dir = out.join(format!("tiny-{act}"));
-        let tokenizer = byte_tokenizer()?;
+        let tokenizer = byte_level_tokenizer()?;
         save_hf(&dir, &w, &cfg, &tokenizer, None, DType::F32)?;
         let tokens = tokenizer
             .encode(TEXT, false)
@@ -85,29 +86,4 @@ fn main() -> Result<()> {
         println!("wrote {}", dir.display());
     }
     Ok(())
-}
-
-/// Byte-level BPE over the 256 byte symbols (no merges) plus `<s>` and `</s>`.
-fn byte_tokenizer() -> Result<tokenizers::Tokenizer> {
-    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    let mut chars: Vec<char> = ByteLevel::alphabet().into_iter().collect();
-    chars.sort();
-    let vocab: tokenizers::models::bpe::Vocab = chars
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (c.to_string(), i as u32))
-        .collect();
-    let bpe = tokenizers::models::bpe::BPE::builder()
-        .vocab_and_merges(vocab, vec![])
-        .build()
-        .map_err(anyhow::Error::msg)?;
-    let mut tok = tokenizers::Tokenizer::new(bpe);
-    tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
-    tok.with_decoder(Some(ByteLevel::new(false, true, true)));
-    tok.add_special_tokens(vec![
-        tokenizers::AddedToken::from("<s>", true),
-        tokenizers::AddedToken::from("</s>", true),
-    ])
-    .map_err(anyhow::Error::msg)?;
-    Ok(tok)
 }

@@ -97,7 +97,7 @@ fn perplexity_on_held_out_speeches_matches_reference() {
     assert_eq!(corpus.files.len(), 233);
     let tokens = corpus.last(5).tokenize(&ck.tokenizer, Some(2)).unwrap();
     let ppl =
-        sparse_llama::perplexity::perplexity(&model, &tokens, 512, 4, &Device::Cpu, |_, _| {})
+        sparse_llama::perplexity::perplexity(&model, &tokens, 512, 4, &Device::Cpu, |_, _| Ok(()))
             .unwrap();
     assert!(
         (ppl.perplexity / 22.7 - 1.0).abs() < 0.02,

@@ -104,27 +104,7 @@ pub fn tiny_weights(cfg: &Config, seed: u64) -> HashMap<String, Tensor> {
 
 /// A byte-level BPE over the 256 byte symbols (no merges) plus `<s>`, `</s>`.
 pub fn tiny_tokenizer() -> Tokenizer {
-    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    let mut chars: Vec<char> = ByteLevel::alphabet().into_iter().collect();
-    chars.sort();
-    let vocab: tokenizers::models::bpe::Vocab = chars
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (c.to_string(), i as u32))
-        .collect();
-    let bpe = tokenizers::models::bpe::BPE::builder()
-        .vocab_and_merges(vocab, vec![])
-        .build()
-        .unwrap();
-    let mut tok = Tokenizer::new(bpe);
-    tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
-    tok.with_decoder(Some(ByteLevel::new(false, true, true)));
-    tok.add_special_tokens(vec![
-        tokenizers::AddedToken::from("<s>", true),
-        tokenizers::AddedToken::from("</s>", true),
-    ])
-    .unwrap();
-    tok
+    sparse_llama::tokenizer::byte_level_tokenizer().unwrap()
 }
 
 /// Writes a tiny checkpoint directory and returns it (kept alive by the TempDir).

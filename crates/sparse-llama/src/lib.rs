@@ -12,6 +12,7 @@ pub mod generate;
 pub mod gguf;
 pub mod model;
 pub mod perplexity;
+pub mod sparsity;
 pub mod tokenizer;
 
 pub use config::{Config, LlamaConfig, LlamaEosToks, SparseSettings};

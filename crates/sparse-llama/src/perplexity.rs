@@ -17,14 +17,15 @@ pub struct Perplexity {
 }
 
 /// Scores `tokens` in windows of `context` tokens, `batch` windows per forward.
-/// `progress(done, total)` is called after each batch.
+/// `after_batch(done, total)` is called after each forward (e.g. to read the model's
+/// FFN statistics or move a progress bar); an error from it stops the evaluation.
 pub fn perplexity(
     model: &Llama,
     tokens: &[u32],
     context: usize,
     batch: usize,
     device: &Device,
-    mut progress: impl FnMut(usize, usize),
+    mut after_batch: impl FnMut(usize, usize) -> Result<()>,
 ) -> Result<Perplexity> {
     if context < 2 {
         return Err(LlamaError::Invalid(format!(
@@ -74,7 +75,7 @@ pub fn perplexity(
         nll -= picked.sum_all()?.to_scalar::<f64>()?;
         scored += group.len() * (t - 1);
         done += group.len();
-        progress(done, windows.len());
+        after_batch(done, windows.len())?;
     }
     let mean_nll = nll / scored as f64;
     Ok(Perplexity {

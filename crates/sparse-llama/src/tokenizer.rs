@@ -152,3 +152,30 @@ impl ChatFormat {
         }
     }
 }
+
+/// A byte-level BPE over the 256 byte symbols, with no merges, plus `<s>` (id 256) and
+/// `</s>` (id 257): a real tokenizer for random-weight models (tests, shape
+/// benchmarks) that needs no vocabulary file.
+pub fn byte_level_tokenizer() -> Result<Tokenizer> {
+    let mut chars: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+    chars.sort();
+    let vocab: tokenizers::models::bpe::Vocab = chars
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), i as u32))
+        .collect();
+    let bpe = tokenizers::models::bpe::BPE::builder()
+        .vocab_and_merges(vocab, vec![])
+        .build()
+        .map_err(tok_err)?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    tokenizer.with_decoder(Some(ByteLevel::new(false, true, true)));
+    tokenizer
+        .add_special_tokens(vec![
+            AddedToken::from("<s>", true),
+            AddedToken::from("</s>", true),
+        ])
+        .map_err(tok_err)?;
+    Ok(tokenizer)
+}

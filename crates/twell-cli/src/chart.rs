@@ -6,6 +6,7 @@ use anyhow::{anyhow, Result};
 use plotters::prelude::*;
 
 use crate::bench::mlp::MlpRow;
+use sparse_llama::sparsity::LayerSparsity;
 
 /// Speed-up of sparse over dense against density, one line per (shape, M).
 pub fn speedup_vs_density(path: &Path, rows: &[MlpRow]) -> Result<()> {
@@ -64,6 +65,38 @@ pub fn speedup_vs_density(path: &Path, rows: &[MlpRow]) -> Result<()> {
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    root.present().map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
+/// FFN density (% of d_ff) of each layer, as bars.
+pub fn density_per_layer(path: &Path, layers: &[LayerSparsity]) -> Result<()> {
+    let root = SVGBackend::new(path, (900, 480)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let top = layers.iter().map(|l| 100.0 * l.density).fold(1.0, f64::max) * 1.1;
+    let n = layers.len().max(1);
+    let mut chart = ChartBuilder::on(&root)
+        .caption("FFN density per layer", ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..n as f64, 0.0..top)
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("layer")
+        .y_desc("active neurons per token (% of d_ff)")
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .draw_series(layers.iter().map(|l| {
+            let x = l.layer as f64;
+            Rectangle::new(
+                [(x + 0.1, 0.0), (x + 0.9, 100.0 * l.density)],
+                BLUE.mix(0.7).filled(),
+            )
+        }))
         .map_err(|e| anyhow!("{e}"))?;
     root.present().map_err(|e| anyhow!("{e}"))?;
     Ok(())

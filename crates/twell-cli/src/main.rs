@@ -5,6 +5,7 @@ mod chart;
 mod check_gpu;
 mod convert;
 mod device;
+mod eval;
 mod generate;
 mod model_args;
 
@@ -26,6 +27,8 @@ struct Cli {
 enum Command {
     /// Generate text (prompt or chat), streaming, with prefill/decode speed.
     Generate(generate::GenerateArgs),
+    /// Perplexity on held-out text and per-layer FFN sparsity.
+    Eval(eval::EvalArgs),
     /// Convert a checkpoint (e.g. GGUF) to an HF directory.
     Convert(convert::ConvertArgs),
     /// Check the CUDA kernels against a dense f32 reference on the GPU.
@@ -45,6 +48,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Generate(args) => generate::run(&args)?,
+        Command::Eval(args) => eval::run(&args)?,
         Command::Convert(args) => convert::run(&args)?,
         Command::CheckGpu(args) => check_gpu::run(&args)?,
         Command::Bench(BenchCommand::Mlp(args)) => {

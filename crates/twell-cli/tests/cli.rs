@@ -128,3 +128,141 @@ fn tiny_mlp_bench_runs_and_writes_json() {
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A tiny random ReLU Llama checkpoint in a fresh directory, and a text file.
+fn tiny_checkpoint(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    use candle_core::{DType, Device, Tensor};
+    use rand::SeedableRng;
+    let hf: sparse_llama::LlamaConfig = serde_json::from_value(serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 96,
+        "vocab_size": 258, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 256, "tie_word_embeddings": true,
+        "hidden_act": "relu", "eos_token_id": 257
+    }))
+    .unwrap();
+    let cfg = hf.into_config(false).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let mut t = |shape: &[usize], offset: f32| {
+        let n = shape.iter().product();
+        let v: Vec<f32> = twell::density::gaussian(&mut rng, n, 0.1)
+            .into_iter()
+            .map(|x| x + offset)
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    };
+    let mut w = std::collections::HashMap::new();
+    w.insert("model.embed_tokens.weight".to_string(), t(&[258, 32], 0.0));
+    w.insert("model.norm.weight".to_string(), t(&[32], 1.0));
+    for l in 0..2 {
+        let p = format!("model.layers.{l}");
+        for (name, shape) in [
+            ("self_attn.q_proj", [32, 32]),
+            ("self_attn.k_proj", [16, 32]),
+            ("self_attn.v_proj", [16, 32]),
+            ("self_attn.o_proj", [32, 32]),
+            ("mlp.gate_proj", [96, 32]),
+            ("mlp.up_proj", [96, 32]),
+            ("mlp.down_proj", [32, 96]),
+        ] {
+            w.insert(format!("{p}.{name}.weight"), t(&shape, 0.0));
+        }
+        w.insert(format!("{p}.input_layernorm.weight"), t(&[32], 1.0));
+        w.insert(
+            format!("{p}.post_attention_layernorm.weight"),
+            t(&[32], 1.0),
+        );
+    }
+    let model = dir.join("tiny");
+    let tok = sparse_llama::tokenizer::byte_level_tokenizer().unwrap();
+    sparse_llama::checkpoint::save_hf(&model, &w, &cfg, &tok, None, DType::F32).unwrap();
+    let text = dir.join("text.txt");
+    std::fs::write(
+        &text,
+        "It is a great honor to report on the state of our union. ".repeat(8),
+    )
+    .unwrap();
+    (model, text)
+}
+
+#[test]
+fn eval_reports_perplexity_and_per_layer_sparsity() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, text) = tiny_checkpoint(dir.path());
+    let json = dir.path().join("eval.json");
+    let svg = dir.path().join("eval.svg");
+    let (m, t, j, s) = (
+        model.to_str().unwrap(),
+        text.to_str().unwrap(),
+        json.to_str().unwrap(),
+        svg.to_str().unwrap(),
+    );
+    let (ok, out) = twell(&[
+        "eval",
+        "--model",
+        m,
+        "--text",
+        t,
+        "--context",
+        "64",
+        "--ffn",
+        "sparse",
+        "--json",
+        j,
+        "--svg",
+        s,
+    ]);
+    assert!(ok, "{out}");
+    assert!(out.contains("perplexity"));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let ppl = report["perplexity"]["perplexity"].as_f64().unwrap();
+    assert!(ppl.is_finite() && ppl > 1.0, "{ppl}");
+    let layers = report["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 2);
+    for l in layers {
+        let density = l["density"].as_f64().unwrap();
+        assert!(density > 0.0 && density < 1.0, "{l}");
+        assert!(l["dead_neurons"].as_u64().is_some());
+        assert!(l["tile_overflow_rate"].as_f64().is_some());
+    }
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+    // The same model generates, streaming, on both paths.
+    for ffn in ["dense", "sparse"] {
+        let (ok, out) = twell(&[
+            "generate",
+            "--model",
+            m,
+            "--ffn",
+            ffn,
+            "--prompt",
+            "It is",
+            "--max-tokens",
+            "5",
+        ]);
+        assert!(ok, "{out}");
+        assert!(out.contains("mean FFN density"), "{out}");
+    }
+}
+
+#[test]
+fn bad_eval_flags_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, text) = tiny_checkpoint(dir.path());
+    let (m, t) = (model.to_str().unwrap(), text.to_str().unwrap());
+    fails_with(
+        &["eval", "--model", m, "--text", t, "--last", "0"],
+        "--last",
+    );
+    fails_with(
+        &["eval", "--model", m, "--text", t, "--context", "1"],
+        "--context",
+    );
+    fails_with(
+        &["eval", "--model", m, "--text", "/no/such/dir"],
+        "text corpus",
+    );
+    fails_with(
+        &["eval", "--model", m, "--text", t, "--context", "100000"],
+        "exceeds",
+    );
+}
