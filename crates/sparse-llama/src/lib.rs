@@ -11,9 +11,11 @@ pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod model;
+pub mod optim;
 pub mod perplexity;
 pub mod sparsity;
 pub mod tokenizer;
+pub mod train;
 
 pub use config::{Config, LlamaConfig, LlamaEosToks, SparseSettings};
 pub use error::LlamaError;

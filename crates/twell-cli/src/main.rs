@@ -6,6 +6,7 @@ mod check_gpu;
 mod convert;
 mod device;
 mod eval;
+mod finetune;
 mod generate;
 mod model_args;
 
@@ -27,6 +28,8 @@ struct Cli {
 enum Command {
     /// Generate text (prompt or chat), streaming, with prefill/decode speed.
     Generate(generate::GenerateArgs),
+    /// L1 sparsity fine-tuning (ReLU gate, loss = CE + λ·L1).
+    Finetune(finetune::FinetuneArgs),
     /// Perplexity on held-out text and per-layer FFN sparsity.
     Eval(eval::EvalArgs),
     /// Convert a checkpoint (e.g. GGUF) to an HF directory.
@@ -48,6 +51,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Generate(args) => generate::run(&args)?,
+        Command::Finetune(args) => finetune::run(&args)?,
         Command::Eval(args) => eval::run(&args)?,
         Command::Convert(args) => convert::run(&args)?,
         Command::CheckGpu(args) => check_gpu::run(&args)?,

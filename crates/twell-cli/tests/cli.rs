@@ -266,3 +266,159 @@ fn bad_eval_flags_are_rejected() {
         "exceeds",
     );
 }
+
+#[test]
+fn finetune_runs_logs_and_checkpoints_then_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = tiny_checkpoint(dir.path());
+    let docs = dir.path().join("docs");
+    std::fs::create_dir_all(&docs).unwrap();
+    for k in 0..4 {
+        std::fs::write(
+            docs.join(format!("{k}.txt")),
+            format!("document {k}: the state of our union. ").repeat(30),
+        )
+        .unwrap();
+    }
+    let out = dir.path().join("run");
+    let (m, d, o) = (
+        model.to_str().unwrap(),
+        docs.to_str().unwrap(),
+        out.to_str().unwrap(),
+    );
+    let common = [
+        "--model",
+        m,
+        "--data",
+        d,
+        "--holdout",
+        "1",
+        "--seq-len",
+        "32",
+        "--batch",
+        "2",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "1",
+        "--out",
+        o,
+    ];
+    let mut args = vec![
+        "finetune",
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--eval-every",
+        "2",
+    ];
+    args.extend(common);
+    let (ok, text) = twell(&args);
+    assert!(ok, "{text}");
+    let log = std::fs::read_to_string(out.join("train_log.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4);
+    assert!(lines[1]["val_ce"].as_f64().is_some() && lines[3]["val_ce"].as_f64().is_some());
+    assert!(lines[0]["l0"].as_array().unwrap().len() == 2);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("final/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["hidden_act"], "relu");
+    // The final checkpoint generates, and step-2 resumes to step 4.
+    let fin = out.join("final");
+    let (ok, text) = twell(&[
+        "generate",
+        "--model",
+        fin.to_str().unwrap(),
+        "--prompt",
+        "the",
+        "--max-tokens",
+        "3",
+    ]);
+    assert!(ok, "{text}");
+    let step2 = out.join("step-2");
+    let mut args = vec![
+        "finetune",
+        "--steps",
+        "4",
+        "--resume",
+        step2.to_str().unwrap(),
+    ];
+    args.extend(common);
+    let (ok, text) = twell(&args);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("resumed") && text.contains("at step 2"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bad_finetune_flags_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, text) = tiny_checkpoint(dir.path());
+    let (m, t, o) = (
+        model.to_str().unwrap(),
+        text.to_str().unwrap(),
+        dir.path().join("o"),
+    );
+    let o = o.to_str().unwrap();
+    fails_with(
+        &[
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            t,
+            "--out",
+            o,
+            "--holdout",
+            "0",
+        ],
+        "--holdout",
+    );
+    fails_with(
+        &[
+            "finetune", "--model", m, "--data", t, "--out", o, "--steps", "0",
+        ],
+        "invalid training setting",
+    );
+    fails_with(
+        &["finetune", "--model", m, "--data", t, "--out", o, "--lr=-1"],
+        "invalid training setting",
+    );
+    // One document cannot be split into training and held-out text.
+    fails_with(
+        &[
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            t,
+            "--out",
+            o,
+            "--holdout",
+            "1",
+        ],
+        "cannot hold out",
+    );
+    fails_with(
+        &[
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            t,
+            "--out",
+            o,
+            "--resume",
+            "/no/such/run",
+        ],
+        "neither a directory",
+    );
+    fails_with(&["finetune", "--model", m, "--data", t], "--out");
+}

@@ -1,0 +1,479 @@
+//! L1 sparsity fine-tuning, top to bottom.
+//!
+//! The MLP gate runs ReLU, and the loss is
+//!
+//! ```text
+//! loss = cross_entropy + λ · mean_layers( mean_tokens( Σ_j |h_j| ) )
+//! ```
+//!
+//! with `h` the input of `down_proj`. λ can ramp up linearly over the first steps.
+//! Text is packed into fixed-length sequences, shuffled deterministically per epoch;
+//! AdamW (our own, so its state can be saved) with warm-up + cosine decay, gradient
+//! clipping and accumulation; f32 master weights. Checkpoints are HF directories plus
+//! the optimizer and trainer state, so a run can be resumed exactly.
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::save_hf;
+use crate::config::Config;
+use crate::model::{Cache, Llama};
+use crate::optim::{clip_grad_norm, lr_at, AdamW, AdamWConfig};
+
+/// Everything that shapes a run (saved with each checkpoint).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrainConfig {
+    pub seq_len: usize,
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    pub steps: usize,
+    pub lr: f64,
+    pub min_lr_ratio: f64,
+    pub warmup_steps: usize,
+    pub weight_decay: f64,
+    pub clip_norm: f64,
+    /// λ, the L1 coefficient.
+    pub l1: f64,
+    /// λ ramps linearly from 0 over this many steps.
+    pub l1_warmup_steps: usize,
+    pub seed: u64,
+    /// Neurons that fired in none of the last this many steps count as dead.
+    pub dead_window_steps: usize,
+    /// Compute dtype: f32, or bf16 forward/backward on f32 master weights.
+    pub bf16: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            seq_len: 256,
+            batch_size: 8,
+            grad_accum: 1,
+            steps: 1000,
+            lr: 1e-4,
+            min_lr_ratio: 0.1,
+            warmup_steps: 50,
+            weight_decay: 0.0,
+            clip_norm: 1.0,
+            l1: 2e-5,
+            l1_warmup_steps: 0,
+            seed: 0,
+            dead_window_steps: 50,
+            bf16: false,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str| {
+            Err(candle_core::Error::Msg(format!(
+                "invalid training setting: {what}"
+            )))
+        };
+        if self.seq_len < 2 || self.batch_size == 0 || self.grad_accum == 0 || self.steps == 0 {
+            return bad("seq_len >= 2, batch_size, grad_accum and steps >= 1");
+        }
+        let lr_ok = self.lr > 0.0 && self.lr.is_finite();
+        if !lr_ok || !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return bad("lr > 0 and min_lr_ratio in [0, 1]");
+        }
+        if self.l1 < 0.0 || !self.l1.is_finite() || self.weight_decay < 0.0 || self.clip_norm < 0.0
+        {
+            return bad("l1, weight_decay and clip_norm >= 0");
+        }
+        Ok(())
+    }
+
+    /// λ at `step`.
+    pub fn l1_at(&self, step: usize) -> f64 {
+        if self.l1_warmup_steps == 0 {
+            self.l1
+        } else {
+            self.l1 * ((step + 1) as f64 / self.l1_warmup_steps as f64).min(1.0)
+        }
+    }
+}
+
+/// Token stream cut into training sequences of `seq_len + 1` tokens (inputs and
+/// shifted targets), visited in a seeded random order per epoch.
+#[derive(Clone, Debug)]
+pub struct PackedData {
+    sequences: Vec<Vec<u32>>,
+}
+
+impl PackedData {
+    pub fn new(tokens: &[u32], seq_len: usize) -> Result<Self> {
+        let sequences: Vec<Vec<u32>> = tokens
+            .windows(seq_len + 1)
+            .step_by(seq_len)
+            .map(|w| w.to_vec())
+            .collect();
+        if sequences.is_empty() {
+            candle_core::bail!(
+                "{} tokens do not fill one sequence of {} + 1",
+                tokens.len(),
+                seq_len
+            );
+        }
+        Ok(Self { sequences })
+    }
+
+    pub fn len(&self) -> usize {
+        self.sequences.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sequences.is_empty()
+    }
+
+    /// The `index`-th batch of the whole run (across epochs), `[batch, seq_len + 1]`.
+    pub fn batch(&self, index: usize, batch: usize, seed: u64, device: &Device) -> Result<Tensor> {
+        let per_epoch = (self.len() / batch).max(1);
+        let (epoch, k) = (index / per_epoch, index % per_epoch);
+        let mut order: Vec<usize> = (0..self.len()).collect();
+        order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(
+            seed.wrapping_add(epoch as u64),
+        ));
+        let rows: Vec<u32> = (0..batch)
+            .flat_map(|r| {
+                self.sequences[order[(k * batch + r) % self.len()]]
+                    .iter()
+                    .copied()
+            })
+            .collect();
+        Tensor::from_vec(rows, (batch, self.sequences[0].len()), device)
+    }
+
+    /// Batches in order, for validation.
+    pub fn ordered_batch(
+        &self,
+        index: usize,
+        batch: usize,
+        device: &Device,
+    ) -> Result<Option<Tensor>> {
+        let start = index * batch;
+        if start >= self.len() {
+            return Ok(None);
+        }
+        let end = (start + batch).min(self.len());
+        let rows: Vec<u32> = self.sequences[start..end]
+            .iter()
+            .flatten()
+            .copied()
+            .collect();
+        Ok(Some(Tensor::from_vec(
+            rows,
+            (end - start, self.sequences[0].len()),
+            device,
+        )?))
+    }
+}
+
+/// Mean next-token cross-entropy of `logits [b, t, V]` against `targets [b, t]`.
+fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    candle_nn::loss::cross_entropy(&logits.reshape((b * t, v))?, &targets.reshape(b * t)?)
+}
+
+/// One step's record (a line of the JSON log).
+#[derive(Clone, Debug, Serialize)]
+pub struct StepLog {
+    pub step: usize,
+    pub ce: f64,
+    pub l1: f64,
+    pub l1_coefficient: f64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    /// Mean nonzeros of `h` per token, per layer.
+    pub l0: Vec<f64>,
+    pub mean_l0: f64,
+    /// Fraction of neurons (all layers) that fired in none of the last window steps.
+    pub dead_fraction: f64,
+    pub tokens_per_sec: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_ce: Option<f64>,
+}
+
+/// Where a run is, to resume it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub step: usize,
+    pub config: TrainConfig,
+}
+
+/// A fine-tuning run: the trainable weights, the model built on them, the optimizer.
+pub struct Trainer {
+    pub cfg: TrainConfig,
+    model_cfg: Config,
+    varmap: VarMap,
+    model: Llama,
+    opt: AdamW,
+    device: Device,
+    step: usize,
+    /// Per layer, per neuron: the last step it fired.
+    last_fired: Vec<Vec<Option<usize>>>,
+}
+
+impl Trainer {
+    /// Starts from HF-named weights; the MLP gate is switched to ReLU.
+    pub fn new(
+        mut model_cfg: Config,
+        weights: std::collections::HashMap<String, Tensor>,
+        cfg: TrainConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        model_cfg.activation = twell::Activation::Relu;
+        model_cfg.l1_coefficient = Some(cfg.l1);
+        let varmap = VarMap::new();
+        {
+            let mut data = varmap.data().lock().expect("varmap lock");
+            for (name, t) in weights {
+                if model_cfg.tie_word_embeddings && name == "lm_head.weight" {
+                    continue;
+                }
+                data.insert(
+                    name,
+                    Var::from_tensor(&t.to_dtype(DType::F32)?.to_device(device)?)?,
+                );
+            }
+        }
+        let model = Self::build(&varmap, &model_cfg, &cfg, device)?;
+        let params = varmap
+            .data()
+            .lock()
+            .expect("varmap lock")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let opt = AdamW::new(
+            params,
+            AdamWConfig {
+                weight_decay: cfg.weight_decay,
+                ..Default::default()
+            },
+        )?;
+        let layers = model_cfg.num_hidden_layers;
+        let ffn = model_cfg.intermediate_size;
+        Ok(Self {
+            cfg,
+            model_cfg,
+            varmap,
+            model,
+            opt,
+            device: device.clone(),
+            step: 0,
+            last_fired: vec![vec![None; ffn]; layers],
+        })
+    }
+
+    /// The model on the variables: f32 directly, or bf16 copies that stay in the graph.
+    fn build(
+        varmap: &VarMap,
+        model_cfg: &Config,
+        cfg: &TrainConfig,
+        device: &Device,
+    ) -> Result<Llama> {
+        let dtype = if cfg.bf16 { DType::BF16 } else { DType::F32 };
+        let mut model = Llama::load(VarBuilder::from_varmap(varmap, dtype, device), model_cfg)?;
+        model.record_ffn_stats(true);
+        Ok(model)
+    }
+
+    pub fn step(&self) -> usize {
+        self.step
+    }
+
+    pub fn model(&self) -> &Llama {
+        &self.model
+    }
+
+    pub fn model_config(&self) -> &Config {
+        &self.model_cfg
+    }
+
+    /// One optimizer step over `grad_accum` micro-batches.
+    pub fn train_step(&mut self, data: &PackedData) -> Result<StepLog> {
+        let t0 = Instant::now();
+        let l1_coefficient = self.cfg.l1_at(self.step);
+        let lr = lr_at(
+            self.step,
+            self.cfg.steps,
+            self.cfg.warmup_steps,
+            self.cfg.lr,
+            self.cfg.min_lr_ratio,
+        );
+        let n = self.opt.params().len();
+        let mut grads: Vec<Option<Tensor>> = vec![None; n];
+        let (mut ce_sum, mut l1_sum) = (0f64, 0f64);
+        let mut l0 = vec![0f64; self.model_cfg.num_hidden_layers];
+        for micro in 0..self.cfg.grad_accum {
+            if self.cfg.bf16 {
+                self.model = Self::build(&self.varmap, &self.model_cfg, &self.cfg, &self.device)?;
+            }
+            let index = self.step * self.cfg.grad_accum + micro;
+            let batch = data.batch(index, self.cfg.batch_size, self.cfg.seed, &self.device)?;
+            let t = batch.dim(1)? - 1;
+            let (inputs, targets) = (batch.narrow(1, 0, t)?, batch.narrow(1, 1, t)?);
+            let out = self.model.forward_train(&inputs)?;
+            let ce = cross_entropy(&out.logits, &targets)?;
+            let loss = ((&ce + (&out.l1 * l1_coefficient)?)? / self.cfg.grad_accum as f64)?;
+            let store = loss.backward()?;
+            for (k, (_, var)) in self.opt.params().iter().enumerate() {
+                if let Some(g) = store.get(var.as_tensor()) {
+                    grads[k] = Some(match grads[k].take() {
+                        Some(acc) => (acc + g)?,
+                        None => g.clone(),
+                    });
+                }
+            }
+            ce_sum += ce.to_scalar::<f32>()? as f64;
+            l1_sum += out.l1.to_scalar::<f32>()? as f64;
+            self.observe_activity(&mut l0)?;
+        }
+        let mut grads: Vec<Tensor> = grads
+            .into_iter()
+            .zip(self.opt.params())
+            .map(|(g, (_, v))| g.map_or_else(|| v.zeros_like(), Ok))
+            .collect::<Result<_>>()?;
+        let grad_norm = clip_grad_norm(&mut grads, self.cfg.clip_norm)?;
+        self.opt.step(&grads, lr)?;
+        self.step += 1;
+
+        let accum = self.cfg.grad_accum as f64;
+        let (ce, l1) = (ce_sum / accum, l1_sum / accum);
+        let l0: Vec<f64> = l0.into_iter().map(|v| v / accum).collect();
+        let tokens = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.seq_len;
+        Ok(StepLog {
+            step: self.step,
+            ce,
+            l1,
+            l1_coefficient,
+            loss: ce + l1_coefficient * l1,
+            lr,
+            grad_norm,
+            mean_l0: l0.iter().sum::<f64>() / l0.len().max(1) as f64,
+            l0,
+            dead_fraction: self.dead_fraction(),
+            tokens_per_sec: tokens as f64 / t0.elapsed().as_secs_f64(),
+            val_ce: None,
+        })
+    }
+
+    /// Adds each layer's L0 of the last forward to `l0` and notes which neurons fired.
+    fn observe_activity(&mut self, l0: &mut [f64]) -> Result<()> {
+        for (layer, stats) in self.model.ffn_stats()?.into_iter().enumerate() {
+            let Some(s) = stats else { continue };
+            l0[layer] += s.mean_l0;
+            for (neuron, &count) in s.fired.iter().enumerate() {
+                if count > 0 {
+                    self.last_fired[layer][neuron] = Some(self.step);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn dead_fraction(&self) -> f64 {
+        let window = self.cfg.dead_window_steps;
+        let (mut dead, mut total) = (0usize, 0usize);
+        for layer in &self.last_fired {
+            for last in layer {
+                total += 1;
+                let alive = last.is_some_and(|s| s + window >= self.step);
+                dead += usize::from(!alive);
+            }
+        }
+        dead as f64 / total.max(1) as f64
+    }
+
+    /// Mean cross-entropy over up to `batches` validation batches (no gradients).
+    pub fn validate(&self, data: &PackedData, batches: usize) -> Result<f64> {
+        let dtype = if self.cfg.bf16 {
+            DType::BF16
+        } else {
+            DType::F32
+        };
+        let (mut sum, mut n) = (0f64, 0usize);
+        for k in 0..batches {
+            let Some(batch) = data.ordered_batch(k, self.cfg.batch_size, &self.device)? else {
+                break;
+            };
+            let t = batch.dim(1)? - 1;
+            let mut cache = Cache::new(false, dtype, &self.model_cfg, &self.device)?;
+            let logits = self
+                .model
+                .forward_all(&batch.narrow(1, 0, t)?, 0, &mut cache)?;
+            let ce = cross_entropy(&logits.detach(), &batch.narrow(1, 1, t)?)?;
+            sum += ce.to_scalar::<f32>()? as f64;
+            n += 1;
+        }
+        if n == 0 {
+            candle_core::bail!("no validation batches");
+        }
+        Ok(sum / n as f64)
+    }
+
+    /// The trained weights, HF-named.
+    pub fn weights(&self) -> std::collections::HashMap<String, Tensor> {
+        self.varmap
+            .data()
+            .lock()
+            .expect("varmap lock")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+            .collect()
+    }
+
+    /// Writes an HF checkpoint (loadable by `twell generate`/`eval` and transformers)
+    /// plus the optimizer and trainer state.
+    pub fn save(
+        &self,
+        dir: &Path,
+        tokenizer: &tokenizers::Tokenizer,
+        chat_template: Option<&str>,
+        dtype: DType,
+    ) -> Result<()> {
+        save_hf(
+            dir,
+            &self.weights(),
+            &self.model_cfg,
+            tokenizer,
+            chat_template,
+            dtype,
+        )?;
+        self.opt.save(dir)?;
+        let state = TrainerState {
+            step: self.step,
+            config: self.cfg.clone(),
+        };
+        let text = serde_json::to_string_pretty(&state)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        std::fs::write(dir.join("trainer_state.json"), text)?;
+        Ok(())
+    }
+
+    /// Continues from a directory written by [`Trainer::save`] (its weights must have
+    /// been loaded into this trainer): restores the optimizer and the step.
+    pub fn resume(&mut self, dir: &Path) -> Result<()> {
+        let text = std::fs::read_to_string(dir.join("trainer_state.json")).map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "{}: {e} (not a fine-tune checkpoint?)",
+                dir.display()
+            ))
+        })?;
+        let state: TrainerState = serde_json::from_str(&text)
+            .map_err(|e| candle_core::Error::Msg(format!("trainer_state.json: {e}")))?;
+        self.opt.load(dir)?;
+        self.step = state.step;
+        Ok(())
+    }
+}

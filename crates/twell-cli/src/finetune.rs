@@ -1,0 +1,206 @@
+//! `twell finetune`: L1 sparsity fine-tuning of a checkpoint (ReLU gate + λ·L1).
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::DType;
+use indicatif::{ProgressBar, ProgressStyle};
+use sparse_llama::checkpoint::LoadOptions;
+use sparse_llama::corpus::Corpus;
+use sparse_llama::train::{PackedData, TrainConfig, Trainer};
+use twell::{Activation, FfnMode};
+
+use crate::model_args::{data_dir, ModelArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct FinetuneArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Training text: a directory of .txt files, a file, or dir/*.txt (default: the
+    /// State of the Union corpus in the data directory).
+    #[arg(long)]
+    pub data: Option<String>,
+    /// The last N documents are held out for validation and never trained on.
+    #[arg(long, default_value_t = 10)]
+    pub holdout: usize,
+    /// Use at most this many training tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub max_train_tokens: usize,
+    #[arg(long, default_value_t = 256)]
+    pub seq_len: usize,
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub accum: usize,
+    #[arg(long, default_value_t = 200)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 1e-4)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 0.1)]
+    pub min_lr_ratio: f64,
+    #[arg(long, default_value_t = 20)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// Global gradient-norm clip (0: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f64,
+    /// λ: the L1 coefficient (0 for a plain ReLU fine-tune).
+    #[arg(long, default_value_t = 2e-5)]
+    pub l1: f64,
+    /// Ramp λ up linearly over this many steps.
+    #[arg(long, default_value_t = 0)]
+    pub l1_warmup: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Validate every N steps (0: only at the end).
+    #[arg(long, default_value_t = 50)]
+    pub eval_every: usize,
+    #[arg(long, default_value_t = 4)]
+    pub eval_batches: usize,
+    /// Checkpoint every N steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: usize,
+    /// Output directory (checkpoints, train_log.jsonl).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Continue a run from a checkpoint directory it wrote (weights, optimizer, step).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+}
+
+pub fn run(args: &FinetuneArgs) -> Result<()> {
+    if args.holdout == 0 {
+        bail!("--holdout must be at least 1: validation needs held-out text");
+    }
+    if args.eval_batches == 0 {
+        bail!("--eval-batches must be at least 1");
+    }
+    let device = args.model.device()?;
+    let dtype = args.model.dtype(&device)?;
+    let cfg = TrainConfig {
+        seq_len: args.seq_len,
+        batch_size: args.batch,
+        grad_accum: args.accum,
+        steps: args.steps,
+        lr: args.lr,
+        min_lr_ratio: args.min_lr_ratio,
+        warmup_steps: args.warmup,
+        weight_decay: args.weight_decay,
+        clip_norm: args.clip,
+        l1: args.l1,
+        l1_warmup_steps: args.l1_warmup,
+        seed: args.seed,
+        dead_window_steps: 50,
+        bf16: dtype == DType::BF16,
+    };
+    cfg.validate()?;
+    // Resuming reads the weights from the checkpoint being resumed.
+    let mut model_args = args.model.clone();
+    if let Some(r) = &args.resume {
+        model_args.model = Some(r.to_string_lossy().into_owned());
+    }
+    let ck = model_args.open()?;
+    let ffn: FfnMode = args
+        .model
+        .ffn
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--ffn: {e}"))?;
+    let mut model_cfg = ck.runtime_config(&LoadOptions {
+        activation: Some(Activation::Relu),
+        ffn_mode: Some(ffn),
+    })?;
+    model_cfg.ffn_mode = ffn;
+
+    let text = args
+        .data
+        .clone()
+        .unwrap_or_else(|| data_dir().join("sotu").to_string_lossy().into_owned());
+    let corpus = Corpus::open(&text).with_context(|| format!("opening --data {text}"))?;
+    let (train_docs, val_docs) = corpus.split(args.holdout)?;
+    let eos = model_cfg.eos_ids().first().copied();
+    let mut train_tokens = train_docs.tokenize(&ck.tokenizer, eos)?;
+    if args.max_train_tokens > 0 {
+        train_tokens.truncate(args.max_train_tokens);
+    }
+    let train = PackedData::new(&train_tokens, args.seq_len)?;
+    let val = PackedData::new(&val_docs.tokenize(&ck.tokenizer, eos)?, args.seq_len)?;
+    eprintln!(
+        "finetune: {} training sequences of {} tokens ({} documents), {} validation sequences ({} documents)",
+        train.len(),
+        args.seq_len,
+        train_docs.files.len(),
+        val.len(),
+        val_docs.files.len()
+    );
+
+    let mut trainer = Trainer::new(model_cfg, ck.tensors(DType::F32, &device)?, cfg, &device)?;
+    if let Some(r) = &args.resume {
+        trainer.resume(r)?;
+        eprintln!(
+            "finetune: resumed {} at step {}",
+            r.display(),
+            trainer.step()
+        );
+    }
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let log_path = args.out.join("train_log.jsonl");
+    let mut log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("opening {}", log_path.display()))?;
+    let bar = ProgressBar::new(args.steps as u64).with_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed}<{eta}] {msg}")
+            .expect("static progress template"),
+    );
+    bar.set_position(trainer.step() as u64);
+    let save_dtype = if dtype == DType::F32 {
+        DType::F32
+    } else {
+        DType::BF16
+    };
+    while trainer.step() < args.steps {
+        let mut entry = trainer.train_step(&train)?;
+        let step = trainer.step();
+        if (args.eval_every > 0 && step % args.eval_every == 0) || step == args.steps {
+            entry.val_ce = Some(trainer.validate(&val, args.eval_batches)?);
+        }
+        writeln!(log, "{}", serde_json::to_string(&entry)?)?;
+        bar.set_message(format!(
+            "ce {:.3} l1 {:.1} L0 {:.1} dead {:.1}% lr {:.1e} {:.0} tok/s{}",
+            entry.ce,
+            entry.l1,
+            entry.mean_l0,
+            100.0 * entry.dead_fraction,
+            entry.lr,
+            entry.tokens_per_sec,
+            entry
+                .val_ce
+                .map(|v| format!(" val {v:.3}"))
+                .unwrap_or_default()
+        ));
+        bar.set_position(step as u64);
+        if args.save_every > 0 && step % args.save_every == 0 && step < args.steps {
+            let dir = args.out.join(format!("step-{step}"));
+            trainer.save(&dir, &ck.tokenizer, ck.chat_template.as_deref(), save_dtype)?;
+        }
+    }
+    bar.finish();
+    let final_dir = args.out.join("final");
+    trainer.save(
+        &final_dir,
+        &ck.tokenizer,
+        ck.chat_template.as_deref(),
+        save_dtype,
+    )?;
+    eprintln!(
+        "finetune: wrote {} and {}",
+        final_dir.display(),
+        log_path.display()
+    );
+    Ok(())
+}

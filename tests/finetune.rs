@@ -1,0 +1,163 @@
+//! L1 fine-tuning on a tiny synthetic model: the loss falls, λ > 0 lowers L0, a
+//! checkpoint round-trips, and a resumed run continues where it stopped.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{rel_l2, tiny_config, tiny_tokenizer, tiny_weights};
+use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
+use sparse_llama::train::{PackedData, TrainConfig, Trainer};
+use sparse_llama::Cache;
+use twell::FfnMode;
+
+fn corpus_tokens() -> Vec<u32> {
+    let text =
+        "the state of the union is strong. we the people are ready for the work ahead. ".repeat(40);
+    tiny_tokenizer()
+        .encode(text.as_str(), false)
+        .unwrap()
+        .get_ids()
+        .to_vec()
+}
+
+fn trainer(l1: f64, steps: usize) -> Trainer {
+    let mut cfg = tiny_config("silu", 256).into_config(false).unwrap();
+    cfg.ffn_mode = FfnMode::Sparse;
+    let w = tiny_weights(&cfg, 11);
+    let tc = TrainConfig {
+        seq_len: 32,
+        batch_size: 4,
+        grad_accum: 2,
+        steps,
+        lr: 3e-3,
+        warmup_steps: 2,
+        l1,
+        dead_window_steps: 5,
+        ..Default::default()
+    };
+    Trainer::new(cfg, w, tc, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn loss_falls_and_l1_lowers_l0() {
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let run = |l1: f64| {
+        let mut t = trainer(l1, 25);
+        let logs: Vec<_> = (0..25).map(|_| t.train_step(&data).unwrap()).collect();
+        (logs.first().unwrap().clone(), logs.last().unwrap().clone())
+    };
+    let (first0, last0) = run(0.0);
+    let (first1, last1) = run(0.2);
+    assert!(
+        last0.ce < 0.5 * first0.ce,
+        "ce {} -> {}",
+        first0.ce,
+        last0.ce
+    );
+    assert_eq!(last0.l0.len(), 2);
+    assert!(
+        last1.mean_l0 < 0.8 * last0.mean_l0,
+        "L0 with λ {} vs without {}",
+        last1.mean_l0,
+        last0.mean_l0
+    );
+    assert!(
+        last1.mean_l0 < first1.mean_l0,
+        "L0 {} -> {}",
+        first1.mean_l0,
+        last1.mean_l0
+    );
+    assert!(last1.l1 < last0.l1);
+    assert!((0.0..=1.0).contains(&last1.dead_fraction));
+    assert!(last0.tokens_per_sec > 0.0 && last0.grad_norm.is_finite());
+}
+
+#[test]
+fn checkpoints_round_trip_and_resume_continues() {
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+
+    let mut straight = trainer(0.01, 6);
+    for _ in 0..6 {
+        straight.train_step(&data).unwrap();
+    }
+
+    let mut first = trainer(0.01, 6);
+    for _ in 0..3 {
+        first.train_step(&data).unwrap();
+    }
+    first
+        .save(dir.path(), &tiny_tokenizer(), None, DType::F32)
+        .unwrap();
+
+    // The checkpoint is a ReLU HF model with equal logits.
+    let ck = Checkpoint::open(dir.path().to_str().unwrap()).unwrap();
+    assert_eq!(ck.config.hidden_act, "relu");
+    assert_eq!(ck.config.twell.as_ref().unwrap().l1_coefficient, Some(0.01));
+    let loaded = ck
+        .load_model(DType::F32, &Device::Cpu, &LoadOptions::default())
+        .unwrap();
+    let x = Tensor::new(&[[3u32, 1, 4, 1, 5, 9, 2, 6]], &Device::Cpu).unwrap();
+    let logits = |m: &sparse_llama::Llama| {
+        let mut c = Cache::new(false, DType::F32, m.config(), &Device::Cpu).unwrap();
+        m.forward_all(&x, 0, &mut c).unwrap()
+    };
+    assert!(rel_l2(&logits(&loaded), &logits(first.model())) < 1e-6);
+
+    // Resume: weights from the checkpoint, optimizer and step from its state.
+    let cfg = ck.runtime_config(&LoadOptions::default()).unwrap();
+    let mut resumed = Trainer::new(
+        cfg,
+        ck.tensors(DType::F32, &Device::Cpu).unwrap(),
+        first.cfg.clone(),
+        &Device::Cpu,
+    )
+    .unwrap();
+    resumed.resume(dir.path()).unwrap();
+    assert_eq!(resumed.step(), 3);
+    for _ in 0..3 {
+        resumed.train_step(&data).unwrap();
+    }
+    let (a, b) = (straight.weights(), resumed.weights());
+    for (name, t) in &a {
+        let e = rel_l2(&b[name], t);
+        assert!(e < 1e-4, "{name}: resumed run differs by {e}");
+    }
+}
+
+#[test]
+fn bad_training_settings_and_resume_dirs_are_rejected() {
+    let cfg = tiny_config("relu", 256).into_config(false).unwrap();
+    let w = tiny_weights(&cfg, 1);
+    for bad in [
+        TrainConfig {
+            steps: 0,
+            ..Default::default()
+        },
+        TrainConfig {
+            lr: -1.0,
+            ..Default::default()
+        },
+        TrainConfig {
+            seq_len: 1,
+            ..Default::default()
+        },
+        TrainConfig {
+            l1: f64::NAN,
+            ..Default::default()
+        },
+    ] {
+        let e = Trainer::new(cfg.clone(), w.clone(), bad, &Device::Cpu)
+            .err()
+            .expect("invalid config accepted");
+        assert!(e.to_string().contains("invalid training setting"), "{e}");
+    }
+    let mut t = Trainer::new(cfg, w, TrainConfig::default(), &Device::Cpu).unwrap();
+    let empty = tempfile::tempdir().unwrap();
+    assert!(t
+        .resume(empty.path())
+        .unwrap_err()
+        .to_string()
+        .contains("not a fine-tune checkpoint"));
+    assert!(PackedData::new(&[1, 2, 3], 32).is_err());
+}
