@@ -14,6 +14,7 @@ pub mod model;
 pub mod optim;
 pub mod perplexity;
 pub mod sparsity;
+pub mod synthetic;
 pub mod tokenizer;
 pub mod train;
 

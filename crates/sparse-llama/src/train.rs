@@ -292,6 +292,12 @@ impl Trainer {
         self.step
     }
 
+    /// Switches the feed-forward path (dense or TwELL) for the following steps.
+    pub fn set_ffn_mode(&mut self, mode: twell::FfnMode) -> Result<()> {
+        self.model_cfg.ffn_mode = mode;
+        self.model.set_ffn_mode(mode)
+    }
+
     pub fn model(&self) -> &Llama {
         &self.model
     }

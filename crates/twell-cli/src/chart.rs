@@ -101,3 +101,59 @@ pub fn density_per_layer(path: &Path, layers: &[LayerSparsity]) -> Result<()> {
     root.present().map_err(|e| anyhow!("{e}"))?;
     Ok(())
 }
+
+/// Sparse/dense throughput ratio of each model measurement, as bars.
+pub fn model_speedups(path: &Path, report: &crate::bench::model::ModelReport) -> Result<()> {
+    let rows: Vec<(String, f64)> = report
+        .measurements
+        .iter()
+        .filter(|m| m.ffn == "sparse" && m.phase != "decode-prefill")
+        .filter_map(|m| {
+            let dense = report.measurements.iter().find(|d| {
+                d.ffn == "dense" && d.phase == m.phase && d.batch == m.batch && d.seq == m.seq
+            })?;
+            Some((
+                format!("{} {}x{}", m.phase, m.batch, m.seq),
+                m.tokens_per_sec / dense.tokens_per_sec,
+            ))
+        })
+        .collect();
+    let root = SVGBackend::new(path, (900, 480)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let top = rows.iter().map(|r| r.1).fold(1.5, f64::max) * 1.1;
+    let n = rows.len().max(1);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "TwELL FFN: whole-model speed-up over dense",
+            ("sans-serif", 22),
+        )
+        .margin(12)
+        .x_label_area_size(60)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..n as f64, 0.0..top)
+        .map_err(|e| anyhow!("{e}"))?;
+    let labels: Vec<String> = rows.iter().map(|r| r.0.clone()).collect();
+    chart
+        .configure_mesh()
+        .x_labels(n)
+        .x_label_formatter(&|x| labels.get(x.floor() as usize).cloned().unwrap_or_default())
+        .y_desc("sparse tokens/s over dense tokens/s")
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .draw_series(rows.iter().enumerate().map(|(i, r)| {
+            Rectangle::new(
+                [(i as f64 + 0.15, 0.0), (i as f64 + 0.85, r.1)],
+                BLUE.mix(0.7).filled(),
+            )
+        }))
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .draw_series(LineSeries::new(
+            vec![(0.0, 1.0), (n as f64, 1.0)],
+            BLACK.stroke_width(1),
+        ))
+        .map_err(|e| anyhow!("{e}"))?;
+    root.present().map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}

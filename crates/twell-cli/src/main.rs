@@ -45,6 +45,9 @@ enum Command {
 enum BenchCommand {
     /// One MLP layer: candle dense vs TwELL sparse, over shapes, tokens and densities.
     Mlp(bench::mlp::MlpBenchArgs),
+    /// A whole model: prefill, decode and training step, dense vs TwELL FFN, with peak
+    /// memory and energy on GPUs.
+    Model(bench::model::ModelBenchArgs),
 }
 
 fn main() -> Result<()> {
@@ -55,6 +58,16 @@ fn main() -> Result<()> {
         Command::Eval(args) => eval::run(&args)?,
         Command::Convert(args) => convert::run(&args)?,
         Command::CheckGpu(args) => check_gpu::run(&args)?,
+        Command::Bench(BenchCommand::Model(args)) => {
+            let report = bench::model::run(&args)?;
+            bench::model::print(&report);
+            if let Some(path) = &args.json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
+            if let Some(path) = &args.svg {
+                chart::model_speedups(path, &report)?;
+            }
+        }
         Command::Bench(BenchCommand::Mlp(args)) => {
             let report = bench::mlp::run(&args)?;
             bench::mlp::print(&report);

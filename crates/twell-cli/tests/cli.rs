@@ -422,3 +422,125 @@ fn bad_finetune_flags_are_rejected() {
     );
     fails_with(&["finetune", "--model", m, "--data", t], "--out");
 }
+
+#[test]
+fn model_bench_runs_all_phases_on_a_random_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("model.json");
+    let svg = dir.path().join("model.svg");
+    let (ok, text) = twell(&[
+        "bench",
+        "model",
+        "--shape",
+        "64x256x2",
+        "--heads",
+        "4",
+        "--vocab",
+        "300",
+        "--density",
+        "0.02",
+        "--prefill",
+        "1x32",
+        "--decode-batch",
+        "2",
+        "--context",
+        "16",
+        "--decode-steps",
+        "2",
+        "--train",
+        "1x16",
+        "--reps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let phases: Vec<String> = report["measurements"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            format!(
+                "{}/{}",
+                m["phase"].as_str().unwrap(),
+                m["ffn"].as_str().unwrap()
+            )
+        })
+        .collect();
+    for want in [
+        "prefill/dense",
+        "prefill/sparse",
+        "decode/dense",
+        "decode/sparse",
+        "train/dense",
+        "train/sparse",
+    ] {
+        assert!(
+            phases.iter().any(|p| p == want),
+            "{want} missing from {phases:?}"
+        );
+    }
+    let density = report["density_per_layer"].as_array().unwrap();
+    assert_eq!(density.len(), 2);
+    assert!(density
+        .iter()
+        .all(|d| d.as_f64().unwrap() > 0.0 && d.as_f64().unwrap() < 0.2));
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+}
+
+#[test]
+fn bad_model_bench_flags_are_rejected() {
+    fails_with(
+        &["bench", "model", "--shape", "64x256"],
+        "HIDDENxFFNxLAYERS",
+    );
+    fails_with(
+        &[
+            "bench",
+            "model",
+            "--shape",
+            "64x256x2",
+            "--heads",
+            "4",
+            "--prefill",
+            "1by32",
+        ],
+        "BATCHxSEQ",
+    );
+    fails_with(
+        &[
+            "bench",
+            "model",
+            "--shape",
+            "64x256x2",
+            "--heads",
+            "4",
+            "--density",
+            "2",
+        ],
+        "density",
+    );
+    fails_with(
+        &["bench", "model", "--shape", "64x256x2", "--heads", "3"],
+        "heads",
+    );
+    fails_with(
+        &[
+            "bench",
+            "model",
+            "--shape",
+            "64x256x2",
+            "--heads",
+            "4",
+            "--decode-batch",
+            "0",
+        ],
+        "at least 1",
+    );
+}

@@ -151,6 +151,54 @@ fn give_cublas_workspace(dev: &CudaDevice) -> Result<()> {
     Ok(())
 }
 
+/// Memory of the device's stream-ordered pool (where candle's CUDA tensors live):
+/// `(in use now, most in use since the last reset)` in bytes.
+pub fn pool_usage(dev: &CudaDevice) -> Result<(u64, u64)> {
+    use candle_core::cuda_backend::cudarc::driver;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().w()?;
+    let mut current: u64 = 0;
+    let mut high: u64 = 0;
+    // SAFETY: driver queries on the live, current device into locals.
+    unsafe {
+        let pool = driver::result::device::get_default_mem_pool(ctx.cu_device()).w()?;
+        driver::sys::cuMemPoolGetAttribute(
+            pool,
+            driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+            &mut current as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()
+        .w()?;
+        driver::sys::cuMemPoolGetAttribute(
+            pool,
+            driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            &mut high as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()
+        .w()?;
+    }
+    Ok((current, high))
+}
+
+/// Resets the pool's high-water mark to what is in use now.
+pub fn reset_pool_peak(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().w()?;
+    // SAFETY: setting USED_MEM_HIGH takes a zero u64, per the driver API.
+    unsafe {
+        let pool = driver::result::device::get_default_mem_pool(ctx.cu_device()).w()?;
+        let mut zero: u64 = 0;
+        driver::result::mem_pool::set_attribute(
+            pool,
+            driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            &mut zero as *mut u64 as *mut std::ffi::c_void,
+        )
+        .w()?;
+    }
+    Ok(())
+}
+
 /// Stages of the forward pass, for `TWELL_PROFILE=1`.
 pub const STAGES: [&str; 4] = ["gate GEMM", "pack", "up", "down"];
 

@@ -1,0 +1,477 @@
+//! `twell bench model`: a whole model, dense FFN against TwELL FFN on the same weights,
+//! for prefill, decode and a training step; tokens/s, peak GPU memory, energy per
+//! token, and the FFN density measured during the run.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use candle_nn::VarBuilder;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use sparse_llama::checkpoint::LoadOptions;
+use sparse_llama::train::{PackedData, TrainConfig, Trainer};
+use sparse_llama::{synthetic, Cache, Llama};
+use twell::FfnMode;
+
+use super::energy::EnergyMeter;
+use super::timing::median;
+use crate::model_args::ModelArgs;
+
+#[derive(clap::Args, Debug)]
+pub struct ModelBenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Random-init model instead of --model: HIDDENxFFNxLAYERS (e.g. 2048x5632x28).
+    #[arg(long)]
+    pub shape: Option<String>,
+    #[arg(long, default_value_t = 32)]
+    pub heads: usize,
+    /// KV heads (default: = heads).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    #[arg(long, default_value_t = 49152)]
+    pub vocab: usize,
+    /// FFN density of a --shape model (constant feature + gate bias).
+    #[arg(long, default_value_t = 0.005)]
+    pub density: f64,
+    /// Prefill batches as BATCHxSEQ.
+    #[arg(long, value_delimiter = ',', default_value = "1x512,4x512")]
+    pub prefill: Vec<String>,
+    /// Decode batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    pub decode_batch: Vec<usize>,
+    /// Context held in the KV cache while decoding.
+    #[arg(long, default_value_t = 512)]
+    pub context: usize,
+    #[arg(long, default_value_t = 8)]
+    pub decode_steps: usize,
+    /// Training steps as BATCHxSEQ (forward + backward + AdamW); empty to skip.
+    #[arg(long, value_delimiter = ',', default_value = "1x256")]
+    pub train: Vec<String>,
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// SVG chart of the sparse/dense speed-up per measurement.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+}
+
+#[derive(Serialize, Debug, Clone)]
+pub struct Measurement {
+    pub phase: String,
+    pub batch: usize,
+    pub seq: usize,
+    pub ffn: String,
+    pub tokens_per_sec: f64,
+    pub ms: f64,
+    /// Most device memory in use above the weights during the region (CUDA).
+    pub peak_extra_bytes: Option<u64>,
+    pub mj_per_token: Option<f64>,
+}
+
+#[derive(Serialize, Debug)]
+pub struct ModelReport {
+    pub model: String,
+    pub device: String,
+    pub dtype: String,
+    pub parameters: usize,
+    /// Mean FFN density per layer in a prefill of the first shape (sparse path).
+    pub density_per_layer: Vec<f64>,
+    pub measurements: Vec<Measurement>,
+}
+
+fn parse_bxt(s: &str) -> Result<(usize, usize)> {
+    let (b, t) = s
+        .split_once('x')
+        .with_context(|| format!("'{s}' is not BATCHxSEQ"))?;
+    let (b, t): (usize, usize) = (
+        b.parse().context("bad batch")?,
+        t.parse().context("bad sequence length")?,
+    );
+    if b == 0 || t < 2 {
+        bail!("'{s}': need batch >= 1 and sequence >= 2");
+    }
+    Ok((b, t))
+}
+
+/// Device memory accounting (CUDA pool) around a region.
+struct MemoryProbe<'a> {
+    device: &'a Device,
+    base: u64,
+}
+
+impl<'a> MemoryProbe<'a> {
+    fn start(device: &'a Device) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(c) = device {
+            device.synchronize()?;
+            twell::cuda::reset_pool_peak(c)?;
+            let (current, _) = twell::cuda::pool_usage(c)?;
+            return Ok(Self {
+                device,
+                base: current,
+            });
+        }
+        Ok(Self { device, base: 0 })
+    }
+
+    fn peak_extra(&self) -> Result<Option<u64>> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(c) = self.device {
+            self.device.synchronize()?;
+            let (_, high) = twell::cuda::pool_usage(c)?;
+            return Ok(Some(high.saturating_sub(self.base)));
+        }
+        let _ = (self.device, self.base);
+        Ok(None)
+    }
+}
+
+fn random_tokens(b: usize, t: usize, vocab: usize, device: &Device) -> Result<Tensor> {
+    let ids: Vec<u32> = (0..b * t)
+        .map(|i| ((i as u64 * 2654435761) % vocab as u64) as u32)
+        .collect();
+    Ok(Tensor::from_vec(ids, (b, t), device)?)
+}
+
+pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
+    if args.reps == 0 || args.decode_steps == 0 {
+        bail!("--reps and --decode-steps must be at least 1");
+    }
+    let prefill = args
+        .prefill
+        .iter()
+        .map(|s| parse_bxt(s))
+        .collect::<Result<Vec<_>>>()?;
+    let train = args
+        .train
+        .iter()
+        .filter(|s| !s.is_empty())
+        .map(|s| parse_bxt(s))
+        .collect::<Result<Vec<_>>>()?;
+    if args.decode_batch.contains(&0) {
+        bail!("--decode-batch sizes must be at least 1");
+    }
+    let device = args.model.device()?;
+    let dtype = args.model.dtype(&device)?;
+    let (cfg, weights, name) = match &args.shape {
+        Some(shape) => {
+            let parts: Vec<usize> = shape
+                .split('x')
+                .map(|p| p.parse::<usize>())
+                .collect::<std::result::Result<_, _>>()
+                .with_context(|| format!("--shape '{shape}' is not HIDDENxFFNxLAYERS"))?;
+            let [h, f, l] = parts[..] else {
+                bail!("--shape '{shape}' is not HIDDENxFFNxLAYERS")
+            };
+            let cfg = synthetic::config(
+                h,
+                f,
+                l,
+                args.heads,
+                args.kv_heads.unwrap_or(args.heads),
+                args.vocab,
+            )?;
+            let w = synthetic::weights(&cfg, args.density, 0, dtype, &device)?;
+            (
+                cfg,
+                w,
+                format!(
+                    "random {shape} (density {} by constant feature + gate bias)",
+                    args.density
+                ),
+            )
+        }
+        None => {
+            let ck = args.model.open()?;
+            let opts = LoadOptions {
+                activation: Some(twell::Activation::Relu),
+                ffn_mode: Some(FfnMode::Sparse),
+            };
+            let cfg = ck.runtime_config(&opts)?;
+            (
+                cfg,
+                ck.tensors(dtype, &device)?,
+                ck.source.display().to_string(),
+            )
+        }
+    };
+    let mut model = Llama::load(
+        VarBuilder::from_tensors(weights.clone(), dtype, &device),
+        &cfg,
+    )?;
+    let meter = EnergyMeter::new(match &device {
+        Device::Cuda(_) => Some(0),
+        _ => None,
+    });
+    let total = prefill.len() + args.decode_batch.len() + train.len();
+    let bar = ProgressBar::new(total as u64).with_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .expect("static progress template"),
+    );
+
+    // Density actually seen, per layer, on the first prefill shape.
+    model.set_ffn_mode(FfnMode::Sparse)?;
+    model.record_ffn_stats(true);
+    let (b0, t0) = prefill.first().copied().unwrap_or((1, 128));
+    let mut cache = Cache::new(false, dtype, &cfg, &device)?;
+    model.forward(
+        &random_tokens(b0, t0, cfg.vocab_size, &device)?,
+        0,
+        &mut cache,
+    )?;
+    let density_per_layer: Vec<f64> = model
+        .ffn_stats()?
+        .into_iter()
+        .map(|s| s.map_or(0.0, |s| s.density))
+        .collect();
+    model.record_ffn_stats(false);
+
+    let mut measurements = Vec::new();
+    let modes = [(FfnMode::Dense, "dense"), (FfnMode::Sparse, "sparse")];
+    for &(b, t) in &prefill {
+        bar.set_message(format!("prefill {b}x{t}"));
+        let x = random_tokens(b, t, cfg.vocab_size, &device)?;
+        let mut run = |model: &Llama| -> candle_core::Result<()> {
+            let mut cache = Cache::new(true, dtype, &cfg, &device)?;
+            model.forward(&x, 0, &mut cache)?;
+            Ok(())
+        };
+        measurements.extend(measure(
+            &mut model,
+            &modes,
+            args,
+            &device,
+            &meter,
+            "prefill",
+            b,
+            t,
+            b * t,
+            &mut run,
+        )?);
+        bar.inc(1);
+    }
+    for &b in &args.decode_batch {
+        bar.set_message(format!("decode batch {b} at context {}", args.context));
+        let ctx = random_tokens(b, args.context, cfg.vocab_size, &device)?;
+        let step_tokens = random_tokens(b, 1, cfg.vocab_size, &device)?;
+        let steps = args.decode_steps;
+        // Decode time is (context prefill + steps) minus the context prefill alone, both
+        // measured the same way: the cache must be rebuilt for every repetition.
+        let mut run = |model: &Llama| -> candle_core::Result<()> {
+            let mut cache = Cache::new(true, dtype, &cfg, &device)?;
+            model.forward(&ctx, 0, &mut cache)?;
+            device.synchronize()?;
+            for s in 0..steps {
+                model.forward(&step_tokens, args.context + s, &mut cache)?;
+            }
+            Ok(())
+        };
+        let mut prefill_only = |model: &Llama| -> candle_core::Result<()> {
+            let mut cache = Cache::new(true, dtype, &cfg, &device)?;
+            model.forward(&ctx, 0, &mut cache)?;
+            Ok(())
+        };
+        let with = measure(
+            &mut model,
+            &modes,
+            args,
+            &device,
+            &meter,
+            "decode",
+            b,
+            args.context,
+            b * steps,
+            &mut run,
+        )?;
+        let without = measure(
+            &mut model,
+            &modes,
+            args,
+            &device,
+            &meter,
+            "decode-prefill",
+            b,
+            args.context,
+            b,
+            &mut prefill_only,
+        )?;
+        for (w, p) in with.into_iter().zip(without) {
+            let ms = (w.ms - p.ms).max(1e-6);
+            measurements.push(Measurement {
+                tokens_per_sec: (b * steps) as f64 / (ms / 1e3),
+                ms: ms / steps as f64,
+                mj_per_token: None,
+                ..w
+            });
+        }
+        bar.inc(1);
+    }
+    for &(b, t) in &train {
+        bar.set_message(format!("train {b}x{t}"));
+        let tokens: Vec<u32> = (0..(b * (t + 1) * 4))
+            .map(|i| ((i as u64 * 40503) % cfg.vocab_size as u64) as u32)
+            .collect();
+        let data = PackedData::new(&tokens, t)?;
+        let tc = TrainConfig {
+            seq_len: t,
+            batch_size: b,
+            steps: 1_000_000,
+            warmup_steps: 1,
+            ..Default::default()
+        };
+        let mut trainer = Trainer::new(cfg.clone(), weights.clone(), tc, &device)?;
+        for &(mode, label) in &modes {
+            trainer.set_ffn_mode(mode)?;
+            for _ in 0..args.warmup {
+                trainer.train_step(&data)?;
+            }
+            device.synchronize()?;
+            let probe = MemoryProbe::start(&device)?;
+            let e0 = meter.read_mj();
+            let mut times = Vec::new();
+            for _ in 0..args.reps {
+                let t0 = Instant::now();
+                trainer.train_step(&data)?;
+                device.synchronize()?;
+                times.push(t0.elapsed().as_secs_f64());
+            }
+            let e1 = meter.read_mj();
+            let tokens = (b * t * args.reps) as f64;
+            let secs = median(times);
+            measurements.push(Measurement {
+                phase: "train".into(),
+                batch: b,
+                seq: t,
+                ffn: label.into(),
+                tokens_per_sec: (b * t) as f64 / secs,
+                ms: secs * 1e3,
+                peak_extra_bytes: probe.peak_extra()?,
+                mj_per_token: e0.zip(e1).map(|(a, z)| (z - a) as f64 / tokens),
+            });
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(ModelReport {
+        model: name,
+        device: format!("{:?}", device.location()),
+        dtype: format!("{dtype:?}"),
+        parameters: cfg.num_parameters(),
+        density_per_layer,
+        measurements,
+    })
+}
+
+/// Times `run` under each FFN mode, modes interleaved per repetition; median time,
+/// peak extra device memory and energy per token of each mode.
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    model: &mut Llama,
+    modes: &[(FfnMode, &str)],
+    args: &ModelBenchArgs,
+    device: &Device,
+    meter: &EnergyMeter,
+    phase: &str,
+    batch: usize,
+    seq: usize,
+    tokens: usize,
+    run: &mut dyn FnMut(&Llama) -> candle_core::Result<()>,
+) -> Result<Vec<Measurement>> {
+    let mut times = vec![Vec::new(); modes.len()];
+    let mut peaks = vec![None; modes.len()];
+    let mut energy = vec![0u64; modes.len()];
+    let mut energy_ok = meter.read_mj().is_some();
+    for round in 0..args.warmup + args.reps {
+        for (k, &(mode, _)) in modes.iter().enumerate() {
+            model.set_ffn_mode(mode)?;
+            device.synchronize()?;
+            let probe = MemoryProbe::start(device)?;
+            let e0 = meter.read_mj();
+            let t0 = Instant::now();
+            run(model)?;
+            device.synchronize()?;
+            let dt = t0.elapsed().as_secs_f64();
+            let e1 = meter.read_mj();
+            if round >= args.warmup {
+                times[k].push(dt);
+                peaks[k] = probe.peak_extra()?.max(peaks[k]);
+                match e0.zip(e1) {
+                    Some((a, z)) => energy[k] += z.saturating_sub(a),
+                    None => energy_ok = false,
+                }
+            }
+        }
+    }
+    Ok(modes
+        .iter()
+        .enumerate()
+        .map(|(k, &(_, label))| {
+            let secs = median(times[k].clone());
+            Measurement {
+                phase: phase.into(),
+                batch,
+                seq,
+                ffn: label.into(),
+                tokens_per_sec: tokens as f64 / secs,
+                ms: secs * 1e3,
+                peak_extra_bytes: peaks[k],
+                mj_per_token: energy_ok.then(|| energy[k] as f64 / (tokens * args.reps) as f64),
+            }
+        })
+        .collect())
+}
+
+pub fn print(report: &ModelReport) {
+    println!(
+        "model {} | {} parameters | {} {}",
+        report.model, report.parameters, report.device, report.dtype
+    );
+    let d = &report.density_per_layer;
+    if !d.is_empty() {
+        println!(
+            "FFN density per layer (sparse prefill): mean {:.2}%, min {:.2}%, max {:.2}%",
+            100.0 * d.iter().sum::<f64>() / d.len() as f64,
+            100.0 * d.iter().cloned().fold(f64::INFINITY, f64::min),
+            100.0 * d.iter().cloned().fold(0.0, f64::max)
+        );
+    }
+    println!(
+        "{:>15} {:>6} {:>6} {:>7} {:>12} {:>10} {:>12} {:>10} {:>8}",
+        "phase", "batch", "seq", "ffn", "tokens/s", "ms", "peak extra", "mJ/token", "speedup"
+    );
+    let rows: Vec<&Measurement> = report
+        .measurements
+        .iter()
+        .filter(|m| m.phase != "decode-prefill")
+        .collect();
+    for m in &rows {
+        let dense = rows.iter().find(|o| {
+            o.phase == m.phase && o.batch == m.batch && o.seq == m.seq && o.ffn == "dense"
+        });
+        let speedup = dense
+            .map(|d| m.tokens_per_sec / d.tokens_per_sec)
+            .unwrap_or(f64::NAN);
+        println!(
+            "{:>15} {:>6} {:>6} {:>7} {:>12.1} {:>10.3} {:>12} {:>10} {:>7.2}x",
+            m.phase,
+            m.batch,
+            m.seq,
+            m.ffn,
+            m.tokens_per_sec,
+            m.ms,
+            m.peak_extra_bytes
+                .map(|b| format!("{:.1} MB", b as f64 / 1e6))
+                .unwrap_or_else(|| "n/a".into()),
+            m.mj_per_token
+                .map(|e| format!("{e:.3}"))
+                .unwrap_or_else(|| "n/a".into()),
+            speedup
+        );
+    }
+}
