@@ -129,49 +129,13 @@ fn tiny_mlp_bench_runs_and_writes_json() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// A tiny random ReLU Llama checkpoint in a fresh directory, and a text file.
+/// A tiny random ReLU Llama checkpoint (10% FFN density) in a fresh directory, and a
+/// text file.
 fn tiny_checkpoint(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
-    use candle_core::{DType, Device, Tensor};
-    use rand::SeedableRng;
-    let hf: sparse_llama::LlamaConfig = serde_json::from_value(serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 96,
-        "vocab_size": 258, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "max_position_embeddings": 256, "tie_word_embeddings": true,
-        "hidden_act": "relu", "eos_token_id": 257
-    }))
-    .unwrap();
-    let cfg = hf.into_config(false).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-    let mut t = |shape: &[usize], offset: f32| {
-        let n = shape.iter().product();
-        let v: Vec<f32> = twell::density::gaussian(&mut rng, n, 0.1)
-            .into_iter()
-            .map(|x| x + offset)
-            .collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    };
-    let mut w = std::collections::HashMap::new();
-    w.insert("model.embed_tokens.weight".to_string(), t(&[258, 32], 0.0));
-    w.insert("model.norm.weight".to_string(), t(&[32], 1.0));
-    for l in 0..2 {
-        let p = format!("model.layers.{l}");
-        for (name, shape) in [
-            ("self_attn.q_proj", [32, 32]),
-            ("self_attn.k_proj", [16, 32]),
-            ("self_attn.v_proj", [16, 32]),
-            ("self_attn.o_proj", [32, 32]),
-            ("mlp.gate_proj", [96, 32]),
-            ("mlp.up_proj", [96, 32]),
-            ("mlp.down_proj", [32, 96]),
-        ] {
-            w.insert(format!("{p}.{name}.weight"), t(&shape, 0.0));
-        }
-        w.insert(format!("{p}.input_layernorm.weight"), t(&[32], 1.0));
-        w.insert(
-            format!("{p}.post_attention_layernorm.weight"),
-            t(&[32], 1.0),
-        );
-    }
+    use candle_core::{DType, Device};
+    use sparse_llama::synthetic;
+    let cfg = synthetic::config(32, 96, 2, 2, 1, 258).unwrap();
+    let w = synthetic::weights(&cfg, 0.1, 1, DType::F32, &Device::Cpu).unwrap();
     let model = dir.join("tiny");
     let tok = sparse_llama::tokenizer::byte_level_tokenizer().unwrap();
     sparse_llama::checkpoint::save_hf(&model, &w, &cfg, &tok, None, DType::F32).unwrap();
