@@ -169,10 +169,53 @@ extern "C" __global__ void gated_t2d_finish_bf16(const float* __restrict__ acc, 
     }
 }
 
+// Walks one token row of a TwELL gate, for a whole warp. Each tile's count is read by
+// its own lane and empty tiles are skipped by a ballot. For each block of up to 32 listed
+// slots of a tile, `block(j, v, slot, n)` runs with lane s holding its slot's neuron j,
+// value v and value-array index (-1 for lanes past the block's n slots); for each
+// overflowing tile, `spilled(c0, width)` runs with the tile's first column and width.
+template <class Block, class Spilled>
+__device__ __forceinline__ void walk_row(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
+                                         const __nv_bfloat16* values, long long row, int tile, int cap,
+                                         int n_tiles, int f, Block block, Spilled spilled) {
+    const int lane = threadIdx.x & 31;
+    for (int tb = 0; tb < n_tiles; tb += 32) {
+        const int t = tb + lane;
+        const int c = t < n_tiles ? static_cast<int>(counts[row * n_tiles + t]) : 0;
+        uint32_t listed = __ballot_sync(FULL_MASK, c > 0 && c <= cap);
+        uint32_t over = __ballot_sync(FULL_MASK, c > cap);
+        while (listed) {
+            const int b = __ffs(listed) - 1;
+            listed &= listed - 1;
+            const int tt = tb + b;
+            const int count = __shfl_sync(FULL_MASK, c, b);
+            const long long s0 = (row * n_tiles + tt) * static_cast<long long>(cap);
+            for (int sb = 0; sb < count; sb += 32) {
+                const int s = sb + lane;
+                int j = 0;
+                float v = 0.f;
+                long long slot = -1;
+                if (s < count) {
+                    slot = s0 + s;
+                    j = tt * tile + indices[slot];
+                    v = __bfloat162float(values[slot]);
+                }
+                block(j, v, slot, min(32, count - sb));
+            }
+        }
+        while (over) {
+            const int b = __ffs(over) - 1;
+            over &= over - 1;
+            const int c0 = (tb + b) * tile;
+            spilled(c0, min(tile, f - c0));
+        }
+    }
+}
+
 // Prefill path, up: one warp per token row. The row of x stays in registers (MAXV
-// 16-byte vectors per lane, packed bf16), each tile's count is read by its own lane,
-// empty tiles are skipped by a ballot, and each tile's slot list is read and its h
-// written back with one coalesced access. The token's L1 term is stored, not added.
+// 16-byte vectors per lane, packed bf16); `walk_row` reads each tile's slot list with
+// one coalesced load, and the block's h go back with one coalesced store. The token's
+// L1 term is stored, not added.
 template <int MAXV>
 __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,
                        const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
@@ -209,43 +252,21 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
         return warp_sum(part);
     };
     float l1 = 0.f;
-    for (int tb = 0; tb < n_tiles; tb += 32) {
-        const int t = tb + lane;
-        const int c = t < n_tiles ? static_cast<int>(counts[row * n_tiles + t]) : 0;
-        uint32_t listed = __ballot_sync(FULL_MASK, c > 0 && c <= cap);
-        uint32_t spilled = __ballot_sync(FULL_MASK, c > cap);
-        while (listed) {
-            const int b = __ffs(listed) - 1;
-            listed &= listed - 1;
-            const int tt = tb + b;
-            const int count = __shfl_sync(FULL_MASK, c, b);
-            const long long s0 = (row * n_tiles + tt) * static_cast<long long>(cap);
-            for (int sb = 0; sb < count; sb += 32) {
-                const int s = sb + lane;
-                int j = 0;
-                float g = 0.f;
-                if (s < count) {
-                    j = tt * tile + indices[s0 + s];
-                    g = __bfloat162float(values[s0 + s]);
-                }
-                const int n = min(32, count - sb);
-                __nv_bfloat16 mine = __float2bfloat16(0.f);
-                // One neuron at a time: interleaving two (twice the loads in flight)
-                // measured slower, the extra registers costing more than they hid.
-                for (int q = 0; q < n; ++q) {
-                    const float u = dot(__shfl_sync(FULL_MASK, j, q));
-                    const __nv_bfloat16 h = __float2bfloat16(__shfl_sync(FULL_MASK, g, q) * u);
-                    l1 += fabsf(__bfloat162float(h));
-                    if (lane == q) mine = h;
-                }
-                if (s < count) values[s0 + s] = mine;
+    walk_row(
+        counts, indices, values, row, tile, cap, n_tiles, f,
+        [&](int j, float g, long long slot, int n) {
+            __nv_bfloat16 mine = __float2bfloat16(0.f);
+            // One neuron at a time: interleaving two (twice the loads in flight)
+            // measured slower, the extra registers costing more than they hid.
+            for (int q = 0; q < n; ++q) {
+                const float u = dot(__shfl_sync(FULL_MASK, j, q));
+                const __nv_bfloat16 h = __float2bfloat16(__shfl_sync(FULL_MASK, g, q) * u);
+                l1 += fabsf(__bfloat162float(h));
+                if (lane == q) mine = h;
             }
-        }
-        while (spilled) {
-            const int b = __ffs(spilled) - 1;
-            spilled &= spilled - 1;
-            const int c0 = (tb + b) * tile;
-            const int width = min(tile, f - c0);
+            if (slot >= 0) values[slot] = mine;
+        },
+        [&](int c0, int width) {
             __nv_bfloat16* src = gate + row * f + c0;
             for (int k = 0; k < width; k += 32) {
                 const int col = k + lane;
@@ -262,8 +283,7 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
                 }
                 if (col < width) src[col] = mine;
             }
-        }
-    }
+        });
     if (lane == 0) l1_out[row] = l1;
 }
 
@@ -282,10 +302,10 @@ UP_ROW_KERNEL(8)
 UP_ROW_KERNEL(16)
 
 // Prefill path, down: one warp per token row, the output row in registers (MAXV
-// 16-byte vectors per lane). Each tile's count is read by its own lane and empty tiles
-// are skipped by a ballot; each tile's (j, h) list is read with one coalesced load and
-// broadcast; every neuron then costs MAXV independent 16-byte loads per lane (its
-// whole Wd row), with no reduction between them. Stores bf16 and the L1 column.
+// 16-byte vectors per lane). `walk_row` reads each tile's (j, h) list with one
+// coalesced load and broadcasts it; every neuron then costs MAXV independent 16-byte
+// loads per lane (its whole Wd row), with no reduction between them. Stores bf16 and
+// the L1 column.
 template <int MAXV>
 __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,
                          const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,
@@ -308,34 +328,12 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
             if (e < d) axpy8(h, wd + e, acc[i]);
         }
     };
-    for (int tb = 0; tb < n_tiles; tb += 32) {
-        const int t = tb + lane;
-        const int c = t < n_tiles ? static_cast<int>(counts[row * n_tiles + t]) : 0;
-        uint32_t listed = __ballot_sync(FULL_MASK, c > 0 && c <= cap);
-        uint32_t spilled = __ballot_sync(FULL_MASK, c > cap);
-        while (listed) {
-            const int b = __ffs(listed) - 1;
-            listed &= listed - 1;
-            const int tt = tb + b;
-            const int count = __shfl_sync(FULL_MASK, c, b);
-            const long long s0 = (row * n_tiles + tt) * static_cast<long long>(cap);
-            for (int sb = 0; sb < count; sb += 32) {
-                const int s = sb + lane;
-                int j = 0;
-                float h = 0.f;
-                if (s < count) {
-                    j = tt * tile + indices[s0 + s];
-                    h = __bfloat162float(values[s0 + s]);
-                }
-                const int n = min(32, count - sb);
-                for (int q = 0; q < n; ++q) add(__shfl_sync(FULL_MASK, j, q), __shfl_sync(FULL_MASK, h, q));
-            }
-        }
-        while (spilled) {
-            const int b = __ffs(spilled) - 1;
-            spilled &= spilled - 1;
-            const int c0 = (tb + b) * tile;
-            const int width = min(tile, f - c0);
+    walk_row(
+        counts, indices, values, row, tile, cap, n_tiles, f,
+        [&](int j, float h, long long, int n) {
+            for (int q = 0; q < n; ++q) add(__shfl_sync(FULL_MASK, j, q), __shfl_sync(FULL_MASK, h, q));
+        },
+        [&](int c0, int width) {
             const __nv_bfloat16* src = gate + row * f + c0;
             for (int k = 0; k < width; k += 32) {
                 const int col = k + lane;
@@ -347,8 +345,7 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
                     add(c0 + k + q, __shfl_sync(FULL_MASK, hv, q));
                 }
             }
-        }
-    }
+        });
     const long long ld = d + L1_COLUMNS;
 #pragma unroll
     for (int i = 0; i < MAXV; ++i) {

@@ -123,24 +123,5 @@ pub fn tiny_checkpoint(
 
 /// ‖a − b‖ / ‖b‖.
 pub fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-    let num = (&a - &b)
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
-        .sqrt();
-    let den = b
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
-        .sqrt();
-    num / den.max(1e-30)
+    twell::compare::rel_l2(a, b).unwrap()
 }

@@ -41,11 +41,7 @@ struct CaseResult {
 }
 
 fn rel_l2(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a = a.to_dtype(DType::F32)?.flatten_all()?;
-    let b = b.to_dtype(DType::F32)?.flatten_all()?;
-    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-    let den = b.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-    Ok((num / den.max(1e-30)).sqrt())
+    Ok(twell::compare::rel_l2(a, b)?)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -10,6 +10,7 @@
 //! * [`mlp`]: [`SparseMlp`], a `candle_nn::Module` that swaps for a dense MLP;
 //! * [`density`]: synthetic weights with a chosen activation density, for benchmarks.
 
+pub mod compare;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

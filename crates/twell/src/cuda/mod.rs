@@ -45,6 +45,27 @@ fn row_vectors(d: usize) -> Option<usize> {
     [1, 2, 4, 8, 16].into_iter().find(|&v| v >= need)
 }
 
+/// The shape arguments every `gated_t2d` kernel takes, in its parameter order.
+struct KernelDims {
+    m: i32,
+    d: i32,
+    f: i32,
+    tile: i32,
+    cap: i32,
+    n_tiles: i32,
+}
+
+impl KernelDims {
+    fn push<'a>(&'a self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
+        b.arg(&self.m)
+            .arg(&self.d)
+            .arg(&self.f)
+            .arg(&self.tile)
+            .arg(&self.cap)
+            .arg(&self.n_tiles);
+    }
+}
+
 fn warp_launch(warps: usize) -> Result<LaunchConfig> {
     let warps_per_block = (BLOCK_THREADS / 32) as usize;
     let blocks = warps.div_ceil(warps_per_block);
@@ -307,6 +328,15 @@ pub fn twell_mlp_forward(
         n_tiles as i32,
     );
 
+    let dims = KernelDims {
+        m: m_i,
+        d: d_i,
+        f: f_i,
+        tile: tile_i,
+        cap: cap_i,
+        n_tiles: nt_i,
+    };
+
     let stream = dev.cuda_stream();
     let mut marks = Vec::new();
     let mark = |marks: &mut Vec<_>| -> Result<()> {
@@ -369,12 +399,7 @@ pub fn twell_mlp_forward(
                 .arg(&mut values)
                 .arg(&mut gate)
                 .arg(&mut l1);
-            b.arg(&m_i)
-                .arg(&d_i)
-                .arg(&f_i)
-                .arg(&tile_i)
-                .arg(&cap_i)
-                .arg(&nt_i);
+            dims.push(&mut b);
             // SAFETY: one warp per row, bounds checked in the kernel.
             unsafe { b.launch(warp_launch(m)?) }.w()?;
             mark(&mut marks)?;
@@ -388,12 +413,7 @@ pub fn twell_mlp_forward(
                 .arg(&gate)
                 .arg(&l1)
                 .arg(&mut out);
-            b.arg(&m_i)
-                .arg(&d_i)
-                .arg(&f_i)
-                .arg(&tile_i)
-                .arg(&cap_i)
-                .arg(&nt_i);
+            dims.push(&mut b);
             // SAFETY: one warp per row, bounds checked in the kernel.
             unsafe { b.launch(warp_launch(m)?) }.w()?;
         }
@@ -414,13 +434,8 @@ pub fn twell_mlp_forward(
                 .arg(&mut values)
                 .arg(&mut gate)
                 .arg(&mut l1);
-            b.arg(&m_i)
-                .arg(&d_i)
-                .arg(&f_i)
-                .arg(&tile_i)
-                .arg(&cap_i)
-                .arg(&nt_i)
-                .arg(&spw_i);
+            dims.push(&mut b);
+            b.arg(&spw_i);
             // SAFETY: one warp per (row, tile, slot group), bounds checked in the kernel.
             unsafe { b.launch(warp_launch(m * n_tiles * (cap / slots_per_warp))?) }.w()?;
             mark(&mut marks)?;
@@ -445,13 +460,8 @@ pub fn twell_mlp_forward(
                 .arg(&l1)
                 .arg(&mut acc)
                 .arg(&mut out);
-            b.arg(&m_i)
-                .arg(&d_i)
-                .arg(&f_i)
-                .arg(&tile_i)
-                .arg(&cap_i)
-                .arg(&nt_i)
-                .arg(&tg_i);
+            dims.push(&mut b);
+            b.arg(&tg_i);
             // SAFETY: one warp per (row, chunk, tile group), bounds checked in the kernel.
             unsafe { b.launch(warp_launch(m * n_chunks * tile_groups)?) }.w()?;
             if decode {

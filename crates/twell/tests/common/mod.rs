@@ -6,14 +6,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use twell::density::gaussian;
 
-/// ‖a − b‖ / ‖b‖ in f64.
-pub fn rel_l2(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a = a.to_dtype(DType::F64)?.flatten_all()?;
-    let b = b.to_dtype(DType::F64)?.flatten_all()?;
-    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
-    let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
-    Ok(if den == 0.0 { num } else { num / den })
-}
+pub use twell::compare::rel_l2;
 
 /// Gaussian tensor with a fixed seed.
 pub fn randn(shape: (usize, usize), std: f64, seed: u64, dtype: DType) -> Result<Tensor> {
