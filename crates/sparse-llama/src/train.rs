@@ -282,8 +282,22 @@ impl Trainer {
         cfg: &TrainConfig,
         device: &Device,
     ) -> Result<Llama> {
-        let dtype = if cfg.bf16 { DType::BF16 } else { DType::F32 };
-        let mut model = Llama::load(VarBuilder::from_varmap(varmap, dtype, device), model_cfg)?;
+        let vb = if cfg.bf16 {
+            // A VarMap hands out its f32 variables whatever dtype is asked for, so the
+            // bf16 copies are made here; `to_dtype` stays in the autograd graph and the
+            // gradients land on the f32 masters.
+            let copies = varmap
+                .data()
+                .lock()
+                .expect("varmap lock")
+                .iter()
+                .map(|(k, v)| Ok((k.clone(), v.as_tensor().to_dtype(DType::BF16)?)))
+                .collect::<Result<std::collections::HashMap<_, _>>>()?;
+            VarBuilder::from_tensors(copies, DType::BF16, device)
+        } else {
+            VarBuilder::from_varmap(varmap, DType::F32, device)
+        };
+        let mut model = Llama::load(vb, model_cfg)?;
         model.record_ffn_stats(true);
         Ok(model)
     }

@@ -20,7 +20,10 @@ pub mod format;
 pub mod mlp;
 pub mod ops;
 
+pub use cpu::screen::GateScreen;
 pub use error::TwellError;
 pub use format::{Twell, TwellConfig, TwellPattern, TwellStats};
 pub use mlp::{Activation, FfnMode, MlpStats, SparseMlp};
-pub use ops::{gate_pack, gated_t2d, twell_mlp, up_down_matrix, MlpOutput, L1_COLUMNS};
+pub use ops::{
+    gate_pack, gated_t2d, twell_mlp, twell_mlp_screened, up_down_matrix, MlpOutput, L1_COLUMNS,
+};

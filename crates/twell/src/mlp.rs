@@ -4,14 +4,15 @@
 //! `down(act(gate(x)) ⊙ up(x))`. With a ReLU gate it can take the sparse path, which
 //! gives the same result (up to rounding) while touching only the active neurons.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
+use crate::cpu::screen::{GateScreen, SCREEN_MAX_ROWS};
 use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
-use crate::ops::{twell_mlp, up_down_matrix};
+use crate::ops::{twell_mlp, twell_mlp_screened, up_down_matrix};
 
 /// Which computation the MLP runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -162,6 +163,8 @@ pub struct SparseMlp {
     down: Tensor,
     /// `[f, 2d]` neuron-major up/down, built once for inference.
     up_down: OnceLock<Tensor>,
+    /// The int8 screen of `gate` for host decoding, built on first use.
+    gate_screen: OnceLock<Arc<GateScreen>>,
     activation: Activation,
     mode: FfnMode,
     config: TwellConfig,
@@ -214,6 +217,7 @@ impl SparseMlp {
             up,
             down,
             up_down: OnceLock::new(),
+            gate_screen: OnceLock::new(),
             activation,
             mode,
             config: TwellConfig::default(),
@@ -341,6 +345,23 @@ impl SparseMlp {
         Ok(self.up_down.get_or_init(|| w).clone())
     }
 
+    /// The screen for a host pass of `tokens` tokens, when it pays and is safe: the
+    /// weights must be frozen, as the screen is a copy of them.
+    fn screen_for(&self, tokens: usize) -> Result<Option<Arc<GateScreen>>> {
+        if tokens > SCREEN_MAX_ROWS
+            || !self.gate.device().is_cpu()
+            || self.gate.is_variable()
+            || self.gate.track_op()
+        {
+            return Ok(None);
+        }
+        if let Some(s) = self.gate_screen.get() {
+            return Ok(Some(s.clone()));
+        }
+        let s = Arc::new(crate::ops::gate_screen(&self.gate)?);
+        Ok(Some(self.gate_screen.get_or_init(|| s).clone()))
+    }
+
     /// The MLP output and each token's L1 term `Σ_j |h_j|` (`[..]`, the leading dims
     /// of `x`), both differentiable.
     pub fn forward_with_l1(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
@@ -368,7 +389,12 @@ impl SparseMlp {
         let x2 = x.reshape(((), d))?;
         let measure = self.measure_now(x.device());
         let (out, l1) = if self.use_sparse(x2.dim(0)?, x.device()) {
-            let res = twell_mlp(&x2, &self.gate, &self.up_down()?, self.config)?;
+            let res = match self.screen_for(x2.dim(0)?)? {
+                Some(screen) => {
+                    twell_mlp_screened(&x2, &self.gate, &self.up_down()?, self.config, screen)?
+                }
+                None => twell_mlp(&x2, &self.gate, &self.up_down()?, self.config)?,
+            };
             // Host ops know their density for free; a device op's counts are read
             // back (a sync) only when measuring.
             if res.pattern.is_some() || measure {

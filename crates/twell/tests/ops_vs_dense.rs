@@ -8,7 +8,8 @@ use candle_core::{DType, Device, Tensor};
 use common::{dense_reglu, probe_loss, rel_l2, Vars};
 use proptest::prelude::*;
 use twell::density::{synthetic_input, synthetic_mlp};
-use twell::{gate_pack, gated_t2d, twell_mlp, up_down_matrix, TwellConfig};
+use twell::ops::gate_screen;
+use twell::{gate_pack, gated_t2d, twell_mlp, twell_mlp_screened, up_down_matrix, TwellConfig};
 
 struct Case {
     m: usize,
@@ -27,6 +28,8 @@ enum Path {
     Fused,
     /// `gate_pack` then `gated_t2d`: two ops, the TwELL gate in between.
     Composed,
+    /// `twell_mlp_screened`: the fused op with the int8 gate screen.
+    Screened,
 }
 
 fn tolerance(dtype: DType) -> f64 {
@@ -55,6 +58,10 @@ fn check(case: &Case, path: Path) {
     let w_ud = up_down_matrix(&sparse.wu, &sparse.wd).unwrap();
     let res = match path {
         Path::Fused => twell_mlp(&sparse.x, &sparse.wg, &w_ud, case.config).unwrap(),
+        Path::Screened => {
+            let screen = std::sync::Arc::new(gate_screen(&sparse.wg).unwrap());
+            twell_mlp_screened(&sparse.x, &sparse.wg, &w_ud, case.config, screen).unwrap()
+        }
         Path::Composed => {
             let gate = gate_pack(&sparse.x, &sparse.wg, case.config).unwrap();
             gated_t2d(&gate, &sparse.x, &w_ud).unwrap()
@@ -178,6 +185,56 @@ fn half_precision_dense_and_fused_agree() {
         seed: 9,
     };
     check(&case, Path::Fused);
+}
+
+#[test]
+fn screened_gate_matches_dense_for_one_and_two_tokens() {
+    for (m, density, dtype, seed) in [
+        (1, 0.01, DType::F32, 21),
+        (2, 0.03, DType::F32, 22),
+        (1, 0.2, DType::BF16, 23),
+        (5, 0.01, DType::F32, 24), // past SCREEN_MAX_ROWS: the unscreened gate
+    ] {
+        let case = Case {
+            m,
+            d: 256,
+            f: 1300,
+            density,
+            dtype,
+            config: TwellConfig::default(),
+            seed,
+        };
+        check(&case, Path::Screened);
+    }
+}
+
+#[test]
+fn screened_gate_output_equals_the_unscreened_one() {
+    let w = synthetic_mlp(512, 2048, 0.01, DType::F32, &Device::Cpu, 31).unwrap();
+    let w_ud = up_down_matrix(&w.up, &w.down).unwrap();
+    let screen = std::sync::Arc::new(gate_screen(&w.gate).unwrap());
+    for seed in 0..4 {
+        let x = synthetic_input(1, 512, DType::F32, &Device::Cpu, 40 + seed).unwrap();
+        let plain = twell_mlp(&x, &w.gate, &w_ud, TwellConfig::default()).unwrap();
+        let screened =
+            twell_mlp_screened(&x, &w.gate, &w_ud, TwellConfig::default(), screen.clone()).unwrap();
+        assert_eq!(plain.nnz().unwrap(), screened.nnz().unwrap());
+        assert!(rel_l2(&plain.out, &screened.out).unwrap() < 1e-6);
+    }
+}
+
+#[test]
+fn a_screen_for_other_weights_is_refused() {
+    let w = synthetic_mlp(64, 300, 0.05, DType::F32, &Device::Cpu, 5).unwrap();
+    let other = synthetic_mlp(64, 200, 0.05, DType::F32, &Device::Cpu, 6).unwrap();
+    let screen = std::sync::Arc::new(gate_screen(&other.gate).unwrap());
+    let x = synthetic_input(1, 64, DType::F32, &Device::Cpu, 7).unwrap();
+    let w_ud = up_down_matrix(&w.up, &w.down).unwrap();
+    let e = match twell_mlp_screened(&x, &w.gate, &w_ud, TwellConfig::default(), screen) {
+        Ok(_) => panic!("a screen of other weights must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("screen"), "{e}");
 }
 
 #[test]

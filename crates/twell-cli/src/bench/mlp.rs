@@ -36,8 +36,9 @@ pub struct MlpBenchArgs {
     /// Timed rounds; the median is reported.
     #[arg(long, default_value_t = 11)]
     pub reps: usize,
-    /// Weight sets rotated between rounds, so caches do not flatter either side.
-    #[arg(long, default_value_t = 2)]
+    /// Weight sets rotated between rounds and variants (each variant of a round runs
+    /// on its own set), so caches do not flatter any side.
+    #[arg(long, default_value_t = 3)]
     pub weight_sets: usize,
     /// Write the rows as JSON here.
     #[arg(long)]
@@ -205,11 +206,11 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     Ok(())
                 };
                 let mut sparse_run = |round: usize| -> candle_core::Result<()> {
-                    std::hint::black_box(sets[round % sets.len()].1.forward(&x)?);
+                    std::hint::black_box(sets[(round + 1) % sets.len()].1.forward(&x)?);
                     Ok(())
                 };
                 let mut auto_run = |round: usize| -> candle_core::Result<()> {
-                    std::hint::black_box(sets[round % sets.len()].2.forward(&x)?);
+                    std::hint::black_box(sets[(round + 2) % sets.len()].2.forward(&x)?);
                     Ok(())
                 };
                 take_stages();
@@ -222,7 +223,15 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                 let stages_ms = take_stages();
                 let elem = dtype.size_in_bytes() as f64;
                 let dense_bytes = 3.0 * (hidden * ffn) as f64 * elem;
-                let sparse_bytes = ((hidden * ffn) + union * 2 * hidden) as f64 * elem;
+                // With the int8 gate screen (host, few tokens) the gate costs one byte per
+                // weight plus the f32 rows of the neurons that fire (a lower bound: the
+                // screen's inactive candidates are not counted).
+                let screened = device.is_cpu() && m <= twell::cpu::screen::SCREEN_MAX_ROWS;
+                let sparse_bytes = if screened {
+                    (hidden * ffn) as f64 + (union * 3 * hidden) as f64 * elem
+                } else {
+                    ((hidden * ffn) + union * 2 * hidden) as f64 * elem
+                };
                 rows.push(MlpRow {
                     hidden,
                     ffn,

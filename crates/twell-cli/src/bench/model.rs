@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -323,6 +323,9 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             batch_size: b,
             steps: 1_000_000,
             warmup_steps: 1,
+            // bf16 compute on f32 masters where the model runs in bf16 (the CUDA
+            // kernels take bf16).
+            bf16: dtype == DType::BF16,
             ..Default::default()
         };
         let mut trainer = Trainer::new(cfg.clone(), weights.clone(), tc, &device)?;

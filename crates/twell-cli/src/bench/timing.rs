@@ -24,11 +24,16 @@ pub fn interleaved_medians(
     }
     sync(device)?;
     let mut times = vec![Vec::with_capacity(reps); variants.len()];
+    let n = variants.len();
     for round in 0..reps {
-        for (k, v) in variants.iter_mut().enumerate() {
+        // Each round starts with a different variant, so none always runs right after
+        // the same neighbour (whose threads may still be spinning, or whose data may
+        // still be cached).
+        for i in 0..n {
+            let k = (round + i) % n;
             sync(device)?;
             let t0 = Instant::now();
-            v(round)?;
+            variants[k](round)?;
             sync(device)?;
             times[k].push(t0.elapsed().as_secs_f64());
         }

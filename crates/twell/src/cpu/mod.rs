@@ -4,5 +4,6 @@
 
 pub mod float;
 pub mod gate;
+pub mod screen;
 pub mod simd;
 pub mod t2d;

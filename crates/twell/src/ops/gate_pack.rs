@@ -9,6 +9,7 @@ use super::{
     with_values,
 };
 use crate::cpu::float::{Float, Rows};
+use crate::cpu::screen::{GateScreen, SCREEN_MAX_ROWS};
 use crate::cpu::{gate, t2d};
 use crate::format::{check_size, Twell, TwellConfig, TwellPattern};
 
@@ -28,20 +29,25 @@ impl GatePack {
     }
 }
 
-/// Computes `g = x · Wgᵀ` in f32 and packs `relu(g)` with values in `T`.
+/// Computes `g = x · Wgᵀ` in f32 and packs `relu(g)` with values in `T`. With a
+/// screen of `wg` and few tokens, only the neurons the screen cannot rule out are
+/// computed (the result is the same).
 pub(crate) fn gate_and_pack<T: Float>(
     x: Rows<'_>,
     wg: Rows<'_>,
-    m: usize,
-    d: usize,
-    f: usize,
+    (m, d, f): (usize, usize, usize),
     config: TwellConfig,
+    screen: Option<&GateScreen>,
 ) -> (TwellPattern, Vec<T>) {
     let x32 = x.to_f32_vec();
     let mut builder = crate::format::PackBuilder::<T>::new(f, config);
     for start in (0..m).step_by(gate::GATE_BLOCK_ROWS) {
         let rows = (m - start).min(gate::GATE_BLOCK_ROWS);
-        let g = gate::gate_gemm(&x32[start * d..(start + rows) * d], rows, d, wg, f);
+        let xs = &x32[start * d..(start + rows) * d];
+        let g = match screen {
+            Some(s) if rows <= SCREEN_MAX_ROWS => s.gate(xs, rows, wg).0,
+            _ => gate::gate_gemm(xs, rows, d, wg, f),
+        };
         builder.push(&g, rows);
     }
     builder.finish()
@@ -65,15 +71,15 @@ impl CustomOp2 for GatePack {
         let wg = Rows::new("gate_proj", ws, wl)?;
         let (pattern, storage) = match xs {
             CpuStorage::F32(_) => {
-                let (p, v) = gate_and_pack::<f32>(x, wg, m, d, f, self.config);
+                let (p, v) = gate_and_pack::<f32>(x, wg, (m, d, f), self.config, None);
                 (p, CpuStorage::F32(v))
             }
             CpuStorage::BF16(_) => {
-                let (p, v) = gate_and_pack::<half::bf16>(x, wg, m, d, f, self.config);
+                let (p, v) = gate_and_pack::<half::bf16>(x, wg, (m, d, f), self.config, None);
                 (p, CpuStorage::BF16(v))
             }
             _ => {
-                let (p, v) = gate_and_pack::<half::f16>(x, wg, m, d, f, self.config);
+                let (p, v) = gate_and_pack::<half::f16>(x, wg, (m, d, f), self.config, None);
                 (p, CpuStorage::F16(v))
             }
         };

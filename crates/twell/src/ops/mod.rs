@@ -17,7 +17,7 @@ mod twell_mlp;
 
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
-pub use twell_mlp::{twell_mlp, TwellMlp};
+pub use twell_mlp::{gate_screen, twell_mlp, twell_mlp_screened, TwellMlp};
 
 use std::sync::Arc;
 

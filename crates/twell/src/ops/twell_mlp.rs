@@ -15,6 +15,7 @@ use super::{
     with_rows, MlpOutput,
 };
 use crate::cpu::float::Rows;
+use crate::cpu::screen::GateScreen;
 use crate::cpu::t2d::{self, GateGrad};
 use crate::format::{check_size, TwellConfig, TwellPattern};
 
@@ -34,6 +35,8 @@ enum Saved {
 /// The op behind [`twell_mlp`]: inputs `(x, gate_proj, w_ud)`, output `[M, d + L1_COLUMNS]`.
 pub struct TwellMlp {
     config: TwellConfig,
+    /// An int8 screen of `gate_proj` for few-token host passes (see `cpu::screen`).
+    screen: Option<Arc<GateScreen>>,
     saved: Arc<Mutex<Option<Saved>>>,
 }
 
@@ -63,7 +66,8 @@ impl CustomOp3 for TwellMlp {
         let x = Rows::new("x", xs, xl)?;
         let wg = Rows::new("gate_proj", gs, gl)?;
         let w_ud = Rows::new("w_ud", ws, wl)?;
-        let (pattern, gate) = gate_and_pack::<f32>(x, wg, m, d, f, self.config);
+        let (pattern, gate) =
+            gate_and_pack::<f32>(x, wg, (m, d, f), self.config, self.screen.as_deref());
         let out = t2d::forward(&pattern, &gate, x, w_ud, d);
         *self.saved.lock().expect("saved lock") = Some(Saved::Host {
             pattern: Arc::new(pattern),
@@ -122,7 +126,7 @@ impl CustomOp3 for TwellMlp {
                     let (pattern, gate) = match self.saved() {
                         Some(Saved::Host { pattern, gate }) => (pattern, gate),
                         _ => {
-                            let (p, g) = gate_and_pack::<f32>(x, wg, m, d, f, self.config);
+                            let (p, g) = gate_and_pack::<f32>(x, wg, (m, d, f), self.config, None);
                             (Arc::new(p), Arc::new(g))
                         }
                     };
@@ -155,6 +159,47 @@ pub fn twell_mlp(
     w_ud: &Tensor,
     config: TwellConfig,
 ) -> Result<MlpOutput> {
+    run(x, gate_proj, w_ud, config, None)
+}
+
+/// [`twell_mlp`] with an int8 screen of `gate_proj` ([`GateScreen::new`] on the same
+/// weights): host passes of at most [`crate::cpu::screen::SCREEN_MAX_ROWS`] tokens read
+/// the int8 rows and recompute only the neurons that may fire. Same result.
+pub fn twell_mlp_screened(
+    x: &Tensor,
+    gate_proj: &Tensor,
+    w_ud: &Tensor,
+    config: TwellConfig,
+    screen: Arc<GateScreen>,
+) -> Result<MlpOutput> {
+    let (f, d) = matrix_dims("gate_proj", gate_proj)?;
+    if screen.dims() != (f, d) {
+        return shape_err(
+            "twell_mlp_screened",
+            format!(
+                "the screen is for a [{}, {}] gate, gate_proj is [{f}, {d}]",
+                screen.dims().0,
+                screen.dims().1
+            ),
+        );
+    }
+    run(x, gate_proj, w_ud, config, Some(screen))
+}
+
+/// Builds the int8 screen of a host `gate_proj [f, d]` for [`twell_mlp_screened`].
+pub fn gate_screen(gate_proj: &Tensor) -> Result<GateScreen> {
+    let (f, d) = matrix_dims("gate_proj", gate_proj)?;
+    let host_gate = host(&gate_proj.contiguous()?)?;
+    with_rows("gate_proj", &host_gate, |wg| Ok(GateScreen::new(wg, f, d)))
+}
+
+fn run(
+    x: &Tensor,
+    gate_proj: &Tensor,
+    w_ud: &Tensor,
+    config: TwellConfig,
+    screen: Option<Arc<GateScreen>>,
+) -> Result<MlpOutput> {
     let (m, d) = matrix_dims("x", x)?;
     let (f, dg) = matrix_dims("gate_proj", gate_proj)?;
     let (f2, dw) = matrix_dims("w_ud", w_ud)?;
@@ -173,6 +218,7 @@ pub fn twell_mlp(
     let saved = Arc::new(Mutex::new(None));
     let op = TwellMlp {
         config,
+        screen,
         saved: saved.clone(),
     };
     let joined = x

@@ -1,0 +1,331 @@
+//! A certified int8 screen of the gate weights, for decoding on the CPU.
+//!
+//! With one token the sparse MLP is bound by the bytes of `Wg`: it must learn which
+//! neurons fire before it can skip the rest. The screen reads an int8 copy of `Wg`
+//! (a quarter of the f32 bytes), and for each neuron a bound on how far the int8
+//! estimate can be from the f32 gate value. A neuron whose estimate plus its bound is
+//! still ≤ 0 is certified inactive; every other one (a candidate) is recomputed
+//! exactly from the f32 row. No nonzero can be lost: the bound covers the
+//! quantisation error (Cauchy–Schwarz on the exact residual norm) and the f32
+//! rounding of both dot products, whatever their summation order.
+//!
+//! Bound, for `r_j = W_j − s_j·q_j`, `E_j = ‖r_j‖₂`, `γ = d·u/(1 − d·u)`, `u = 2⁻²⁴`:
+//! `fl(x·W_j) ≤ fl(s_j·fl(x·q_j)) + ‖x‖·(E_j + γ‖W_j‖ + 2γ'·s_j‖q_j‖)`, `γ' = γ(d+1)`.
+
+use rayon::prelude::*;
+
+use super::float::Rows;
+use super::simd::{dot, dot_i8};
+
+/// Up to this many tokens the screen beats streaming the f32 rows: each token pays
+/// for an int8→f32 widening of every row, so with more tokens the GEMV, which widens
+/// nothing, wins (measured by `twell bench mlp`, docs/benchmarks.md).
+pub const SCREEN_MAX_ROWS: usize = 2;
+
+/// Weights per row kept exact, outside the int8 rows: one large weight (a bias folded
+/// into a constant feature, an outlier channel) would otherwise set the row's scale
+/// and blur every other weight.
+pub const OUTLIERS_PER_ROW: usize = 4;
+
+/// The int8 gate rows, their scales, exact outliers and error bounds.
+pub struct GateScreen {
+    f: usize,
+    d: usize,
+    q: Vec<i8>,
+    scale: Vec<f32>,
+    /// `[f, k]` column index and exact value of each row's largest weights.
+    outlier_col: Vec<u32>,
+    outlier_val: Vec<f32>,
+    k: usize,
+    /// Per neuron: the margin per unit of `‖x‖`, rounded up.
+    margin: Vec<f64>,
+}
+
+/// Counts from one screened gate: how much exact work the screen let through.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ScreenCounts {
+    /// (token, neuron) pairs screened.
+    pub pairs: usize,
+    /// Pairs recomputed exactly (the estimate could not rule them out).
+    pub candidates: usize,
+    /// Candidates whose exact gate value was > 0.
+    pub active: usize,
+}
+
+fn gamma(n: usize) -> f64 {
+    let nu = n as f64 * f64::from(f32::EPSILON) / 2.0;
+    nu / (1.0 - nu)
+}
+
+/// One quantised row: int8 values, scale, outliers, margin.
+struct QuantRow {
+    q: Vec<i8>,
+    scale: f32,
+    cols: Vec<u32>,
+    vals: Vec<f32>,
+    margin: f64,
+}
+
+fn quantise_row(w: &[f32], k: usize) -> QuantRow {
+    let d = w.len();
+    let mut order: Vec<usize> = (0..d).collect();
+    if k < d {
+        // The k largest |w| first, the (k+1)-th at index k.
+        order.select_nth_unstable_by(k, |&a, &b| w[b].abs().total_cmp(&w[a].abs()));
+    }
+    let mut cols: Vec<u32> = order[..k].iter().map(|&i| i as u32).collect();
+    cols.sort_unstable();
+    let vals: Vec<f32> = cols.iter().map(|&c| w[c as usize]).collect();
+    let rest_max = order.get(k).map_or(0.0, |&i| w[i].abs());
+    let scale = if rest_max > 0.0 && rest_max.is_finite() {
+        rest_max / 127.0
+    } else {
+        0.0
+    };
+    let mut q: Vec<i8> = w
+        .iter()
+        .map(|v| {
+            if scale > 0.0 {
+                (v / scale).round().clamp(-127.0, 127.0) as i8
+            } else {
+                0
+            }
+        })
+        .collect();
+    for &c in &cols {
+        q[c as usize] = 0;
+    }
+    let (mut err2, mut w2, mut q2, mut o2) = (0f64, 0f64, 0f64, 0f64);
+    for (i, (v, qi)) in w.iter().zip(&q).enumerate() {
+        let v = f64::from(*v);
+        w2 += v * v;
+        if cols.binary_search(&(i as u32)).is_ok() {
+            o2 += v * v;
+            continue;
+        }
+        let r = v - f64::from(scale) * f64::from(*qi);
+        err2 += r * r;
+        q2 += f64::from(*qi) * f64::from(*qi);
+    }
+    let (g1, g2) = (gamma(d), gamma(d + k + 2));
+    let margin =
+        err2.sqrt() + g1 * w2.sqrt() + 3.0 * g2 * (f64::from(scale) * q2.sqrt() + o2.sqrt());
+    // A non-finite row makes the margin NaN or ∞: every token then takes the exact
+    // path for it, which is what we want.
+    QuantRow {
+        q,
+        scale,
+        cols,
+        vals,
+        margin: margin * (1.0 + 1e-6),
+    }
+}
+
+impl GateScreen {
+    /// Quantises `wg [f, d]` row by row: the [`OUTLIERS_PER_ROW`] largest weights kept
+    /// exact, the rest in int8 with scale = (largest remaining |w|) / 127.
+    pub fn new(wg: Rows<'_>, f: usize, d: usize) -> Self {
+        let k = OUTLIERS_PER_ROW.min(d);
+        let rows: Vec<QuantRow> = (0..f)
+            .into_par_iter()
+            .map_init(Vec::new, |scratch, j| {
+                quantise_row(wg.f32_range(j * d, d, scratch), k)
+            })
+            .collect();
+        let mut screen = Self {
+            f,
+            d,
+            q: Vec::with_capacity(f * d),
+            scale: Vec::with_capacity(f),
+            outlier_col: Vec::with_capacity(f * k),
+            outlier_val: Vec::with_capacity(f * k),
+            k,
+            margin: Vec::with_capacity(f),
+        };
+        for r in rows {
+            screen.q.extend_from_slice(&r.q);
+            screen.scale.push(r.scale);
+            screen.outlier_col.extend_from_slice(&r.cols);
+            screen.outlier_val.extend_from_slice(&r.vals);
+            screen.margin.push(r.margin);
+        }
+        screen
+    }
+
+    /// The screen's estimate of `x · W_j`.
+    #[inline]
+    fn estimate(&self, x: &[f32], j: usize) -> f64 {
+        let d = self.d;
+        let mut outliers = 0f32;
+        for t in j * self.k..(j + 1) * self.k {
+            outliers += x[self.outlier_col[t] as usize] * self.outlier_val[t];
+        }
+        f64::from(self.scale[j] * dot_i8(x, &self.q[j * d..(j + 1) * d]) + outliers)
+    }
+
+    pub fn dims(&self) -> (usize, usize) {
+        (self.f, self.d)
+    }
+
+    /// Bytes the screen keeps (int8 rows, scales, outliers, margins).
+    pub fn bytes(&self) -> usize {
+        self.q.len() + 4 * self.scale.len() + 8 * self.outlier_col.len() + 8 * self.margin.len()
+    }
+
+    /// The gate `g [m, f]` (row-major) for `x [m, d]`: the exact f32 value `x·W_j`
+    /// wherever it may be positive, 0 where the screen proves it is ≤ 0. `relu(g)` is
+    /// therefore exactly what the unscreened gate gives, up to f32 summation order.
+    pub fn gate(&self, x: &[f32], m: usize, wg: Rows<'_>) -> (Vec<f32>, ScreenCounts) {
+        const NEURONS_PER_TASK: usize = 64;
+        let (f, d) = (self.f, self.d);
+        let norms: Vec<f64> = (0..m)
+            .map(|i| {
+                let n2: f64 = x[i * d..(i + 1) * d]
+                    .iter()
+                    .map(|v| f64::from(*v) * f64::from(*v))
+                    .sum();
+                n2.sqrt() * (1.0 + 1e-6)
+            })
+            .collect();
+        let mut gt = vec![0f32; f * m];
+        let counts = gt
+            .par_chunks_mut(NEURONS_PER_TASK * m)
+            .enumerate()
+            .map_init(Vec::new, |scratch, (chunk, out)| {
+                let mut c = ScreenCounts::default();
+                for jj in 0..out.len() / m {
+                    let j = chunk * NEURONS_PER_TASK + jj;
+                    for i in 0..m {
+                        let xi = &x[i * d..(i + 1) * d];
+                        let estimate = self.estimate(xi, j);
+                        c.pairs += 1;
+                        // Only a bound that is a number and ≤ 0 rules a neuron out: a
+                        // NaN anywhere means "recompute".
+                        let bound = estimate + norms[i] * self.margin[j];
+                        let ruled_out = bound.partial_cmp(&0.0).is_some_and(|o| o.is_le());
+                        if !ruled_out {
+                            let g = dot(xi, wg.f32_range(j * d, d, scratch));
+                            c.candidates += 1;
+                            c.active += usize::from(g > 0.0);
+                            out[jj * m + i] = g;
+                        }
+                    }
+                }
+                c
+            })
+            .reduce(ScreenCounts::default, |a, b| ScreenCounts {
+                pairs: a.pairs + b.pairs,
+                candidates: a.candidates + b.candidates,
+                active: a.active + b.active,
+            });
+        if m == 1 {
+            return (gt, counts);
+        }
+        let mut g = vec![0f32; m * f];
+        for j in 0..f {
+            for i in 0..m {
+                g[i * f + j] = gt[j * m + i];
+            }
+        }
+        (g, counts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+    }
+
+    /// Every positive gate value survives the screen, with its exact value, at gate
+    /// biases that put the density anywhere from ~0% to ~100%.
+    #[test]
+    fn screen_never_loses_a_positive_gate() {
+        let (f, d) = (300, 200);
+        let mut wg = random(f * d, 1, 0.1);
+        for (seed, m) in [(2u64, 1usize), (3, 2), (4, 5)] {
+            let mut x = random(m * d, seed, 1.0);
+            for bias in [-3.0f32, -1.0, 0.0, 1.0] {
+                // Feature 0 is a constant 1 whose weight sets each neuron's bias.
+                for i in 0..m {
+                    x[i * d] = 1.0;
+                }
+                for j in 0..f {
+                    wg[j * d] = bias;
+                }
+                let screen = GateScreen::new(Rows::F32(&wg), f, d);
+                let (g, c) = screen.gate(&x, m, Rows::F32(&wg));
+                let mut positives = 0;
+                for i in 0..m {
+                    for j in 0..f {
+                        let exact = dot(&x[i * d..(i + 1) * d], &wg[j * d..(j + 1) * d]);
+                        let got = g[i * f + j];
+                        if exact > 0.0 {
+                            positives += 1;
+                            assert_eq!(got, exact, "token {i} neuron {j} bias {bias}");
+                        } else {
+                            assert!(got <= 0.0, "token {i} neuron {j}: {got} vs {exact}");
+                        }
+                    }
+                }
+                assert_eq!(c.pairs, m * f);
+                assert_eq!(c.active, positives);
+                assert!(c.candidates >= c.active);
+            }
+        }
+    }
+
+    /// The screen must actually screen: at low density few pairs are recomputed.
+    #[test]
+    fn screen_recomputes_few_pairs_at_low_density() {
+        let (f, d) = (512, 1024);
+        let mut wg = random(f * d, 7, 0.05);
+        let mut x = random(d, 8, 1.0);
+        x[0] = 1.0;
+        for j in 0..f {
+            wg[j * d] = -1.8; // ≈ 1% of neurons fire
+        }
+        let screen = GateScreen::new(Rows::F32(&wg), f, d);
+        let (_, c) = screen.gate(&x, 1, Rows::F32(&wg));
+        assert!(c.candidates < f / 10, "{c:?}");
+    }
+
+    /// A NaN input or weight row can never be certified inactive.
+    #[test]
+    fn non_finite_values_take_the_exact_path() {
+        let (f, d) = (4, 64);
+        let mut wg = random(f * d, 9, 0.1);
+        wg[3] = f32::NAN;
+        let screen = GateScreen::new(Rows::F32(&wg), f, d);
+        let x = random(d, 10, 1.0);
+        let (_, c) = screen.gate(&x, 1, Rows::F32(&wg));
+        assert!(c.candidates >= 1);
+        let mut xn = x.clone();
+        xn[5] = f32::INFINITY;
+        let (_, c) = screen.gate(&xn, 1, Rows::F32(&wg));
+        assert_eq!(c.candidates, f);
+    }
+
+    #[test]
+    fn bf16_weights_are_screened_against_their_own_values() {
+        let (f, d) = (128, 96);
+        let w32 = random(f * d, 11, 0.2);
+        let wb: Vec<half::bf16> = w32.iter().map(|v| half::bf16::from_f32(*v)).collect();
+        let screen = GateScreen::new(Rows::Bf16(&wb), f, d);
+        let x = random(2 * d, 12, 1.0);
+        let (g, _) = screen.gate(&x, 2, Rows::Bf16(&wb));
+        let wf: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        for i in 0..2 {
+            for j in 0..f {
+                let exact = dot(&x[i * d..(i + 1) * d], &wf[j * d..(j + 1) * d]);
+                if exact > 0.0 {
+                    assert_eq!(g[i * f + j], exact);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU fine-tune behind docs/results.md: a λ sweep of `twell finetune` on the default model
+# (SmolLM2-135M-Instruct, ReLU gate), all runs side by side on one GPU, then `twell eval`,
+# a generated sample and a dense-vs-TwELL `twell bench model` of every result.
+#   scripts/h200-finetune.sh OUTDIR
+# Knobs (environment): TWELL (the binary), TWELL_DATA (model + corpus, as scripts/setup.sh
+# writes them), RUNS (space-separated DTYPE:LAMBDA:WEIGHT_DECAY triples), STEPS, LR, SEQ,
+# BATCH, TRAIN_TIMEOUT (seconds, per run), REFERENCE=0 to skip evaluating the original model,
+# PARALLEL=1 to run the fine-tunes side by side (each process keeps ~30-45 GB of pool).
+set -uo pipefail
+
+out=${1:?usage: h200-finetune.sh OUTDIR}
+twell=${TWELL:-twell}
+steps=${STEPS:-400}
+runs=${RUNS:-"f32:0:0.1 f32:1e-2:0.1 bf16:1e-2:0.1"}
+lr=${LR:-2e-4}
+seq=${SEQ:-512}
+batch=${BATCH:-8}
+train_timeout=${TRAIN_TIMEOUT:-0}
+mkdir -p "$out"
+
+run_limited() { # run_limited SECONDS CMD...: SECONDS=0 means no limit
+  local limit=$1; shift
+  if [ "$limit" -gt 0 ]; then timeout "$limit" "$@"; else "$@"; fi
+}
+
+if [ "${REFERENCE:-1}" != 0 ]; then
+  echo "== reference: the original SiLU model and its untrained ReLU conversion" >&2
+  "$twell" eval --device cuda --last 10 --json "$out/eval-silu.json" >"$out/eval-silu.log" 2>&1
+  "$twell" eval --device cuda --last 10 --relu --json "$out/eval-relu0.json" \
+    >"$out/eval-relu0.log" 2>&1
+fi
+
+echo "== fine-tune: {$runs} (dtype:λ:weight decay), $steps steps of $batch x $seq tokens" >&2
+names=()
+for r in $runs; do
+  IFS=: read -r dtype l wd <<<"$r"
+  name="$dtype-l1-$l-wd-$wd"
+  names+=("$name")
+  # Dense FFN while training: the TwELL backward kernels run on the host for now.
+  run_limited "$train_timeout" "$twell" finetune --device cuda --dtype "$dtype" --ffn dense \
+    --seq-len "$seq" --batch "$batch" --steps "$steps" --lr "$lr" --warmup 20 \
+    --weight-decay "$wd" --l1 "$l" --l1-warmup $((steps / 4)) --eval-every 50 \
+    --eval-batches 8 --out "$out/$name" >"$out/finetune-$name.log" 2>&1 &
+  [ "${PARALLEL:-0}" = 1 ] || wait
+done
+wait
+
+echo "== eval, sample" >&2
+for name in "${names[@]}"; do
+  ck="$out/$name/final"
+  [ -d "$ck" ] || { echo "no checkpoint for $name" >&2; continue; }
+  "$twell" eval --device cuda --model "$ck" --last 10 --json "$out/eval-$name.json" \
+    --svg "$out/eval-$name.svg" >"$out/eval-$name.log" 2>&1
+  "$twell" generate --device cuda --model "$ck" --ffn sparse --max-tokens 80 \
+    -p "Mr. Speaker, Mr. Vice President, members of Congress, my fellow Americans:" \
+    >"$out/generate-$name.txt" 2>&1
+done
