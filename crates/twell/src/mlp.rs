@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
-use crate::cpu::screen::{GateScreen, SCREEN_MAX_ROWS};
+use crate::cpu::screen::{GateScreen, SCREEN_MAX_DENSITY, SCREEN_MAX_ROWS};
 use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
 use crate::ops::{twell_mlp, twell_mlp_screened, up_down_matrix};
@@ -165,6 +165,7 @@ pub struct SparseMlp {
     up_down: OnceLock<Tensor>,
     /// The int8 screen of `gate` for host decoding, built on first use.
     gate_screen: OnceLock<Arc<GateScreen>>,
+    use_gate_screen: bool,
     activation: Activation,
     mode: FfnMode,
     config: TwellConfig,
@@ -218,6 +219,7 @@ impl SparseMlp {
             down,
             up_down: OnceLock::new(),
             gate_screen: OnceLock::new(),
+            use_gate_screen: true,
             activation,
             mode,
             config: TwellConfig::default(),
@@ -251,6 +253,13 @@ impl SparseMlp {
     /// Sets the density above which `Auto` runs dense.
     pub fn with_break_even(mut self, density: f64) -> Self {
         self.break_even = Some(density);
+        self
+    }
+
+    /// Whether few-token host passes may use the int8 gate screen (on by default; the
+    /// result is the same either way, only the speed differs).
+    pub fn with_gate_screen(mut self, on: bool) -> Self {
+        self.use_gate_screen = on;
         self
     }
 
@@ -348,7 +357,16 @@ impl SparseMlp {
     /// The screen for a host pass of `tokens` tokens, when it pays and is safe: the
     /// weights must be frozen, as the screen is a copy of them.
     fn screen_for(&self, tokens: usize) -> Result<Option<Arc<GateScreen>>> {
-        if tokens > SCREEN_MAX_ROWS
+        // Near half density nearly every neuron is a candidate, and the screen only
+        // adds its own bytes.
+        let dense_enough = self
+            .last_density
+            .lock()
+            .expect("density lock")
+            .is_some_and(|d| d > SCREEN_MAX_DENSITY);
+        if !self.use_gate_screen
+            || dense_enough
+            || tokens > SCREEN_MAX_ROWS
             || !self.gate.device().is_cpu()
             || self.gate.is_variable()
             || self.gate.track_op()

@@ -36,6 +36,10 @@ pub struct MlpBenchArgs {
     /// Timed rounds; the median is reported.
     #[arg(long, default_value_t = 11)]
     pub reps: usize,
+    /// Run the sparse variants without the int8 gate screen (CPU, few tokens), to
+    /// measure what the screen itself gains.
+    #[arg(long)]
+    pub no_screen: bool,
     /// Weight sets rotated between rounds and variants (each variant of a round runs
     /// on its own set), so caches do not flatter any side.
     #[arg(long, default_value_t = 3)]
@@ -170,14 +174,16 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                         w.down.clone(),
                         Activation::Relu,
                         FfnMode::Sparse,
-                    )?;
+                    )?
+                    .with_gate_screen(!args.no_screen);
                     let auto = SparseMlp::new(
                         w.gate.clone(),
                         w.up.clone(),
                         w.down.clone(),
                         Activation::Relu,
                         FfnMode::Auto,
-                    )?;
+                    )?
+                    .with_gate_screen(!args.no_screen);
                     Ok((DenseMlp::new(&w), sparse, auto))
                 })
                 .collect::<candle_core::Result<_>>()?;
@@ -226,7 +232,10 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                 // With the int8 gate screen (host, few tokens) the gate costs one byte per
                 // weight plus the f32 rows of the neurons that fire (a lower bound: the
                 // screen's inactive candidates are not counted).
-                let screened = device.is_cpu() && m <= twell::cpu::screen::SCREEN_MAX_ROWS;
+                let screened = !args.no_screen
+                    && device.is_cpu()
+                    && m <= twell::cpu::screen::SCREEN_MAX_ROWS
+                    && nnz as f64 / ((m * ffn) as f64) <= twell::cpu::screen::SCREEN_MAX_DENSITY;
                 let sparse_bytes = if screened {
                     (hidden * ffn) as f64 + (union * 3 * hidden) as f64 * elem
                 } else {

@@ -27,6 +27,10 @@ pub const SCREEN_MAX_ROWS: usize = 2;
 /// and blur every other weight.
 pub const OUTLIERS_PER_ROW: usize = 4;
 
+/// Above this measured density `SparseMlp` skips the screen: most neurons would be
+/// candidates anyway (docs/benchmarks.md: at 50% the screened pass was 0.58x dense).
+pub const SCREEN_MAX_DENSITY: f64 = 0.2;
+
 /// The int8 gate rows, their scales, exact outliers and error bounds.
 pub struct GateScreen {
     f: usize,
