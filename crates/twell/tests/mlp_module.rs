@@ -105,3 +105,37 @@ fn loads_hf_names_from_a_var_builder() {
     let vb_bad = VarBuilder::from_tensors(HashMap::new(), DType::F32, &dev);
     assert!(SparseMlp::load(vb_bad.pp("mlp"), 16, 40, Activation::Relu, FfnMode::Sparse).is_err());
 }
+
+/// Decoding on the host goes through the int8 gate screen; the answer must not change,
+/// at low density (screened) and at high density (where the screen is skipped).
+#[test]
+fn screened_decoding_equals_unscreened_and_dense() {
+    let dev = Device::Cpu;
+    for (density, seed) in [(0.01, 3u64), (0.4, 4)] {
+        let w = synthetic_mlp(256, 1024, density, DType::F32, &dev, seed).unwrap();
+        let make = |screen: bool, mode| {
+            SparseMlp::new(
+                w.gate.clone(),
+                w.up.clone(),
+                w.down.clone(),
+                Activation::Relu,
+                mode,
+            )
+            .unwrap()
+            .with_gate_screen(screen)
+        };
+        let (screened, plain, dense) = (
+            make(true, FfnMode::Sparse),
+            make(false, FfnMode::Sparse),
+            make(true, FfnMode::Dense),
+        );
+        for (m, xs) in [(1usize, seed + 10), (2, seed + 11), (1, seed + 12)] {
+            let x = synthetic_input(m, 256, DType::F32, &dev, xs).unwrap();
+            let a = screened.forward(&x).unwrap();
+            let b = plain.forward(&x).unwrap();
+            let d = dense.forward(&x).unwrap();
+            assert!(rel_l2(&a, &b).unwrap() < 1e-6, "density {density} m {m}");
+            assert!(rel_l2(&a, &d).unwrap() < 2e-5, "density {density} m {m}");
+        }
+    }
+}
