@@ -157,3 +157,76 @@ pub fn model_speedups(path: &Path, report: &crate::bench::model::ModelReport) ->
     root.present().map_err(|e| anyhow!("{e}"))?;
     Ok(())
 }
+
+/// Validation perplexity (top, log scale) and mean L0 (bottom) against step, one line
+/// per run.
+pub fn training_curves(path: &Path, curves: &[crate::curves::Curve]) -> Result<()> {
+    let root = SVGBackend::new(path, (900, 720)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let (top, bottom) = root.split_vertically(360);
+    let max_step = curves
+        .iter()
+        .flat_map(|c| c.l0.iter().map(|p| p.0))
+        .fold(1.0, f64::max);
+    let ppl: Vec<f64> = curves
+        .iter()
+        .flat_map(|c| c.perplexity.iter().map(|p| p.1))
+        .filter(|v| v.is_finite())
+        .collect();
+    let (lo, hi) = (
+        ppl.iter().copied().fold(f64::MAX, f64::min).min(10.0),
+        ppl.iter().copied().fold(0.0, f64::max).max(20.0),
+    );
+    let mut chart = ChartBuilder::on(&top)
+        .caption("validation perplexity", ("sans-serif", 20))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..max_step, (lo * 0.9..hi * 1.1).log_scale())
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    for (k, c) in curves.iter().enumerate() {
+        let color = Palette99::pick(k).to_rgba();
+        chart
+            .draw_series(LineSeries::new(c.perplexity.clone(), color.stroke_width(2)))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(c.label.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    let max_l0 = curves
+        .iter()
+        .flat_map(|c| c.l0.iter().map(|p| p.1))
+        .fold(1.0, f64::max);
+    let mut chart = ChartBuilder::on(&bottom)
+        .caption("mean L0 (active FFN neurons per token)", ("sans-serif", 20))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..max_step, 0.0..max_l0 * 1.05)
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    for (k, c) in curves.iter().enumerate() {
+        let color = Palette99::pick(k).to_rgba();
+        chart
+            .draw_series(LineSeries::new(c.l0.clone(), color.stroke_width(2)))
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    root.present().map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}

@@ -197,10 +197,13 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         ck.chat_template.as_deref(),
         save_dtype,
     )?;
+    let curve_path = args.out.join("train_curve.svg");
+    crate::chart::training_curves(&curve_path, &[crate::curves::read(&log_path, None)?])?;
     eprintln!(
-        "finetune: wrote {} and {}",
+        "finetune: wrote {}, {} and {}",
         final_dir.display(),
-        log_path.display()
+        log_path.display(),
+        curve_path.display()
     );
     Ok(())
 }

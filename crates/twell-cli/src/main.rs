@@ -4,6 +4,7 @@ mod bench;
 mod chart;
 mod check_gpu;
 mod convert;
+mod curves;
 mod device;
 mod eval;
 mod finetune;
@@ -34,6 +35,8 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Convert a checkpoint (e.g. GGUF) to an HF directory.
     Convert(convert::ConvertArgs),
+    /// Training curves (validation perplexity, mean L0) of `finetune` logs as one SVG.
+    Curves(curves::CurvesArgs),
     /// Check the CUDA kernels against a dense f32 reference on the GPU.
     CheckGpu(check_gpu::CheckGpuArgs),
     /// Benchmarks, dense and sparse side by side.
@@ -57,6 +60,7 @@ fn main() -> Result<()> {
         Command::Finetune(args) => finetune::run(&args)?,
         Command::Eval(args) => eval::run(&args)?,
         Command::Convert(args) => convert::run(&args)?,
+        Command::Curves(args) => curves::run(&args)?,
         Command::CheckGpu(args) => check_gpu::run(&args)?,
         Command::Bench(BenchCommand::Model(args)) => {
             let report = bench::model::run(&args)?;

@@ -292,6 +292,46 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
         serde_json::from_str(&std::fs::read_to_string(out.join("final/config.json")).unwrap())
             .unwrap();
     assert_eq!(cfg["hidden_act"], "relu");
+    let curve = std::fs::read_to_string(out.join("train_curve.svg")).unwrap();
+    assert!(curve.contains("validation perplexity") && curve.contains("mean L0"));
+    // `twell curves` charts several logs; bad logs and labels are refused.
+    let log_path = out.join("train_log.jsonl");
+    let lp = log_path.to_str().unwrap();
+    let svg = dir.path().join("curves.svg");
+    let (ok, text) = twell(&[
+        "curves",
+        lp,
+        lp,
+        "--labels",
+        "run a,run b",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    assert!(chart.contains("run a") && chart.contains("run b"));
+    fails_with(
+        &[
+            "curves",
+            lp,
+            "--labels",
+            "a,b",
+            "--svg",
+            svg.to_str().unwrap(),
+        ],
+        "2 labels for 1 logs",
+    );
+    let junk = dir.path().join("junk.jsonl");
+    std::fs::write(&junk, "not json\n").unwrap();
+    fails_with(
+        &[
+            "curves",
+            junk.to_str().unwrap(),
+            "--svg",
+            svg.to_str().unwrap(),
+        ],
+        "not JSON",
+    );
     // The final checkpoint generates, and step-2 resumes to step 4.
     let fin = out.join("final");
     let (ok, text) = twell(&[
