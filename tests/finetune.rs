@@ -87,6 +87,7 @@ fn bf16_training_computes_in_bf16_on_f32_masters() {
         warmup_steps: 2,
         l1: 0.05,
         bf16: true,
+        profile: true,
         ..Default::default()
     };
     let w = tiny_weights(&cfg, 11);
@@ -97,6 +98,9 @@ fn bf16_training_computes_in_bf16_on_f32_masters() {
     let (first, last) = (&logs[0], &logs[19]);
     assert!(last.ce < 0.7 * first.ce, "ce {} -> {}", first.ce, last.ce);
     assert!(last.grad_norm.is_finite() && last.l1.is_finite());
+    let p = last.phase_ms.as_ref().expect("profiled step");
+    assert!(p.forward > 0.0 && p.backward > 0.0 && p.optimizer > 0.0 && p.cast > 0.0);
+    assert!(p.forward + p.backward + p.stats + p.optimizer + p.cast > 0.0);
     let val = t.validate(&data, 2).unwrap();
     assert!(
         val.is_finite() && val < first.ce,

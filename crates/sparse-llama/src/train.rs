@@ -47,6 +47,10 @@ pub struct TrainConfig {
     pub dead_window_steps: usize,
     /// Compute dtype: f32, or bf16 forward/backward on f32 master weights.
     pub bf16: bool,
+    /// Time the phases of each step ([`PhaseMs`]); synchronises the device between
+    /// them, so it costs a little speed.
+    #[serde(default)]
+    pub profile: bool,
 }
 
 impl Default for TrainConfig {
@@ -66,6 +70,7 @@ impl Default for TrainConfig {
             seed: 0,
             dead_window_steps: 50,
             bf16: false,
+            profile: false,
         }
     }
 }
@@ -200,6 +205,43 @@ pub struct StepLog {
     pub tokens_per_sec: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_ce: Option<f64>,
+    /// Where the step's time went, with [`TrainConfig::profile`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase_ms: Option<PhaseMs>,
+}
+
+/// Milliseconds per phase of one optimizer step (summed over micro-batches).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PhaseMs {
+    /// Building the bf16 copies of the weights (bf16 only).
+    pub cast: f64,
+    /// Forward pass and loss.
+    pub forward: f64,
+    /// `loss.backward()` and gradient accumulation.
+    pub backward: f64,
+    /// Loss read-back and FFN activity statistics.
+    pub stats: f64,
+    /// Gradient clipping and the AdamW update.
+    pub optimizer: f64,
+}
+
+/// A stopwatch that, when profiling, waits for the device before each reading.
+struct PhaseClock<'a> {
+    device: &'a Device,
+    last: Option<Instant>,
+}
+
+impl PhaseClock<'_> {
+    /// Milliseconds since the previous lap (0 when not profiling).
+    fn lap(&mut self) -> Result<f64> {
+        let Some(last) = self.last else {
+            return Ok(0.0);
+        };
+        self.device.synchronize()?;
+        let now = Instant::now();
+        self.last = Some(now);
+        Ok((now - last).as_secs_f64() * 1e3)
+    }
 }
 
 /// Where a run is, to resume it.
@@ -335,10 +377,20 @@ impl Trainer {
         let mut grads: Vec<Option<Tensor>> = vec![None; n];
         let (mut ce_sum, mut l1_sum) = (0f64, 0f64);
         let mut l0 = vec![0f64; self.model_cfg.num_hidden_layers];
+        let device = self.device.clone();
+        if self.cfg.profile {
+            device.synchronize()?;
+        }
+        let mut clock = PhaseClock {
+            device: &device,
+            last: self.cfg.profile.then(Instant::now),
+        };
+        let mut phases = PhaseMs::default();
         for micro in 0..self.cfg.grad_accum {
             if self.cfg.bf16 {
                 self.model = Self::build(&self.varmap, &self.model_cfg, &self.cfg, &self.device)?;
             }
+            phases.cast += clock.lap()?;
             let index = self.step * self.cfg.grad_accum + micro;
             let batch = data.batch(index, self.cfg.batch_size, self.cfg.seed, &self.device)?;
             let t = batch.dim(1)? - 1;
@@ -346,6 +398,7 @@ impl Trainer {
             let out = self.model.forward_train(&inputs)?;
             let ce = cross_entropy(&out.logits, &targets)?;
             let loss = ((&ce + (&out.l1 * l1_coefficient)?)? / self.cfg.grad_accum as f64)?;
+            phases.forward += clock.lap()?;
             let store = loss.backward()?;
             for (k, (_, var)) in self.opt.params().iter().enumerate() {
                 if let Some(g) = store.get(var.as_tensor()) {
@@ -355,9 +408,11 @@ impl Trainer {
                     });
                 }
             }
+            phases.backward += clock.lap()?;
             ce_sum += ce.to_scalar::<f32>()? as f64;
             l1_sum += out.l1.to_scalar::<f32>()? as f64;
             self.observe_activity(&mut l0)?;
+            phases.stats += clock.lap()?;
         }
         let mut grads: Vec<Tensor> = grads
             .into_iter()
@@ -366,6 +421,7 @@ impl Trainer {
             .collect::<Result<_>>()?;
         let grad_norm = clip_grad_norm(&mut grads, self.cfg.clip_norm)?;
         self.opt.step(&grads, lr)?;
+        phases.optimizer += clock.lap()?;
         self.step += 1;
 
         let accum = self.cfg.grad_accum as f64;
@@ -385,6 +441,7 @@ impl Trainer {
             dead_fraction: self.dead_fraction(),
             tokens_per_sec: tokens as f64 / t0.elapsed().as_secs_f64(),
             val_ce: None,
+            phase_ms: self.cfg.profile.then_some(phases),
         })
     }
 

@@ -66,6 +66,10 @@ pub struct FinetuneArgs {
     /// Output directory (checkpoints, train_log.jsonl).
     #[arg(long)]
     pub out: PathBuf,
+    /// Time the phases of every step (forward, backward, statistics, optimizer) into
+    /// the log; synchronises the device between phases.
+    #[arg(long)]
+    pub profile: bool,
     /// Continue a run from a checkpoint directory it wrote (weights, optimizer, step).
     #[arg(long)]
     pub resume: Option<PathBuf>,
@@ -95,6 +99,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         seed: args.seed,
         dead_window_steps: 50,
         bf16: dtype == DType::BF16,
+        profile: args.profile,
     };
     cfg.validate()?;
     // Resuming reads the weights from the checkpoint being resumed.
