@@ -231,7 +231,18 @@ struct PhaseClock<'a> {
     last: Option<Instant>,
 }
 
-impl PhaseClock<'_> {
+impl<'a> PhaseClock<'a> {
+    /// A running clock when `profile`, after the device has finished earlier work.
+    fn start(device: &'a Device, profile: bool) -> Result<Self> {
+        if profile {
+            device.synchronize()?;
+        }
+        Ok(Self {
+            device,
+            last: profile.then(Instant::now),
+        })
+    }
+
     /// Milliseconds since the previous lap (0 when not profiling).
     fn lap(&mut self) -> Result<f64> {
         let Some(last) = self.last else {
@@ -378,13 +389,7 @@ impl Trainer {
         let (mut ce_sum, mut l1_sum) = (0f64, 0f64);
         let mut l0 = vec![0f64; self.model_cfg.num_hidden_layers];
         let device = self.device.clone();
-        if self.cfg.profile {
-            device.synchronize()?;
-        }
-        let mut clock = PhaseClock {
-            device: &device,
-            last: self.cfg.profile.then(Instant::now),
-        };
+        let mut clock = PhaseClock::start(&device, self.cfg.profile)?;
         let mut phases = PhaseMs::default();
         for micro in 0..self.cfg.grad_accum {
             if self.cfg.bf16 {

@@ -321,6 +321,27 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
         ],
         "2 labels for 1 logs",
     );
+    fails_with(
+        &[
+            "curves",
+            "/no/such/log.jsonl",
+            "--svg",
+            svg.to_str().unwrap(),
+        ],
+        "reading /no/such/log.jsonl",
+    );
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "\n").unwrap();
+    fails_with(
+        &[
+            "curves",
+            empty.to_str().unwrap(),
+            "--svg",
+            svg.to_str().unwrap(),
+        ],
+        "no training steps",
+    );
+    fails_with(&["curves", lp], "--svg");
     let junk = dir.path().join("junk.jsonl");
     std::fs::write(&junk, "not json\n").unwrap();
     fails_with(

@@ -14,6 +14,12 @@ use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
 use crate::ops::{twell_mlp, twell_mlp_screened, up_down_matrix};
 
+/// Not a trainable variable nor part of an autograd graph: a copy made of it once
+/// stays valid.
+fn frozen(t: &Tensor) -> bool {
+    !t.is_variable() && !t.track_op()
+}
+
 /// Which computation the MLP runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum FfnMode {
@@ -340,11 +346,7 @@ impl SparseMlp {
     /// The neuron-major `[f, 2d]` up/down matrix: rebuilt (differentiably) when the
     /// weights are trainable variables, built once otherwise.
     fn up_down(&self) -> Result<Tensor> {
-        if self.up.is_variable()
-            || self.down.is_variable()
-            || self.up.track_op()
-            || self.down.track_op()
-        {
+        if !frozen(&self.up) || !frozen(&self.down) {
             return up_down_matrix(&self.up, &self.down);
         }
         if let Some(w) = self.up_down.get() {
@@ -354,23 +356,26 @@ impl SparseMlp {
         Ok(self.up_down.get_or_init(|| w).clone())
     }
 
-    /// The screen for a host pass of `tokens` tokens, when it pays and is safe: the
-    /// weights must be frozen, as the screen is a copy of them.
-    fn screen_for(&self, tokens: usize) -> Result<Option<Arc<GateScreen>>> {
-        // Near half density nearly every neuron is a candidate, and the screen only
-        // adds its own bytes.
-        let dense_enough = self
+    /// Whether a sparse pass of `tokens` tokens uses the int8 gate screen: on the host,
+    /// for few tokens, below [`SCREEN_MAX_DENSITY`] (near half density nearly every
+    /// neuron is a candidate and the screen only adds its own bytes), and only on frozen
+    /// weights, as the screen is a copy of them.
+    pub fn uses_gate_screen(&self, tokens: usize) -> bool {
+        let too_dense = self
             .last_density
             .lock()
             .expect("density lock")
             .is_some_and(|d| d > SCREEN_MAX_DENSITY);
-        if !self.use_gate_screen
-            || dense_enough
-            || tokens > SCREEN_MAX_ROWS
-            || !self.gate.device().is_cpu()
-            || self.gate.is_variable()
-            || self.gate.track_op()
-        {
+        self.use_gate_screen
+            && !too_dense
+            && tokens <= SCREEN_MAX_ROWS
+            && self.gate.device().is_cpu()
+            && frozen(&self.gate)
+    }
+
+    /// The screen for a sparse pass of `tokens` tokens, built on first use.
+    fn screen_for(&self, tokens: usize) -> Result<Option<Arc<GateScreen>>> {
+        if !self.uses_gate_screen(tokens) {
             return Ok(None);
         }
         if let Some(s) = self.gate_screen.get() {

@@ -232,10 +232,7 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                 // With the int8 gate screen (host, few tokens) the gate costs one byte per
                 // weight plus the f32 rows of the neurons that fire (a lower bound: the
                 // screen's inactive candidates are not counted).
-                let screened = !args.no_screen
-                    && device.is_cpu()
-                    && m <= twell::cpu::screen::SCREEN_MAX_ROWS
-                    && nnz as f64 / ((m * ffn) as f64) <= twell::cpu::screen::SCREEN_MAX_DENSITY;
+                let screened = sets[0].1.uses_gate_screen(m);
                 let sparse_bytes = if screened {
                     (hidden * ffn) as f64 + (union * 3 * hidden) as f64 * elem
                 } else {

@@ -106,6 +106,12 @@ fn gate_gemv(x: &[f32], m: usize, d: usize, wg: Rows<'_>, f: usize) -> Vec<f32> 
                 }
             },
         );
+    token_major(gt, m, f)
+}
+
+/// `[f, m]` neuron-major (how the few-token gates are computed, one task per run of
+/// neurons) to `[m, f]` token-major (what packing reads).
+pub(crate) fn token_major(gt: Vec<f32>, m: usize, f: usize) -> Vec<f32> {
     if m == 1 {
         return gt;
     }

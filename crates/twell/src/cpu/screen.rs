@@ -9,12 +9,15 @@
 //! quantisation error (Cauchy–Schwarz on the exact residual norm) and the f32
 //! rounding of both dot products, whatever their summation order.
 //!
-//! Bound, for `r_j = W_j − s_j·q_j`, `E_j = ‖r_j‖₂`, `γ = d·u/(1 − d·u)`, `u = 2⁻²⁴`:
-//! `fl(x·W_j) ≤ fl(s_j·fl(x·q_j)) + ‖x‖·(E_j + γ‖W_j‖ + 2γ'·s_j‖q_j‖)`, `γ' = γ(d+1)`.
+//! Bound, for the row split into `k` exact outliers `o_j` and an int8 rest `s_j·q_j`, with
+//! `E_j = ‖W_j − o_j − s_j·q_j‖₂`, `γ_n = n·u/(1 − n·u)`, `u = 2⁻²⁴`, `ĝ_j` the computed
+//! `s_j·(x·q_j) + x·o_j`:
+//! `fl(x·W_j) ≤ ĝ_j + ‖x‖·(E_j + γ_d‖W_j‖ + 3γ_{d+k+2}(s_j‖q_j‖ + ‖o_j‖))`.
 
 use rayon::prelude::*;
 
 use super::float::Rows;
+use super::gate::token_major;
 use super::simd::{dot, dot_i8};
 
 /// Up to this many tokens the screen beats streaming the f32 rows: each token pays
@@ -54,6 +57,17 @@ pub struct ScreenCounts {
     pub candidates: usize,
     /// Candidates whose exact gate value was > 0.
     pub active: usize,
+}
+
+impl std::ops::Add for ScreenCounts {
+    type Output = Self;
+    fn add(self, b: Self) -> Self {
+        Self {
+            pairs: self.pairs + b.pairs,
+            candidates: self.candidates + b.candidates,
+            active: self.active + b.active,
+        }
+    }
 }
 
 fn gamma(n: usize) -> f64 {
@@ -171,11 +185,6 @@ impl GateScreen {
         (self.f, self.d)
     }
 
-    /// Bytes the screen keeps (int8 rows, scales, outliers, margins).
-    pub fn bytes(&self) -> usize {
-        self.q.len() + 4 * self.scale.len() + 8 * self.outlier_col.len() + 8 * self.margin.len()
-    }
-
     /// The gate `g [m, f]` (row-major) for `x [m, d]`: the exact f32 value `x·W_j`
     /// wherever it may be positive, 0 where the screen proves it is ≤ 0. `relu(g)` is
     /// therefore exactly what the unscreened gate gives, up to f32 summation order.
@@ -217,21 +226,8 @@ impl GateScreen {
                 }
                 c
             })
-            .reduce(ScreenCounts::default, |a, b| ScreenCounts {
-                pairs: a.pairs + b.pairs,
-                candidates: a.candidates + b.candidates,
-                active: a.active + b.active,
-            });
-        if m == 1 {
-            return (gt, counts);
-        }
-        let mut g = vec![0f32; m * f];
-        for j in 0..f {
-            for i in 0..m {
-                g[i * f + j] = gt[j * m + i];
-            }
-        }
-        (g, counts)
+            .reduce(ScreenCounts::default, |a, b| a + b);
+        (token_major(gt, m, f), counts)
     }
 }
 
