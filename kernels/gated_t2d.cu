@@ -20,6 +20,7 @@ extern "C" __global__ void gated_t2d_up_bf16(
     __nv_bfloat16* __restrict__ values,       // [M, n_tiles, cap]: g in, h out
     __nv_bfloat16* __restrict__ gate,         // [M, f]: overflow tiles become h
     float* __restrict__ l1,                   // [M], zeroed
+    __nv_bfloat16* __restrict__ u_out,        // [M, n_tiles, cap]: u of listed slots, or null
     int M, int d, int f, int tile, int cap, int n_tiles, int slots_per_warp) {
     const int groups = cap / slots_per_warp;
     const long long w = global_warp();
@@ -41,7 +42,10 @@ extern "C" __global__ void gated_t2d_up_bf16(
             const float u = warp_dot(xr, w_ud + static_cast<long long>(j) * 2 * d, d);
             const __nv_bfloat16 h = __float2bfloat16(g * u);
             l1_acc += fabsf(__bfloat162float(h));
-            if (lane == 0) values[slot] = h;
+            if (lane == 0) {
+                values[slot] = h;
+                if (u_out) u_out[slot] = __float2bfloat16(u);
+            }
         }
     } else if (grp == 0) {
         const int c0 = t * tile;
@@ -169,49 +173,6 @@ extern "C" __global__ void gated_t2d_finish_bf16(const float* __restrict__ acc, 
     }
 }
 
-// Walks one token row of a TwELL gate, for a whole warp. Each tile's count is read by
-// its own lane and empty tiles are skipped by a ballot. For each block of up to 32 listed
-// slots of a tile, `block(j, v, slot, n)` runs with lane s holding its slot's neuron j,
-// value v and value-array index (-1 for lanes past the block's n slots); for each
-// overflowing tile, `spilled(c0, width)` runs with the tile's first column and width.
-template <class Block, class Spilled>
-__device__ __forceinline__ void walk_row(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
-                                         const __nv_bfloat16* values, long long row, int tile, int cap,
-                                         int n_tiles, int f, Block block, Spilled spilled) {
-    const int lane = threadIdx.x & 31;
-    for (int tb = 0; tb < n_tiles; tb += 32) {
-        const int t = tb + lane;
-        const int c = t < n_tiles ? static_cast<int>(counts[row * n_tiles + t]) : 0;
-        uint32_t listed = __ballot_sync(FULL_MASK, c > 0 && c <= cap);
-        uint32_t over = __ballot_sync(FULL_MASK, c > cap);
-        while (listed) {
-            const int b = __ffs(listed) - 1;
-            listed &= listed - 1;
-            const int tt = tb + b;
-            const int count = __shfl_sync(FULL_MASK, c, b);
-            const long long s0 = (row * n_tiles + tt) * static_cast<long long>(cap);
-            for (int sb = 0; sb < count; sb += 32) {
-                const int s = sb + lane;
-                int j = 0;
-                float v = 0.f;
-                long long slot = -1;
-                if (s < count) {
-                    slot = s0 + s;
-                    j = tt * tile + indices[slot];
-                    v = __bfloat162float(values[slot]);
-                }
-                block(j, v, slot, min(32, count - sb));
-            }
-        }
-        while (over) {
-            const int b = __ffs(over) - 1;
-            over &= over - 1;
-            const int c0 = (tb + b) * tile;
-            spilled(c0, min(tile, f - c0));
-        }
-    }
-}
-
 // Prefill path, up: one warp per token row. The row of x stays in registers (MAXV
 // 16-byte vectors per lane, packed bf16); `walk_row` reads each tile's slot list with
 // one coalesced load, and the block's h go back with one coalesced store. The token's
@@ -220,7 +181,8 @@ template <int MAXV>
 __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,
                        const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
                        __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate,
-                       float* __restrict__ l1_out, int M, int d, int f, int tile, int cap, int n_tiles) {
+                       float* __restrict__ l1_out, __nv_bfloat16* __restrict__ u_out, int M, int d, int f,
+                       int tile, int cap, int n_tiles) {
     const long long row = global_warp();
     const int lane = threadIdx.x & 31;
     if (row >= M) return;
@@ -255,16 +217,22 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
     walk_row(
         counts, indices, values, row, tile, cap, n_tiles, f,
         [&](int j, float g, long long slot, int n) {
-            __nv_bfloat16 mine = __float2bfloat16(0.f);
+            __nv_bfloat16 mine = __float2bfloat16(0.f), mine_u = mine;
             // One neuron at a time: interleaving two (twice the loads in flight)
             // measured slower, the extra registers costing more than they hid.
             for (int q = 0; q < n; ++q) {
                 const float u = dot(__shfl_sync(FULL_MASK, j, q));
                 const __nv_bfloat16 h = __float2bfloat16(__shfl_sync(FULL_MASK, g, q) * u);
                 l1 += fabsf(__bfloat162float(h));
-                if (lane == q) mine = h;
+                if (lane == q) {
+                    mine = h;
+                    mine_u = __float2bfloat16(u);
+                }
             }
-            if (slot >= 0) values[slot] = mine;
+            if (slot >= 0) {
+                values[slot] = mine;
+                if (u_out) u_out[slot] = mine_u;
+            }
         },
         [&](int c0, int width) {
             __nv_bfloat16* src = gate + row * f + c0;
@@ -292,8 +260,8 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
         const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                \
         const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,                   \
         __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate, float* __restrict__ l1, \
-        int M, int d, int f, int tile, int cap, int n_tiles) {                                      \
-        up_row<MAXV>(x, w_ud, counts, indices, values, gate, l1, M, d, f, tile, cap, n_tiles);      \
+        __nv_bfloat16* __restrict__ u_out, int M, int d, int f, int tile, int cap, int n_tiles) {   \
+        up_row<MAXV>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, cap, n_tiles); \
     }
 UP_ROW_KERNEL(1)
 UP_ROW_KERNEL(2)

@@ -58,3 +58,46 @@ __device__ __forceinline__ float warp_dot(const __nv_bfloat16* __restrict__ x,
 __device__ __forceinline__ long long global_warp() {
     return (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
 }
+
+// Walks one token row of a TwELL gate, for a whole warp. Each tile's count is read by
+// its own lane and empty tiles are skipped by a ballot. For each block of up to 32 listed
+// slots of a tile, `block(j, v, slot, n)` runs with lane s holding its slot's neuron j,
+// value v and value-array index (-1 for lanes past the block's n slots); for each
+// overflowing tile, `spilled(c0, width)` runs with the tile's first column and width.
+template <class Block, class Spilled>
+__device__ __forceinline__ void walk_row(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
+                                         const __nv_bfloat16* values, long long row, int tile, int cap,
+                                         int n_tiles, int f, Block block, Spilled spilled) {
+    const int lane = threadIdx.x & 31;
+    for (int tb = 0; tb < n_tiles; tb += 32) {
+        const int t = tb + lane;
+        const int c = t < n_tiles ? static_cast<int>(counts[row * n_tiles + t]) : 0;
+        uint32_t listed = __ballot_sync(FULL_MASK, c > 0 && c <= cap);
+        uint32_t over = __ballot_sync(FULL_MASK, c > cap);
+        while (listed) {
+            const int b = __ffs(listed) - 1;
+            listed &= listed - 1;
+            const int tt = tb + b;
+            const int count = __shfl_sync(FULL_MASK, c, b);
+            const long long s0 = (row * n_tiles + tt) * static_cast<long long>(cap);
+            for (int sb = 0; sb < count; sb += 32) {
+                const int s = sb + lane;
+                int j = 0;
+                float v = 0.f;
+                long long slot = -1;
+                if (s < count) {
+                    slot = s0 + s;
+                    j = tt * tile + indices[slot];
+                    v = __bfloat162float(values[slot]);
+                }
+                block(j, v, slot, min(32, count - sb));
+            }
+        }
+        while (over) {
+            const int b = __ffs(over) - 1;
+            over &= over - 1;
+            const int c0 = (tb + b) * tile;
+            spilled(c0, min(tile, f - c0));
+        }
+    }
+}

@@ -126,10 +126,18 @@ impl AdamW {
 /// before clipping.
 pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64> {
     // One read-back for all parameters: a read-back per tensor stalls a GPU queue
-    // hundreds of times a step.
+    // hundreds of times a step. Rows are summed before the total: candle's CUDA
+    // `sum_all` reduces in a single thread block (0.75 ms for one [5632, 2048] matrix
+    // on an H200), while a per-row sum spreads over the GPU.
     let squares = grads
         .iter()
-        .map(|g| g.to_dtype(DType::F32)?.sqr()?.sum_all())
+        .map(|g| {
+            let sq = g.to_dtype(DType::F32)?.sqr()?;
+            match sq.dims().last() {
+                Some(&cols) if sq.rank() > 1 => sq.reshape(((), cols))?.sum(1)?.sum_all(),
+                _ => sq.sum_all(),
+            }
+        })
         .collect::<Result<Vec<_>>>()?;
     let norm = if squares.is_empty() {
         0.0

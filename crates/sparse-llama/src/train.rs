@@ -359,6 +359,11 @@ impl Trainer {
         self.step
     }
 
+    /// Turns per-phase timing of the following steps on or off (see `TrainConfig::profile`).
+    pub fn set_profile(&mut self, on: bool) {
+        self.cfg.profile = on;
+    }
+
     /// Switches the feed-forward path (dense or TwELL) for the following steps.
     pub fn set_ffn_mode(&mut self, mode: twell::FfnMode) -> Result<()> {
         self.model_cfg.ffn_mode = mode;

@@ -95,23 +95,56 @@ fn check_case(
     })
 }
 
-/// The backward pass of a CUDA forward against the dense autograd reference.
-fn check_backward(dev: &Device) -> Result<(f64, bool)> {
-    let (m, d, f) = (96, 256, 1024);
-    let w = synthetic_mlp(d, f, 0.05, DType::BF16, dev, 77)?;
-    let x = synthetic_input(m, d, DType::BF16, dev, 78)?;
+#[derive(Serialize, Debug)]
+struct BackwardResult {
+    m: usize,
+    d: usize,
+    f: usize,
+    tile: usize,
+    compression: usize,
+    target_density: f64,
+    overflow_tiles: usize,
+    /// Relative L2 error of dx, d gate_proj, d up_proj, d down_proj.
+    err: [f64; 4],
+    /// Whether the device kernels ran the backward (not the host fallback).
+    on_device: bool,
+    pass: bool,
+}
+
+/// The backward pass of a CUDA forward against dense f32 autograd on the same bf16
+/// numbers, under a random loss `Σ out ⊙ r + Σ l1 ⊙ s` (so every output gradient
+/// differs).
+#[allow(clippy::too_many_arguments)]
+fn check_backward(
+    dev: &Device,
+    m: usize,
+    d: usize,
+    f: usize,
+    density: f64,
+    tile: usize,
+    cf: usize,
+    seed: u64,
+) -> Result<BackwardResult> {
+    let config = TwellConfig::new(tile, cf)?;
+    let w = synthetic_mlp(d, f, density, DType::BF16, dev, seed)?;
+    let x = synthetic_input(m, d, DType::BF16, dev, seed + 1)?;
     let vars = [&x, &w.gate, &w.up, &w.down]
         .map(|t| Var::from_tensor(&t.to_dtype(DType::F32).unwrap()).unwrap());
+    let r = Tensor::randn(0f32, 1.0, (m, d), dev)?;
+    let s = Tensor::randn(0f32, 1.0, m, dev)?;
     let bf = |v: &Var| v.as_tensor().to_dtype(DType::BF16);
+    let calls_before = twell::device_backward_calls();
     let res = twell_mlp(
         &bf(&vars[0])?,
         &bf(&vars[1])?,
         &up_down_matrix(&bf(&vars[2])?, &bf(&vars[3])?)?,
-        TwellConfig::default(),
+        config,
     )?;
-    let loss =
-        (res.out.to_dtype(DType::F32)?.sum_all()? + res.l1.to_dtype(DType::F32)?.sum_all()?)?;
+    let (overflow_tiles, _) = res.overflow()?;
+    let loss = ((res.out.to_dtype(DType::F32)? * &r)?.sum_all()?
+        + (res.l1.to_dtype(DType::F32)? * &s)?.sum_all()?)?;
     let gs = loss.backward()?;
+    let on_device = twell::device_backward_calls() > calls_before;
     let (xv, gv, uv, dv) = (
         vars[0].as_tensor(),
         vars[1].as_tensor(),
@@ -119,19 +152,38 @@ fn check_backward(dev: &Device) -> Result<(f64, bool)> {
         vars[3].as_tensor(),
     );
     let h = (xv.matmul(&gv.t()?)?.relu()? * xv.matmul(&uv.t()?)?)?;
-    let loss_ref = (h.matmul(&dv.t()?)?.sum_all()? + h.abs()?.sum_all()?)?;
+    let loss_ref =
+        ((h.matmul(&dv.t()?)? * &r)?.sum_all()? + (h.abs()?.sum(1)? * &s)?.sum_all()?)?;
     let gr = loss_ref.backward()?;
-    let mut worst: f64 = 0.0;
-    for v in &vars {
+    let mut err = [0.0; 4];
+    for (e, v) in err.iter_mut().zip(&vars) {
         let a = gs
             .get(v.as_tensor())
             .context("no gradient from the TwELL path")?;
         let b = gr
             .get(v.as_tensor())
             .context("no gradient from the reference")?;
-        worst = worst.max(rel_l2(a, b)?);
+        *e = rel_l2(a, b)?;
     }
-    Ok((worst, worst < 3.0 * TOLERANCE))
+    let pass = on_device && err.iter().all(|&e| e < TOLERANCE);
+    Ok(BackwardResult {
+        m,
+        d,
+        f,
+        tile,
+        compression: cf,
+        target_density: density,
+        overflow_tiles,
+        err,
+        on_device,
+        pass,
+    })
+}
+
+#[derive(Serialize, Debug)]
+struct Report {
+    forward: Vec<CaseResult>,
+    backward: Vec<BackwardResult>,
 }
 
 pub fn run(args: &CheckGpuArgs) -> Result<()> {
@@ -181,18 +233,53 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         results.push(r);
     }
-    let (bwd_err, bwd_ok) = check_backward(&dev)?;
+    #[rustfmt::skip]
+    let bwd_cases: &[(usize, usize, usize, f64, usize, usize)] = &[
+        (1, 2048, 5632, 0.01, 256, 8),
+        (96, 256, 1024, 0.05, 256, 8),
+        (33, 576, 1000, 0.05, 256, 8),
+        (513, 2048, 5632, 0.1, 32, 8),
+        (4096, 4096, 11008, 0.03, 256, 4),
+        (16384, 2048, 5632, 0.005, 256, 8),
+        (131072, 576, 1536, 0.02, 256, 8),
+    ];
     println!(
-        "backward (M=96, d=256, d_ff=1024, 5%): worst gradient rel err {bwd_err:.2e} {}",
-        if bwd_ok { "ok" } else { "FAIL" }
+        "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} device pass",
+        "M",
+        "d",
+        "d_ff",
+        "tile",
+        "cf",
+        "target",
+        "overflow",
+        "err dx",
+        "err dWg",
+        "err dWu",
+        "err dWd"
     );
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
+    let mut backward = Vec::new();
+    for (k, &(m, d, f, density, tile, cf)) in bwd_cases.iter().enumerate() {
+        let r = check_backward(&dev, m, d, f, density, tile, cf, 500 + k as u64)?;
+        println!(
+            "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>9} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>6} {}",
+            r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, r.overflow_tiles,
+            r.err[0], r.err[1], r.err[2], r.err[3], r.on_device, if r.pass { "ok" } else { "FAIL" }
+        );
+        backward.push(r);
     }
-    let failed = results.iter().filter(|r| !r.pass).count() + usize::from(!bwd_ok);
+    let failed =
+        results.iter().filter(|r| !r.pass).count() + backward.iter().filter(|r| !r.pass).count();
+    let total = results.len() + backward.len();
+    if let Some(path) = &args.json {
+        let report = Report {
+            forward: results,
+            backward,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+    }
     if failed > 0 {
         bail!("{failed} GPU check(s) failed");
     }
-    println!("all {} GPU checks passed", results.len() + 1);
+    println!("all {total} GPU checks passed");
     Ok(())
 }

@@ -48,6 +48,9 @@ enum Command {
 enum BenchCommand {
     /// One MLP layer: candle dense vs TwELL sparse, over shapes, tokens and densities.
     Mlp(bench::mlp::MlpBenchArgs),
+    /// One MLP layer's training step (forward + backward): candle dense autograd vs
+    /// TwELL, with peak device memory.
+    MlpTrain(bench::mlp_train::MlpTrainBenchArgs),
     /// A whole model: prefill, decode and training step, dense vs TwELL FFN, with peak
     /// memory and energy on GPUs.
     Model(bench::model::ModelBenchArgs),
@@ -75,6 +78,10 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Mlp(args)) => {
             let report = bench::mlp::run(&args)?;
             bench::mlp::print(&report);
+        }
+        Command::Bench(BenchCommand::MlpTrain(args)) => {
+            let report = bench::mlp_train::run(&args)?;
+            bench::mlp_train::print(&report);
         }
     }
     Ok(())

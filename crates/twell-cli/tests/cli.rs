@@ -129,6 +129,55 @@ fn tiny_mlp_bench_runs_and_writes_json() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+#[test]
+fn tiny_mlp_train_bench_runs_and_writes_json() {
+    let dir = std::env::temp_dir().join(format!("twell-cli-train-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("train.json");
+    let (ok, text) = twell(&[
+        "bench",
+        "mlp-train",
+        "--shape",
+        "64x256",
+        "--tokens",
+        "1,24",
+        "--density",
+        "0.05,0.2",
+        "--dtype",
+        "f32",
+        "--reps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    for row in rows {
+        assert!(row["dense_ms"].as_f64().unwrap() > 0.0);
+        assert!(row["sparse_ms"].as_f64().unwrap() > 0.0);
+        let density = row["measured_density"].as_f64().unwrap();
+        assert!(density > 0.0 && density < 0.5, "{row}");
+        // No GPU here: the backward ran on the host, and says so.
+        assert_eq!(row["sparse_backward_on_device"], false);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bad_mlp_train_bench_flags_are_rejected() {
+    fails_with(&["bench", "mlp-train", "--shape", "64by256"], "HIDDENxFFN");
+    fails_with(&["bench", "mlp-train", "--density", "0"], "(0, 1)");
+    fails_with(&["bench", "mlp-train", "--tokens", "0"], "at least 1");
+    fails_with(&["bench", "mlp-train", "--reps", "0"], "at least 1");
+    fails_with(&["bench", "mlp-train", "--l1=-1"], "--l1");
+    fails_with(&["bench", "mlp-train", "--dtype", "f64"], "--dtype");
+}
+
 /// A tiny random ReLU Llama checkpoint (10% FFN density) in a fresh directory, and a
 /// text file.
 fn tiny_checkpoint(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {

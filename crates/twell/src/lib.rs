@@ -27,3 +27,13 @@ pub use mlp::{Activation, FfnMode, MlpStats, SparseMlp};
 pub use ops::{
     gate_pack, gated_t2d, twell_mlp, twell_mlp_screened, up_down_matrix, MlpOutput, L1_COLUMNS,
 };
+
+/// How many backward passes of the TwELL MLP ran on the CUDA kernels (0 without the
+/// `cuda` feature): benches and checks use it to show the device path ran, not the
+/// host fallback.
+pub fn device_backward_calls() -> usize {
+    #[cfg(feature = "cuda")]
+    return cuda::backward_calls();
+    #[cfg(not(feature = "cuda"))]
+    0
+}

@@ -16,6 +16,7 @@ use sparse_llama::{synthetic, Cache, Llama};
 use twell::FfnMode;
 
 use super::energy::EnergyMeter;
+use super::memory::MemoryProbe;
 use super::timing::median;
 use crate::model_args::ModelArgs;
 
@@ -72,6 +73,13 @@ pub struct Measurement {
     /// Most device memory in use above the weights during the region (CUDA).
     pub peak_extra_bytes: Option<u64>,
     pub mj_per_token: Option<f64>,
+    /// Training: where one extra, synchronised step spends its time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase_ms: Option<sparse_llama::train::PhaseMs>,
+    /// Training: MLP backward passes of the timed steps that ran on the CUDA kernels
+    /// (the rest fell back to the host).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_backward_passes: Option<usize>,
 }
 
 #[derive(Serialize, Debug)]
@@ -97,39 +105,6 @@ fn parse_bxt(s: &str) -> Result<(usize, usize)> {
         bail!("'{s}': need batch >= 1 and sequence >= 2");
     }
     Ok((b, t))
-}
-
-/// Device memory accounting (CUDA pool) around a region.
-struct MemoryProbe<'a> {
-    device: &'a Device,
-    base: u64,
-}
-
-impl<'a> MemoryProbe<'a> {
-    fn start(device: &'a Device) -> Result<Self> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(c) = device {
-            device.synchronize()?;
-            twell::cuda::reset_pool_peak(c)?;
-            let (current, _) = twell::cuda::pool_usage(c)?;
-            return Ok(Self {
-                device,
-                base: current,
-            });
-        }
-        Ok(Self { device, base: 0 })
-    }
-
-    fn peak_extra(&self) -> Result<Option<u64>> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(c) = self.device {
-            self.device.synchronize()?;
-            let (_, high) = twell::cuda::pool_usage(c)?;
-            return Ok(Some(high.saturating_sub(self.base)));
-        }
-        let _ = (self.device, self.base);
-        Ok(None)
-    }
 }
 
 fn random_tokens(b: usize, t: usize, vocab: usize, device: &Device) -> Result<Tensor> {
@@ -307,6 +282,8 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
                 tokens_per_sec: (b * steps) as f64 / (ms / 1e3),
                 ms: ms / steps as f64,
                 mj_per_token: None,
+                phase_ms: None,
+                device_backward_passes: None,
                 ..w
             });
         }
@@ -337,6 +314,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             device.synchronize()?;
             let probe = MemoryProbe::start(&device)?;
             let e0 = meter.read_mj();
+            let calls = twell::device_backward_calls();
             let mut times = Vec::new();
             for _ in 0..args.reps {
                 let t0 = Instant::now();
@@ -345,6 +323,12 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
                 times.push(t0.elapsed().as_secs_f64());
             }
             let e1 = meter.read_mj();
+            let device_backward_passes = Some(twell::device_backward_calls() - calls);
+            let peak_extra_bytes = probe.peak_extra()?;
+            // One more step, synchronised between phases, to show where the time goes.
+            trainer.set_profile(true);
+            let phase_ms = trainer.train_step(&data)?.phase_ms;
+            trainer.set_profile(false);
             let tokens = (b * t * args.reps) as f64;
             let secs = median(times);
             measurements.push(Measurement {
@@ -354,8 +338,10 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
                 ffn: label.into(),
                 tokens_per_sec: (b * t) as f64 / secs,
                 ms: secs * 1e3,
-                peak_extra_bytes: probe.peak_extra()?,
+                peak_extra_bytes,
                 mj_per_token: e0.zip(e1).map(|(a, z)| (z - a) as f64 / tokens),
+                phase_ms,
+                device_backward_passes,
             });
         }
         bar.inc(1);
@@ -425,6 +411,8 @@ fn measure(
                 ms: secs * 1e3,
                 peak_extra_bytes: peaks[k],
                 mj_per_token: energy_ok.then(|| energy[k] as f64 / (tokens * args.reps) as f64),
+                phase_ms: None,
+                device_backward_passes: None,
             }
         })
         .collect())
@@ -476,5 +464,12 @@ pub fn print(report: &ModelReport) {
                 .unwrap_or_else(|| "n/a".into()),
             speedup
         );
+        if let Some(p) = &m.phase_ms {
+            println!(
+                "{:>15} one synchronised step, ms: cast {:.1} | forward {:.1} | backward {:.1} | stats {:.1} | optimizer {:.1} | MLP backward passes on the GPU: {}",
+                "", p.cast, p.forward, p.backward, p.stats, p.optimizer,
+                m.device_backward_passes.unwrap_or(0)
+            );
+        }
     }
 }

@@ -17,6 +17,7 @@ use crate::ops::L1_COLUMNS;
 
 const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
 const GATED_T2D_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));
+const TWELL_MLP_BWD_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_bwd.ptx"));
 
 /// Threads per block of the warp-per-item kernels.
 const BLOCK_THREADS: u32 = 256;
@@ -243,6 +244,33 @@ pub fn take_profile() -> Option<[f64; 4]> {
 pub struct Activity {
     /// `[M, n_tiles]`: nonzeros of each (token, tile), true counts.
     pub counts: CudaSlice<u32>,
+    /// Kept only when a backward pass may follow.
+    pub backward: Option<BackwardState>,
+}
+
+/// What a device backward pass needs from the forward besides the counts: the
+/// pattern's slot indices and the `g` and `u` of every listed slot, so the backward
+/// recomputes neither gate nor up products (only overflowing tiles are recomputed).
+pub struct BackwardState {
+    /// `[M, n_tiles, cap]` tile-local neuron indices.
+    pub indices: CudaSlice<u8>,
+    /// `[M, n_tiles, cap]` gate values `g` of the listed slots.
+    pub g_slots: CudaSlice<bf16>,
+    /// `[M, n_tiles, cap]` up values `u = x · Wu_j` of the listed slots.
+    pub u_slots: CudaSlice<bf16>,
+}
+
+static BACKWARD_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many backward passes ran on the device kernels (tests check the device path
+/// ran, not the host fallback).
+pub fn backward_calls() -> usize {
+    BACKWARD_CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The device backward keeps a row of dout in registers: hidden up to 4096.
+pub fn backward_supported(d: usize) -> bool {
+    d.is_multiple_of(8) && row_vectors(d).is_some()
 }
 
 /// `g = x · Wgᵀ` into a fresh `[m, f]` bf16 buffer, through cuBLAS.
@@ -294,7 +322,9 @@ fn poison(dev: &CudaDevice, buf: &mut CudaSlice<bf16>) -> Result<()> {
 }
 
 /// The whole ReGLU MLP for `x [m, d]`, `wg [f, d]`, `w_ud [f, 2d]` (bf16):
-/// returns `[m, d + L1_COLUMNS]` (outputs, then each token's L1 term) and the counts.
+/// returns `[m, d + L1_COLUMNS]` (outputs, then each token's L1 term) and the counts,
+/// plus, when `keep_for_backward`, what [`twell_mlp_backward`] needs.
+#[allow(clippy::too_many_arguments)]
 pub fn twell_mlp_forward(
     x: &CudaStorage,
     xl: &Layout,
@@ -303,6 +333,7 @@ pub fn twell_mlp_forward(
     w_ud: &CudaStorage,
     ul: &Layout,
     config: TwellConfig,
+    keep_for_backward: bool,
 ) -> Result<(CudaStorage, Shape, Activity)> {
     let (m, d) = xl.shape().dims2()?;
     let f = wl.shape().dims2()?.0;
@@ -373,6 +404,17 @@ pub fn twell_mlp_forward(
     b.arg(&m_i).arg(&f_i).arg(&tile_i).arg(&cap_i).arg(&nt_i);
     // SAFETY: one warp per (row, tile), bounds checked in the kernel.
     unsafe { b.launch(warp_launch(m * n_tiles)?) }.w()?;
+    // For a backward pass: the slots' g before `up` writes h over them, and a buffer
+    // where `up` leaves each slot's u. A null pointer tells `up` not to.
+    let mut kept = if keep_for_backward {
+        let g_slots = stream.clone_dtod(&values).w()?;
+        // SAFETY: `up` writes the u of every listed slot, the only ones read.
+        let u_slots = unsafe { dev.alloc::<bf16>(values.len())? };
+        Some((g_slots, u_slots))
+    } else {
+        None
+    };
+    let no_u: u64 = 0;
     mark(&mut marks)?;
 
     let ld = d + L1_COLUMNS;
@@ -399,6 +441,10 @@ pub fn twell_mlp_forward(
                 .arg(&mut values)
                 .arg(&mut gate)
                 .arg(&mut l1);
+            match kept.as_mut() {
+                Some((_, u_slots)) => b.arg(u_slots),
+                None => b.arg(&no_u),
+            };
             dims.push(&mut b);
             // SAFETY: one warp per row, bounds checked in the kernel.
             unsafe { b.launch(warp_launch(m)?) }.w()?;
@@ -434,6 +480,10 @@ pub fn twell_mlp_forward(
                 .arg(&mut values)
                 .arg(&mut gate)
                 .arg(&mut l1);
+            match kept.as_mut() {
+                Some((_, u_slots)) => b.arg(u_slots),
+                None => b.arg(&no_u),
+            };
             dims.push(&mut b);
             b.arg(&spw_i);
             // SAFETY: one warp per (row, tile, slot group), bounds checked in the kernel.
@@ -493,5 +543,154 @@ pub fn twell_mlp_forward(
         p.1 += 1;
     }
     let storage = CudaStorage::wrap_cuda_slice(out, dev);
-    Ok((storage, Shape::from((m, ld)), Activity { counts }))
+    let backward = kept.map(|(g_slots, u_slots)| BackwardState {
+        indices,
+        g_slots,
+        u_slots,
+    });
+    Ok((storage, Shape::from((m, ld)), Activity { counts, backward }))
+}
+
+/// Gradients of the TwELL MLP from the forward's pattern: `dres [m, d + L1_COLUMNS]`
+/// holds d(loss)/d(out) and, in column `d`, d(loss)/d(L1 term). Returns
+/// `(dx [m, d], d gate_proj [f, d], d w_ud [f, 2d])`, all bf16.
+///
+/// The row kernels (`twell_mlp_bwd.cu`) scatter h, dg and du into dense `[m, f]`
+/// matrices and form dx; cuBLAS then forms the three weight gradients from them.
+#[allow(clippy::too_many_arguments)]
+pub fn twell_mlp_backward(
+    x: &CudaStorage,
+    xl: &Layout,
+    dres: &CudaStorage,
+    rl: &Layout,
+    wg: &CudaStorage,
+    wl: &Layout,
+    w_ud: &CudaStorage,
+    ul: &Layout,
+    counts: &CudaStorage,
+    cl: &Layout,
+    state: &BackwardState,
+    config: TwellConfig,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    let (m, d) = xl.shape().dims2()?;
+    let f = wl.shape().dims2()?.0;
+    let ld = d + L1_COLUMNS;
+    let (tile, cap) = (config.tile(), config.capacity());
+    let n_tiles = config.n_tiles(f);
+    if rl.shape().dims2()? != (m, ld) || cl.shape().dims2()? != (m, n_tiles) {
+        return err(TwellError::Invalid(format!(
+            "twell-mlp backward: want dres [{m}, {ld}] and counts [{m}, {n_tiles}], got {:?} and {:?}",
+            rl.shape(),
+            cl.shape()
+        )));
+    }
+    let Some(v) = row_vectors(d).filter(|_| d.is_multiple_of(8)) else {
+        return err(TwellError::Invalid(format!(
+            "the CUDA TwELL backward takes hidden % 8 == 0 and <= 4096, got {d}"
+        )));
+    };
+    BACKWARD_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dev = x.device().clone();
+    let (xv, rv, wgv, wudv) = (
+        bf16_view("x", x, xl)?,
+        bf16_view("grad", dres, rl)?,
+        bf16_view("gate_proj", wg, wl)?,
+        bf16_view("w_ud", w_ud, ul)?,
+    );
+    let countv = match cl.contiguous_offsets() {
+        Some((a, b)) => counts.as_cuda_slice::<u32>()?.slice(a..b),
+        None => {
+            return err(TwellError::Invalid(
+                "twell-mlp backward: counts must be contiguous".into(),
+            ))
+        }
+    };
+    let dims = KernelDims {
+        m: m as i32,
+        d: d as i32,
+        f: f as i32,
+        tile: tile as i32,
+        cap: cap as i32,
+        n_tiles: n_tiles as i32,
+    };
+    let mut h = dev.alloc_zeros::<bf16>(m * f)?;
+    let mut dg = dev.alloc_zeros::<bf16>(m * f)?;
+    let mut du = dev.alloc_zeros::<bf16>(m * f)?;
+    // SAFETY: the row kernel writes every row of dx, and `grads` every listed slot
+    // of dg_slots and du_slots (the only ones `dx` reads).
+    let mut dx = unsafe { dev.alloc::<bf16>(m * d)? };
+    let mut dg_slots = unsafe { dev.alloc::<bf16>(state.g_slots.len())? };
+    let mut du_slots = unsafe { dev.alloc::<bf16>(state.g_slots.len())? };
+    let grads = dev.get_or_load_custom_func(
+        &format!("twell_mlp_bwd_grads_bf16_v{v}"),
+        "twell_mlp_bwd",
+        TWELL_MLP_BWD_PTX,
+    )?;
+    let mut b = grads.builder();
+    b.arg(&xv)
+        .arg(&rv)
+        .arg(&wgv)
+        .arg(&wudv)
+        .arg(&countv)
+        .arg(&state.indices)
+        .arg(&state.g_slots)
+        .arg(&state.u_slots)
+        .arg(&mut h)
+        .arg(&mut dg)
+        .arg(&mut du)
+        .arg(&mut dg_slots)
+        .arg(&mut du_slots);
+    dims.push(&mut b);
+    // SAFETY: one warp per row, bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(m)?) }.w()?;
+    let dx_rows = dev.get_or_load_custom_func(
+        &format!("twell_mlp_bwd_dx_bf16_v{v}"),
+        "twell_mlp_bwd",
+        TWELL_MLP_BWD_PTX,
+    )?;
+    let mut b = dx_rows.builder();
+    b.arg(&wgv)
+        .arg(&wudv)
+        .arg(&countv)
+        .arg(&state.indices)
+        .arg(&dg_slots)
+        .arg(&du_slots)
+        .arg(&dg)
+        .arg(&du)
+        .arg(&mut dx);
+    dims.push(&mut b);
+    // SAFETY: one warp per row, bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(m)?) }.w()?;
+
+    // SAFETY: the GEMMs below write every element.
+    let mut dwg = unsafe { dev.alloc::<bf16>(f * d)? };
+    let mut dw_ud = unsafe { dev.alloc::<bf16>(f * 2 * d)? };
+    let blas = dev.cublas_handle();
+    // Row-major dW [f, ldc] = Mᵀ [f, m] · A [m, d] is column-major dWᵀ = Aᵀ · M:
+    // A read as column-major [d, m] (lda its row length), M as [f, m] transposed.
+    let weight_grad = |lda: usize, ldc: usize| GemmConfig {
+        transa: cublasOperation_t::CUBLAS_OP_N,
+        transb: cublasOperation_t::CUBLAS_OP_T,
+        m: d as i32,
+        n: f as i32,
+        k: m as i32,
+        alpha: bf16::ONE,
+        lda: lda as i32,
+        ldb: f as i32,
+        beta: bf16::ZERO,
+        ldc: ldc as i32,
+    };
+    // SAFETY: shapes and leading dimensions match the buffers above.
+    unsafe {
+        blas.gemm(weight_grad(d, d), &xv, &dg, &mut dwg).w()?;
+        blas.gemm(weight_grad(d, 2 * d), &xv, &du, &mut dw_ud.slice_mut(0..))
+            .w()?;
+        blas.gemm(weight_grad(ld, 2 * d), &rv, &h, &mut dw_ud.slice_mut(d..))
+            .w()?;
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(dx, dev.clone()),
+        CudaStorage::wrap_cuda_slice(dwg, dev.clone()),
+        CudaStorage::wrap_cuda_slice(dw_ud, dev),
+    ))
 }

@@ -27,9 +27,14 @@ enum Saved {
         pattern: Arc<TwellPattern>,
         gate: Arc<Vec<f32>>,
     },
-    /// The CUDA pass: per-(token, tile) counts on the device.
+    /// The CUDA pass: per-(token, tile) counts on the device, and what a device
+    /// backward pass needs when one may follow.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Device { counts: Tensor },
+    Device {
+        counts: Tensor,
+        #[cfg(feature = "cuda")]
+        backward: Option<Arc<crate::cuda::BackwardState>>,
+    },
 }
 
 /// The op behind [`twell_mlp`]: inputs `(x, gate_proj, w_ud)`, output `[M, d + L1_COLUMNS]`.
@@ -37,6 +42,10 @@ pub struct TwellMlp {
     config: TwellConfig,
     /// An int8 screen of `gate_proj` for few-token host passes (see `cpu::screen`).
     screen: Option<Arc<GateScreen>>,
+    /// Whether a backward pass may follow (an input tracks gradients): only then
+    /// does the device pass keep its slots' g and u.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    keep_for_backward: bool,
     saved: Arc<Mutex<Option<Saved>>>,
 }
 
@@ -89,8 +98,9 @@ impl CustomOp3 for TwellMlp {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let keep = self.keep_for_backward && crate::cuda::backward_supported(xl.dims()[1]);
         let (storage, shape, activity) =
-            crate::cuda::twell_mlp_forward(xs, xl, gs, gl, ws, wl, self.config)?;
+            crate::cuda::twell_mlp_forward(xs, xl, gs, gl, ws, wl, self.config, keep)?;
         let (m, n_tiles) = (xl.dims()[0], self.config.n_tiles(gl.dims()[0]));
         let dev = xs.device.clone();
         let counts = Tensor::from_storage(
@@ -102,7 +112,10 @@ impl CustomOp3 for TwellMlp {
             candle_core::op::BackpropOp::none(),
             false,
         );
-        *self.saved.lock().expect("saved lock") = Some(Saved::Device { counts });
+        *self.saved.lock().expect("saved lock") = Some(Saved::Device {
+            counts,
+            backward: activity.backward.map(Arc::new),
+        });
         Ok((storage, shape))
     }
 
@@ -114,6 +127,17 @@ impl CustomOp3 for TwellMlp {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if let Some(Saved::Device {
+            counts,
+            backward: Some(state),
+        }) = self.saved()
+        {
+            let start = std::time::Instant::now();
+            let grads = device_backward(x, gate_proj, w_ud, grad_res, &counts, &state, self.config);
+            trace_backward(start);
+            return grads;
+        }
         let (m, d) = x.dims2()?;
         let f = w_ud.dim(0)?;
         let dout = f32_vec(grad_res)?;
@@ -148,6 +172,63 @@ impl CustomOp3 for TwellMlp {
         let dw = super::tensor_from_f32(grads.dw_ud, &[f, 2 * d], w_ud.dtype(), w_ud.device())?;
         Ok((Some(dx), Some(dwg), Some(dw)))
     }
+}
+
+/// With `TWELL_TRACE_BACKWARD` set, prints how long each device backward took to
+/// issue and how long since the previous one ended: where a whole model's backward
+/// spends its time between the MLPs.
+#[cfg(feature = "cuda")]
+fn trace_backward(start: std::time::Instant) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    static LAST_END: Mutex<Option<std::time::Instant>> = Mutex::new(None);
+    if !*ON.get_or_init(|| std::env::var_os("TWELL_TRACE_BACKWARD").is_some()) {
+        return;
+    }
+    let mut last = LAST_END.lock().expect("trace lock");
+    let gap = last.map_or(f64::NAN, |l| start.duration_since(l).as_secs_f64() * 1e3);
+    eprintln!(
+        "twell-mlp backward: issued in {:.3} ms, {gap:.3} ms after the previous one",
+        start.elapsed().as_secs_f64() * 1e3
+    );
+    *last = Some(std::time::Instant::now());
+}
+
+/// The backward pass on the GPU, from what the device forward kept.
+#[cfg(feature = "cuda")]
+fn device_backward(
+    x: &Tensor,
+    gate_proj: &Tensor,
+    w_ud: &Tensor,
+    grad_res: &Tensor,
+    counts: &Tensor,
+    state: &crate::cuda::BackwardState,
+    config: TwellConfig,
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    use candle_core::{op::BackpropOp, Storage};
+    let grad_res = grad_res.to_dtype(x.dtype())?.contiguous()?;
+    let parts = [x, gate_proj, w_ud, &grad_res, counts].map(|t| t.storage_and_layout());
+    let mut cuda = Vec::with_capacity(parts.len());
+    for (storage, layout) in &parts {
+        match &**storage {
+            Storage::Cuda(s) => cuda.push((s, *layout)),
+            _ => candle_core::bail!("twell-mlp backward: a device forward needs device tensors"),
+        }
+    }
+    let [(xs, xl), (gs, gl), (ws, wl), (rs, rl), (cs, cl)] = cuda[..] else {
+        unreachable!("five storages")
+    };
+    let (dx, dwg, dw_ud) =
+        crate::cuda::twell_mlp_backward(xs, xl, rs, rl, gs, gl, ws, wl, cs, cl, state, config)?;
+    let (m, d) = x.dims2()?;
+    let f = w_ud.dim(0)?;
+    let wrap = |s, shape: (usize, usize)| {
+        Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false)
+    };
+    Ok((
+        Some(wrap(dx, (m, d))),
+        Some(wrap(dwg, (f, d))),
+        Some(wrap(dw_ud, (f, 2 * d))),
+    ))
 }
 
 /// The ReGLU MLP `down(relu(gate(x)) ⊙ up(x))` through TwELL, for `x [M, d]`,
@@ -219,6 +300,7 @@ fn run(
     let op = TwellMlp {
         config,
         screen,
+        keep_for_backward: x.track_op() || gate_proj.track_op() || w_ud.track_op(),
         saved: saved.clone(),
     };
     let joined = x
@@ -230,7 +312,7 @@ fn run(
             pattern,
             gate: Some(gate),
         },
-        Some(Saved::Device { counts }) => Activity::Device { counts },
+        Some(Saved::Device { counts, .. }) => Activity::Device { counts },
         None => candle_core::bail!("twell-mlp: forward produced no pattern"),
     };
     MlpOutput::split(joined, activity, config, f)
