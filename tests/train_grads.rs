@@ -113,3 +113,24 @@ fn training_logits_equal_inference_logits() {
     let infer = model.forward_all(&tokens(), 0, &mut cache).unwrap();
     assert!(rel_l2(&train, &infer) < 1e-5, "{}", rel_l2(&train, &infer));
 }
+
+#[test]
+fn cached_chunks_equal_one_training_pass() {
+    // The plumbing `twell check-gpu` uses to check the fused attention in a whole model:
+    // two chunks through the KV cache give the logits of one plain pass.
+    let (model, _) = model_with_vars(FfnMode::Sparse);
+    let x = tokens();
+    let t = x.dim(1).unwrap();
+    let split = t / 2;
+    let train = model.forward_train(&x).unwrap().logits;
+    let cfg = model.config().clone();
+    let mut cache = sparse_llama::Cache::new(true, DType::F32, &cfg, &Device::Cpu).unwrap();
+    let first = model
+        .forward_all(&x.narrow(1, 0, split).unwrap(), 0, &mut cache)
+        .unwrap();
+    let second = model
+        .forward_all(&x.narrow(1, split, t - split).unwrap(), split, &mut cache)
+        .unwrap();
+    let infer = candle_core::Tensor::cat(&[first, second], 1).unwrap();
+    assert!(rel_l2(&train, &infer) < 1e-5, "{}", rel_l2(&train, &infer));
+}

@@ -15,7 +15,12 @@ fn main() {
         std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("manifest dir"))
             .join("../../kernels");
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".to_string());
-    for name in ["gate_pack", "gated_t2d", "twell_mlp_bwd"] {
+    for name in [
+        "gate_pack",
+        "gated_t2d",
+        "twell_mlp_bwd",
+        "causal_attention",
+    ] {
         let src = kernels.join(format!("{name}.cu"));
         let ptx = out.join(format!("{name}.ptx"));
         let status = std::process::Command::new(&nvcc)

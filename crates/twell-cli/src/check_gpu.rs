@@ -181,9 +181,62 @@ fn check_backward(
 }
 
 #[derive(Serialize, Debug)]
+struct AttentionResult {
+    /// `(b, heads, t, kv_heads, T, hd)`.
+    dims: (usize, usize, usize, usize, usize, usize),
+    err: f64,
+    pass: bool,
+}
+
+/// The fused causal attention (bf16) against the plain-op f32 reference on the GPU.
+fn check_attention(
+    dev: &Device,
+    dims: (usize, usize, usize, usize, usize, usize),
+    seed: u64,
+) -> Result<AttentionResult> {
+    let (b, heads, t, kv, total, hd) = dims;
+    dev.set_seed(seed)?;
+    let q = Tensor::randn(0f32, 1.0, (b, heads, t, hd), dev)?.to_dtype(DType::BF16)?;
+    let k = Tensor::randn(0f32, 1.0, (b, kv, total, hd), dev)?.to_dtype(DType::BF16)?;
+    let v = Tensor::randn(0f32, 1.0, (b, kv, total, hd), dev)?.to_dtype(DType::BF16)?;
+    if !twell::ops::fused_on_device(&q) {
+        bail!("causal attention {dims:?} would not run the CUDA kernel");
+    }
+    let out = twell::ops::causal_attention(&q, &k, &v)?;
+    let err = rel_l2(&out, &twell::ops::causal_attention_reference(&q, &k, &v)?)?;
+    Ok(AttentionResult {
+        dims,
+        err,
+        pass: err < TOLERANCE,
+    })
+}
+
+/// A whole random Llama (hd 64, grouped-query heads) through the inference path
+/// (fused attention, fused norm and rope, KV cache across two chunks) against its
+/// training path (plain ops) on the same tokens: relative L2 error of the logits.
+fn check_model_attention(dev: &Device) -> Result<f64> {
+    use sparse_llama::{synthetic, Cache, Llama};
+    let cfg = synthetic::config(512, 1024, 2, 8, 2, 1000)?;
+    let weights = synthetic::weights(&cfg, 0.1, 11, DType::BF16, dev)?;
+    let model = Llama::load(
+        candle_nn::VarBuilder::from_tensors(weights, DType::BF16, dev),
+        &cfg,
+    )?;
+    let ids: Vec<u32> = (0..2 * 96).map(|i| (i * 7919 % 1000) as u32).collect();
+    let ids = Tensor::from_vec(ids, (2, 96), dev)?;
+    let plain = model.forward_train(&ids)?.logits;
+    let mut cache = Cache::new(true, DType::BF16, &cfg, dev)?;
+    let first = model.forward_all(&ids.narrow(1, 0, 40)?, 0, &mut cache)?;
+    let second = model.forward_all(&ids.narrow(1, 40, 56)?, 40, &mut cache)?;
+    rel_l2(&Tensor::cat(&[first, second], 1)?, &plain)
+}
+
+#[derive(Serialize, Debug)]
 struct Report {
     forward: Vec<CaseResult>,
     backward: Vec<BackwardResult>,
+    attention: Vec<AttentionResult>,
+    model_attention_err: f64,
 }
 
 pub fn run(args: &CheckGpuArgs) -> Result<()> {
@@ -267,13 +320,43 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         backward.push(r);
     }
-    let failed =
-        results.iter().filter(|r| !r.pass).count() + backward.iter().filter(|r| !r.pass).count();
-    let total = results.len() + backward.len();
+    // (b, heads, t, kv_heads, T, hd): decode with a cache, grouped heads, prefill.
+    #[rustfmt::skip]
+    let attention_cases = [
+        (1, 9, 1, 3, 17, 64),
+        (1, 9, 100, 3, 612, 64),
+        (4, 32, 333, 8, 333, 64),
+        (2, 32, 2048, 32, 2048, 64),
+    ];
+    let mut attention = Vec::new();
+    for (k, &dims) in attention_cases.iter().enumerate() {
+        let r = check_attention(&dev, dims, 900 + k as u64)?;
+        println!(
+            "attention (b, heads, t, kv_heads, T, hd) = {:?}: rel err {:.2e} {}",
+            r.dims,
+            r.err,
+            if r.pass { "ok" } else { "FAIL" }
+        );
+        attention.push(r);
+    }
+    let model_attention_err = check_model_attention(&dev)?;
+    let model_ok = model_attention_err < TOLERANCE;
+    println!(
+        "model (2 layers, hd 64, GQA 8/2, 2 x 96 tokens in two cached chunks): inference vs \
+         training path logits rel err {model_attention_err:.2e} {}",
+        if model_ok { "ok" } else { "FAIL" }
+    );
+    let failed = results.iter().filter(|r| !r.pass).count()
+        + backward.iter().filter(|r| !r.pass).count()
+        + attention.iter().filter(|r| !r.pass).count()
+        + usize::from(!model_ok);
+    let total = results.len() + backward.len() + attention.len() + 1;
     if let Some(path) = &args.json {
         let report = Report {
             forward: results,
             backward,
+            attention,
+            model_attention_err,
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
     }

@@ -18,6 +18,7 @@ use crate::ops::L1_COLUMNS;
 const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
 const GATED_T2D_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));
 const TWELL_MLP_BWD_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_bwd.ptx"));
+const CAUSAL_ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/causal_attention.ptx"));
 
 /// Threads per block of the warp-per-item kernels.
 const BLOCK_THREADS: u32 = 256;
@@ -693,4 +694,67 @@ pub fn twell_mlp_backward(
         CudaStorage::wrap_cuda_slice(dwg, dev.clone()),
         CudaStorage::wrap_cuda_slice(dw_ud, dev),
     ))
+}
+
+/// Queries per block of the attention kernel (`QUERIES` in the .cu).
+const ATTENTION_QUERIES: usize = 64;
+
+/// `causal_attention.cu` for `q [b, heads, t, hd]`, `k, v [b, kv_heads, T, hd]` (bf16,
+/// contiguous, hd in [`crate::ops::CUDA_HEAD_DIMS`]); `dims` = (b, heads, t, kv_heads, T, hd).
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention(
+    q: &CudaStorage,
+    ql: &Layout,
+    k: &CudaStorage,
+    kl: &Layout,
+    v: &CudaStorage,
+    vl: &Layout,
+    dims: (usize, usize, usize, usize, usize, usize),
+    scale: f32,
+) -> Result<CudaStorage> {
+    let (b, heads, t, kv_heads, total, hd) = dims;
+    if !crate::ops::CUDA_HEAD_DIMS.contains(&hd) {
+        return err(TwellError::Invalid(format!(
+            "causal_attention on CUDA takes head sizes {:?}, got {hd}",
+            crate::ops::CUDA_HEAD_DIMS
+        )));
+    }
+    if heads > 65535 || b > 65535 {
+        return err(TwellError::Invalid(format!(
+            "causal_attention on CUDA: batch {b} and heads {heads} must be at most 65535"
+        )));
+    }
+    let dev = q.device().clone();
+    let (qv, kv, vv) = (
+        bf16_view("q", q, ql)?,
+        bf16_view("k", k, kl)?,
+        bf16_view("v", v, vl)?,
+    );
+    // SAFETY: the kernel writes every output row.
+    let mut out = unsafe { dev.alloc::<bf16>(b * heads * t * hd)? };
+    let func = dev.get_or_load_custom_func(
+        &format!("causal_attention_bf16_hd{hd}"),
+        "causal_attention",
+        CAUSAL_ATTENTION_PTX,
+    )?;
+    let (heads_i, kv_i, t_i, total_i) = (heads as i32, kv_heads as i32, t as i32, total as i32);
+    let mut builder = func.builder();
+    builder
+        .arg(&qv)
+        .arg(&kv)
+        .arg(&vv)
+        .arg(&mut out)
+        .arg(&heads_i)
+        .arg(&kv_i)
+        .arg(&t_i)
+        .arg(&total_i)
+        .arg(&scale);
+    let cfg = LaunchConfig {
+        grid_dim: (t.div_ceil(ATTENTION_QUERIES) as u32, heads as u32, b as u32),
+        block_dim: (ATTENTION_QUERIES as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: one thread per query row, bounds checked in the kernel.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }

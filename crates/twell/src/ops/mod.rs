@@ -2,7 +2,8 @@
 //!
 //! * [`gate_pack`]: `relu(x · Wgᵀ)` packed to TwELL (the D2T step);
 //! * [`gated_t2d`]: the sparse up and down projections of a packed gate;
-//! * [`twell_mlp`]: both fused, the whole ReGLU MLP.
+//! * [`twell_mlp`]: both fused, the whole ReGLU MLP;
+//! * [`causal_attention`]: fused causal attention for the model around the MLP.
 //!
 //! The ops that produce an MLP output return `[M, d + L1_COLUMNS]`: the output rows,
 //! then in column `d` each token's L1 term `Σ_j |h_j|` (the rest is padding that keeps
@@ -11,10 +12,14 @@
 //! Weights for up and down travel as one neuron-major matrix `w_ud [f, 2d]` whose
 //! row `j` is `[Wu_j | Wd_j]`: an active neuron's weights are one contiguous read.
 
+mod causal_attention;
 mod gate_pack;
 mod gated_t2d;
 mod twell_mlp;
 
+pub use causal_attention::{
+    causal_attention, causal_attention_reference, fused_on_device, CausalAttention, CUDA_HEAD_DIMS,
+};
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
 pub use twell_mlp::{gate_screen, twell_mlp, twell_mlp_screened, TwellMlp};

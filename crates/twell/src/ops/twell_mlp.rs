@@ -127,16 +127,32 @@ impl CustomOp3 for TwellMlp {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let start = std::time::Instant::now();
+        let grads = self.backward(x, gate_proj, w_ud, grad_res);
+        trace_backward(start);
+        grads
+    }
+}
+
+type Grads3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+impl TwellMlp {
+    /// On the device kernels after a device forward that kept its slots, else on the
+    /// host.
+    fn backward(
+        &self,
+        x: &Tensor,
+        gate_proj: &Tensor,
+        w_ud: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<Grads3> {
         #[cfg(feature = "cuda")]
         if let Some(Saved::Device {
             counts,
             backward: Some(state),
         }) = self.saved()
         {
-            let start = std::time::Instant::now();
-            let grads = device_backward(x, gate_proj, w_ud, grad_res, &counts, &state, self.config);
-            trace_backward(start);
-            return grads;
+            return device_backward(x, gate_proj, w_ud, grad_res, &counts, &state, self.config);
         }
         let (m, d) = x.dims2()?;
         let f = w_ud.dim(0)?;
@@ -174,10 +190,9 @@ impl CustomOp3 for TwellMlp {
     }
 }
 
-/// With `TWELL_TRACE_BACKWARD` set, prints how long each device backward took to
-/// issue and how long since the previous one ended: where a whole model's backward
-/// spends its time between the MLPs.
-#[cfg(feature = "cuda")]
+/// With `TWELL_TRACE_BACKWARD` set, prints how long each backward took to run (host)
+/// or issue (device) and how long since the previous one ended: where a whole model's
+/// backward spends its time between the MLPs.
 fn trace_backward(start: std::time::Instant) {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     static LAST_END: Mutex<Option<std::time::Instant>> = Mutex::new(None);
@@ -203,7 +218,7 @@ fn device_backward(
     counts: &Tensor,
     state: &crate::cuda::BackwardState,
     config: TwellConfig,
-) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+) -> Result<Grads3> {
     use candle_core::{op::BackpropOp, Storage};
     let grad_res = grad_res.to_dtype(x.dtype())?.contiguous()?;
     let parts = [x, gate_proj, w_ud, &grad_res, counts].map(|t| t.storage_and_layout());

@@ -1,0 +1,184 @@
+//! `causal_attention`: `softmax(q·kᵀ/√hd + causal mask)·v` without materialising the
+//! scores, for the model around the sparse FFN.
+//!
+//! The plain-op attention (f32 scores `[b, heads, t, T]`, mask add, softmax) costs
+//! far more than the MLP at prefill sizes on a GPU, so no FFN speed-up could show at
+//! the model level. The CUDA kernel (`kernels/causal_attention.cu`) keeps each query's
+//! scores in registers with an online softmax. Forward only: training keeps the
+//! plain ops, whose backward candle already has.
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::cpu::float::Rows;
+use crate::error::{err, TwellError};
+
+/// Head sizes the CUDA kernel is built for.
+pub const CUDA_HEAD_DIMS: [usize; 1] = [64];
+
+/// The op behind [`causal_attention`]: inputs `(q, k, v)`, output shaped like `q`.
+pub struct CausalAttention {
+    scale: f32,
+}
+
+/// `(b, heads, t, kv_heads, T, hd)` of a call, checked.
+fn dims(q: &Layout, k: &Layout, v: &Layout) -> Result<(usize, usize, usize, usize, usize, usize)> {
+    let rank4 = |what: &'static str, l: &Layout| match l.dims() {
+        &[a, b, c, d] => Ok((a, b, c, d)),
+        d => err(TwellError::BadRank {
+            what,
+            expected: 4,
+            got: d.to_vec(),
+        }),
+    };
+    let (b, heads, t, hd) = rank4("q", q)?;
+    let (bk, kv_heads, total, hdk) = rank4("k", k)?;
+    if v.dims() != k.dims() {
+        return err(TwellError::ShapeMismatch {
+            what: "causal_attention",
+            detail: format!("v is {:?}, k is {:?}", v.dims(), k.dims()),
+        });
+    }
+    if bk != b || hdk != hd || kv_heads == 0 || heads % kv_heads != 0 || total < t || hd == 0 {
+        return err(TwellError::ShapeMismatch {
+            what: "causal_attention",
+            detail: format!(
+                "q [b, heads, t, hd] = {:?} and k [b, kv_heads, T, hd] = {:?}: want the same b and \
+                 hd, heads a multiple of kv_heads and T >= t",
+                q.dims(),
+                k.dims()
+            ),
+        });
+    }
+    Ok((b, heads, t, kv_heads, total, hd))
+}
+
+impl CustomOp3 for CausalAttention {
+    fn name(&self) -> &'static str {
+        "causal-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b, heads, t, kv_heads, total, hd) = dims(ql, kl, vl)?;
+        let (q, k, v) = (
+            Rows::new("q", qs, ql)?.to_f32_vec(),
+            Rows::new("k", ks, kl)?.to_f32_vec(),
+            Rows::new("v", vs, vl)?.to_f32_vec(),
+        );
+        let past = total - t;
+        let group = heads / kv_heads;
+        let mut out = vec![0f32; b * heads * t * hd];
+        out.par_chunks_mut(hd).enumerate().for_each(|(row, o)| {
+            let (bh, i) = (row / t, row % t);
+            let (bi, h) = (bh / heads, bh % heads);
+            let kv = (bi * kv_heads + h / group) * total * hd;
+            let qr = &q[row * hd..(row + 1) * hd];
+            let visible = past + i + 1;
+            let scores: Vec<f32> = (0..visible)
+                .map(|j| {
+                    let kr = &k[kv + j * hd..kv + (j + 1) * hd];
+                    self.scale * qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>()
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for (j, s) in scores.iter().enumerate() {
+                let p = (s - max).exp();
+                sum += p;
+                let vr = &v[kv + j * hd..kv + (j + 1) * hd];
+                for (acc, x) in o.iter_mut().zip(vr) {
+                    *acc += p * x;
+                }
+            }
+            o.iter_mut().for_each(|x| *x /= sum);
+        });
+        let dtype = Rows::new("q", qs, ql)?.dtype();
+        Ok((
+            crate::cpu::float::storage_from_f32(out, dtype)?,
+            Shape::from(ql.dims()),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qs: &candle_core::CudaStorage,
+        ql: &Layout,
+        ks: &candle_core::CudaStorage,
+        kl: &Layout,
+        vs: &candle_core::CudaStorage,
+        vl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = dims(ql, kl, vl)?;
+        let out = crate::cuda::causal_attention(qs, ql, ks, kl, vs, vl, dims, self.scale)?;
+        Ok((out, Shape::from(ql.dims())))
+    }
+}
+
+/// Causal attention of `q [b, heads, t, hd]` over `k, v [b, kv_heads, T, hd]` with
+/// `T >= t`: query `i` sits at position `T - t + i` (the keys before it are a KV cache)
+/// and sees keys `0 ..= T - t + i`. Grouped-query attention when `kv_heads < heads`.
+/// Returns `[b, heads, t, hd]` in q's dtype. Not differentiable.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        return err(TwellError::Invalid(format!(
+            "causal_attention: q, k, v must share a dtype, got {:?}, {:?}, {:?}",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        )));
+    }
+    let hd = q.dims().last().copied().unwrap_or(0);
+    let op = CausalAttention {
+        scale: 1.0 / (hd.max(1) as f32).sqrt(),
+    };
+    q.contiguous()?
+        .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)
+}
+
+/// Whether [`causal_attention`] runs its CUDA kernel for this query: a CUDA tensor in
+/// bf16 with a head size in [`CUDA_HEAD_DIMS`].
+pub fn fused_on_device(q: &Tensor) -> bool {
+    q.device().is_cuda()
+        && q.dtype() == DType::BF16
+        && q.dims()
+            .last()
+            .is_some_and(|hd| CUDA_HEAD_DIMS.contains(hd))
+}
+
+/// The plain-op form of [`causal_attention`] in f32: materialised scores, an explicit
+/// causal mask and softmax, the KV heads repeated for grouped-query attention. The
+/// reference the fused op is tested and checked against.
+pub fn causal_attention_reference(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (b, heads, t, hd) = q.dims4()?;
+    let (_, kv_heads, total, _) = k.dims4()?;
+    if kv_heads == 0 || heads % kv_heads != 0 || total < t {
+        return err(TwellError::ShapeMismatch {
+            what: "causal_attention_reference",
+            detail: format!("q {:?}, k {:?}", q.dims(), k.dims()),
+        });
+    }
+    let past = total - t;
+    let repeat = |x: &Tensor| -> Result<Tensor> {
+        x.to_dtype(DType::F32)?
+            .unsqueeze(2)?
+            .expand((b, kv_heads, heads / kv_heads, total, hd))?
+            .reshape((b, heads, total, hd))
+    };
+    let (k, v) = (repeat(k)?, repeat(v)?);
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, total), q.device())?;
+    let scores =
+        (q.to_dtype(DType::F32)?.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(&mask)?;
+    candle_nn::ops::softmax_last_dim(&scores)?.matmul(&v)
+}
