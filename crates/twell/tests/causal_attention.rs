@@ -24,23 +24,8 @@ fn random(shape: (usize, usize, usize, usize), dtype: DType, seed: u64) -> Tenso
         .unwrap()
 }
 
-fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a.to_dtype(DType::F32).unwrap() - b).unwrap();
-    let num = d
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    let den = b
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    (num / den).sqrt()
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    twell::compare::rel_l2(a, b).unwrap()
 }
 
 #[test]

@@ -109,6 +109,32 @@ pub fn parse_shape(s: &str) -> Result<(usize, usize)> {
     Ok((hidden, ffn))
 }
 
+/// The `--shape`, `--density`, `--tokens` and `--reps` of a layer sweep, checked;
+/// returns the shapes as `(hidden, d_ff)`.
+pub fn check_sweep(
+    shapes: &[String],
+    densities: &[f64],
+    tokens: &[usize],
+    reps: usize,
+) -> Result<Vec<(usize, usize)>> {
+    let shapes = shapes
+        .iter()
+        .map(|s| parse_shape(s))
+        .collect::<Result<Vec<_>>>()?;
+    for &d in densities {
+        if !(d > 0.0 && d < 1.0) {
+            bail!("--density {d}: each density must be in (0, 1)");
+        }
+    }
+    if tokens.contains(&0) {
+        bail!("--tokens: token counts must be at least 1");
+    }
+    if reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    Ok(shapes)
+}
+
 /// candle's own dense MLP on the same weights: three `candle_nn::Linear`s.
 struct DenseMlp {
     gate: Linear,
@@ -133,21 +159,9 @@ impl DenseMlp {
 pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
     let device = args.device.device()?;
     let dtype = parse_dtype(&args.dtype)?;
-    let shapes = args
-        .shape
-        .iter()
-        .map(|s| parse_shape(s))
-        .collect::<Result<Vec<_>>>()?;
-    for &d in &args.density {
-        if !(d > 0.0 && d < 1.0) {
-            bail!("--density {d}: each density must be in (0, 1)");
-        }
-    }
-    if args.tokens.contains(&0) {
-        bail!("--tokens: token counts must be at least 1");
-    }
-    if args.reps == 0 || args.weight_sets == 0 {
-        bail!("--reps and --weight-sets must be at least 1");
+    let shapes = check_sweep(&args.shape, &args.density, &args.tokens, args.reps)?;
+    if args.weight_sets == 0 {
+        bail!("--weight-sets must be at least 1");
     }
     if args.stages {
         std::env::set_var("TWELL_PROFILE", "1");

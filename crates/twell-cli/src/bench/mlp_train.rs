@@ -12,7 +12,7 @@ use twell::density::{synthetic_input, synthetic_mlp};
 use twell::{Activation, FfnMode, SparseMlp};
 
 use super::memory::MemoryProbe;
-use super::mlp::parse_shape;
+use super::mlp::check_sweep;
 use super::timing::interleaved_medians;
 use crate::device::{parse_dtype, DeviceArg};
 
@@ -123,22 +123,7 @@ fn step(mlp: &SparseMlp, x: &Var, l1: Option<f64>) -> candle_core::Result<()> {
 pub fn run(args: &MlpTrainBenchArgs) -> Result<MlpTrainReport> {
     let device = args.device.device()?;
     let dtype = parse_dtype(&args.dtype)?;
-    let shapes = args
-        .shape
-        .iter()
-        .map(|s| parse_shape(s))
-        .collect::<Result<Vec<_>>>()?;
-    for &d in &args.density {
-        if !(d > 0.0 && d < 1.0) {
-            bail!("--density {d}: each density must be in (0, 1)");
-        }
-    }
-    if args.tokens.contains(&0) {
-        bail!("--tokens: token counts must be at least 1");
-    }
-    if args.reps == 0 {
-        bail!("--reps must be at least 1");
-    }
+    let shapes = check_sweep(&args.shape, &args.density, &args.tokens, args.reps)?;
     if !(args.l1 >= 0.0 && args.l1.is_finite()) {
         bail!("--l1 {}: must be a finite number >= 0", args.l1);
     }
