@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use serde::Serialize;
-use twell::density::{synthetic_input, synthetic_mlp};
+use twell::density::{synthetic_input, synthetic_mlp, MlpWeights};
 use twell::{twell_mlp, up_down_matrix, TwellConfig};
 
 #[derive(clap::Args, Debug)]
@@ -44,20 +44,21 @@ fn rel_l2(a: &Tensor, b: &Tensor) -> Result<f64> {
     Ok(twell::compare::rel_l2(a, b)?)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn check_case(
-    dev: &Device,
-    m: usize,
-    d: usize,
-    f: usize,
-    density: f64,
-    tile: usize,
-    cf: usize,
-    seed: u64,
-) -> Result<CaseResult> {
+/// One shape of the MLP checks: `(M, hidden, d_ff, target density, tile, compression)`.
+type Case = (usize, usize, usize, f64, usize, usize);
+
+/// The TwELL configuration, bf16 weights and bf16 input of a case.
+fn case_inputs(dev: &Device, case: Case, seed: u64) -> Result<(TwellConfig, MlpWeights, Tensor)> {
+    let (m, d, f, density, tile, cf) = case;
     let config = TwellConfig::new(tile, cf)?;
     let w = synthetic_mlp(d, f, density, DType::BF16, dev, seed)?;
     let x = synthetic_input(m, d, DType::BF16, dev, seed + 1)?;
+    Ok((config, w, x))
+}
+
+fn check_case(dev: &Device, case: Case, seed: u64) -> Result<CaseResult> {
+    let (m, d, f, density, tile, cf) = case;
+    let (config, w, x) = case_inputs(dev, case, seed)?;
     let res = twell_mlp(&x, &w.gate, &up_down_matrix(&w.up, &w.down)?, config)?;
     // Dense f32 reference on the same bf16 numbers.
     let f32 = |t: &Tensor| t.to_dtype(DType::F32);
@@ -114,20 +115,9 @@ struct BackwardResult {
 /// The backward pass of a CUDA forward against dense f32 autograd on the same bf16
 /// numbers, under a random loss `Σ out ⊙ r + Σ l1 ⊙ s` (so every output gradient
 /// differs).
-#[allow(clippy::too_many_arguments)]
-fn check_backward(
-    dev: &Device,
-    m: usize,
-    d: usize,
-    f: usize,
-    density: f64,
-    tile: usize,
-    cf: usize,
-    seed: u64,
-) -> Result<BackwardResult> {
-    let config = TwellConfig::new(tile, cf)?;
-    let w = synthetic_mlp(d, f, density, DType::BF16, dev, seed)?;
-    let x = synthetic_input(m, d, DType::BF16, dev, seed + 1)?;
+fn check_backward(dev: &Device, case: Case, seed: u64) -> Result<BackwardResult> {
+    let (m, d, f, density, tile, cf) = case;
+    let (config, w, x) = case_inputs(dev, case, seed)?;
     let vars = [&x, &w.gate, &w.up, &w.down]
         .map(|t| Var::from_tensor(&t.to_dtype(DType::F32).unwrap()).unwrap());
     let r = Tensor::randn(0f32, 1.0, (m, d), dev)?;
@@ -246,7 +236,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
     let dev = crate::device::parse_device(&format!("cuda:{}", args.ordinal))?;
     std::env::set_var("TWELL_POISON", "1");
     #[rustfmt::skip]
-    let cases: &[(usize, usize, usize, f64, usize, usize)] = &[
+    let cases: &[Case] = &[
         (1, 2048, 5632, 0.01, 256, 8),
         (1, 576, 1536, 0.05, 256, 8),
         (7, 4096, 11008, 0.005, 256, 8),
@@ -277,8 +267,8 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         "nnz gpu",
         "nnz ref"
     );
-    for (k, &(m, d, f, density, tile, cf)) in cases.iter().enumerate() {
-        let r = check_case(&dev, m, d, f, density, tile, cf, 100 + k as u64)?;
+    for (k, &case) in cases.iter().enumerate() {
+        let r = check_case(&dev, case, 100 + k as u64)?;
         println!(
             "{:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>7.2}% {:>9} {:>9.2e} {:>9.2e} {:>10} {:>10} {}",
             r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, 100.0 * r.density,
@@ -287,7 +277,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         results.push(r);
     }
     #[rustfmt::skip]
-    let bwd_cases: &[(usize, usize, usize, f64, usize, usize)] = &[
+    let bwd_cases: &[Case] = &[
         (1, 2048, 5632, 0.01, 256, 8),
         (96, 256, 1024, 0.05, 256, 8),
         (33, 576, 1000, 0.05, 256, 8),
@@ -311,8 +301,8 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         "err dWd"
     );
     let mut backward = Vec::new();
-    for (k, &(m, d, f, density, tile, cf)) in bwd_cases.iter().enumerate() {
-        let r = check_backward(&dev, m, d, f, density, tile, cf, 500 + k as u64)?;
+    for (k, &case) in bwd_cases.iter().enumerate() {
+        let r = check_backward(&dev, case, 500 + k as u64)?;
         println!(
             "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>9} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>6} {}",
             r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, r.overflow_tiles,
