@@ -4,7 +4,8 @@
 # a generated sample and a dense-vs-TwELL `twell bench model` of every result.
 #   scripts/h200-finetune.sh OUTDIR
 # Knobs (environment): TWELL (the binary), TWELL_DATA (model + corpus, as scripts/setup.sh
-# writes them), RUNS (space-separated DTYPE:LAMBDA:WEIGHT_DECAY triples), STEPS, LR, SEQ,
+# writes them), RUNS (space-separated DTYPE:LAMBDA:WEIGHT_DECAY[:PENALTY] entries, PENALTY
+# plain (default) or down-norm, see `twell finetune --help`), STEPS, LR, SEQ,
 # BATCH, TRAIN_TIMEOUT (seconds, per run), REFERENCE=0 to skip evaluating the original model,
 # PARALLEL=1 to run the fine-tunes side by side (each process keeps ~30-45 GB of pool).
 set -uo pipefail
@@ -31,16 +32,19 @@ if [ "${REFERENCE:-1}" != 0 ]; then
     >"$out/eval-relu0.log" 2>&1
 fi
 
-echo "== fine-tune: {$runs} (dtype:λ:weight decay), $steps steps of $batch x $seq tokens" >&2
+echo "== fine-tune: {$runs} (dtype:λ:weight decay[:penalty]), $steps steps of $batch x $seq tokens" >&2
 names=()
 for r in $runs; do
-  IFS=: read -r dtype l wd <<<"$r"
+  IFS=: read -r dtype l wd penalty <<<"$r"
+  penalty=${penalty:-plain}
   name="$dtype-l1-$l-wd-$wd"
+  [ "$penalty" = plain ] || name="$name-$penalty"
   names+=("$name")
-  # Dense FFN while training: the TwELL backward kernels run on the host for now.
+  # Dense FFN while training: at fine-tuning densities (20-35%) it is the faster path,
+  # and the down-norm penalty is computed there.
   run_limited "$train_timeout" "$twell" finetune --device cuda --dtype "$dtype" --ffn dense \
     --seq-len "$seq" --batch "$batch" --steps "$steps" --lr "$lr" --warmup 20 \
-    --weight-decay "$wd" --l1 "$l" --l1-warmup $((steps / 4)) --eval-every 50 \
+    --weight-decay "$wd" --l1 "$l" --l1-penalty "$penalty" --l1-warmup $((steps / 4)) --eval-every 50 \
     --eval-batches 8 --out "$out/$name" >"$out/finetune-$name.log" 2>&1 &
   [ "${PARALLEL:-0}" = 1 ] || wait
 done

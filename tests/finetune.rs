@@ -201,3 +201,49 @@ fn bad_training_settings_and_resume_dirs_are_rejected() {
         .contains("not a fine-tune checkpoint"));
     assert!(PackedData::new(&[1, 2, 3], 32).is_err());
 }
+
+/// The down-norm weighted L1 term trains on the dense FFN, lowers L0 against λ = 0,
+/// and is written into the run's settings.
+#[test]
+fn down_norm_penalty_lowers_l0_on_the_dense_ffn() {
+    use sparse_llama::train::L1Penalty;
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let run = |l1: f64| {
+        let mut cfg = tiny_config("silu", 256).into_config(false).unwrap();
+        cfg.ffn_mode = FfnMode::Dense;
+        let tc = TrainConfig {
+            seq_len: 32,
+            batch_size: 4,
+            grad_accum: 2,
+            steps: 25,
+            lr: 3e-3,
+            warmup_steps: 2,
+            l1,
+            l1_penalty: L1Penalty::DownNorm,
+            dead_window_steps: 5,
+            ..Default::default()
+        };
+        let mut t = Trainer::new(cfg, tiny_weights_for_dense(), tc, &Device::Cpu).unwrap();
+        let logs: Vec<_> = (0..25).map(|_| t.train_step(&data).unwrap()).collect();
+        logs.last().unwrap().clone()
+    };
+    let (off, on) = (run(0.0), run(L1_DOWN_NORM));
+    assert!(on.ce.is_finite() && off.ce.is_finite());
+    assert!(
+        on.mean_l0 < 0.8 * off.mean_l0,
+        "L0 with the down-norm term {} vs without {}",
+        on.mean_l0,
+        off.mean_l0
+    );
+    assert_eq!(
+        serde_json::to_value(L1Penalty::DownNorm).unwrap(),
+        serde_json::json!("down-norm")
+    );
+}
+
+const L1_DOWN_NORM: f64 = 0.5;
+
+fn tiny_weights_for_dense() -> std::collections::HashMap<String, Tensor> {
+    let cfg = tiny_config("silu", 256).into_config(false).unwrap();
+    tiny_weights(&cfg, 11)
+}

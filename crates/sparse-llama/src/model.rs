@@ -433,6 +433,14 @@ impl Llama {
         Ok(TrainOutput { logits, l1 })
     }
 
+    /// Weights every layer's L1 term by the down-projection norms (see
+    /// [`SparseMlp::set_l1_down_norm`]).
+    pub fn set_l1_down_norm(&mut self, on: bool) {
+        for b in &mut self.blocks {
+            b.mlp.set_l1_down_norm(on);
+        }
+    }
+
     /// Sets the feed-forward path of every layer.
     pub fn set_ffn_mode(&mut self, mode: FfnMode) -> Result<()> {
         for b in &mut self.blocks {

@@ -26,6 +26,30 @@ use crate::config::Config;
 use crate::model::{Cache, Llama};
 use crate::optim::{clip_grad_norm, lr_at, AdamW, AdamWConfig};
 
+/// The L1 term of the loss, per token and layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum L1Penalty {
+    /// `Σ_j |h_j|`, as in the paper.
+    #[default]
+    Plain,
+    /// `Σ_j |h_j|·‖Wd_j‖₂`: unchanged when a neuron's up/gate rows shrink and its
+    /// down column grows to match, so only switching neurons off lowers it
+    /// ([`twell::SparseMlp::set_l1_down_norm`]). Needs the dense FFN while training.
+    DownNorm,
+}
+
+impl std::str::FromStr for L1Penalty {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "plain" => Ok(Self::Plain),
+            "down-norm" => Ok(Self::DownNorm),
+            other => Err(format!("'{other}': want plain or down-norm")),
+        }
+    }
+}
+
 /// Everything that shapes a run (saved with each checkpoint).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TrainConfig {
@@ -42,6 +66,9 @@ pub struct TrainConfig {
     pub l1: f64,
     /// λ ramps linearly from 0 over this many steps.
     pub l1_warmup_steps: usize,
+    /// What the L1 term sums: `|h_j|`, or `|h_j|·‖Wd_j‖` (rescaling-proof).
+    #[serde(default)]
+    pub l1_penalty: L1Penalty,
     pub seed: u64,
     /// Neurons that fired in none of the last this many steps count as dead.
     pub dead_window_steps: usize,
@@ -67,6 +94,7 @@ impl Default for TrainConfig {
             clip_norm: 1.0,
             l1: 2e-5,
             l1_warmup_steps: 0,
+            l1_penalty: L1Penalty::Plain,
             seed: 0,
             dead_window_steps: 50,
             bf16: false,
@@ -352,6 +380,7 @@ impl Trainer {
         };
         let mut model = Llama::load(vb, model_cfg)?;
         model.record_ffn_stats(true);
+        model.set_l1_down_norm(cfg.l1_penalty == L1Penalty::DownNorm);
         Ok(model)
     }
 

@@ -8,7 +8,7 @@ use candle_core::DType;
 use indicatif::{ProgressBar, ProgressStyle};
 use sparse_llama::checkpoint::LoadOptions;
 use sparse_llama::corpus::Corpus;
-use sparse_llama::train::{PackedData, TrainConfig, Trainer};
+use sparse_llama::train::{L1Penalty, PackedData, TrainConfig, Trainer};
 use twell::{Activation, FfnMode};
 
 use crate::model_args::{data_dir, ModelArgs};
@@ -53,6 +53,10 @@ pub struct FinetuneArgs {
     /// Ramp λ up linearly over this many steps.
     #[arg(long, default_value_t = 0)]
     pub l1_warmup: usize,
+    /// The L1 term: `plain` (Σ|h_j|) or `down-norm` (Σ|h_j|·‖Wd_j‖, which rescaling the
+    /// weights cannot lower; needs --ffn dense).
+    #[arg(long, default_value = "plain")]
+    pub l1_penalty: String,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Validate every N steps (0: only at the end).
@@ -96,6 +100,10 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         clip_norm: args.clip,
         l1: args.l1,
         l1_warmup_steps: args.l1_warmup,
+        l1_penalty: args
+            .l1_penalty
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--l1-penalty {e}"))?,
         seed: args.seed,
         dead_window_steps: 50,
         bf16: dtype == DType::BF16,
@@ -118,6 +126,9 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         ffn_mode: Some(ffn),
     })?;
     model_cfg.ffn_mode = ffn;
+    if cfg.l1_penalty == L1Penalty::DownNorm && ffn != FfnMode::Dense {
+        bail!("--l1-penalty down-norm is computed on the dense FFN: add --ffn dense");
+    }
 
     let text = args
         .data

@@ -465,6 +465,36 @@ fn bad_finetune_flags_are_rejected() {
         &["finetune", "--model", m, "--data", t, "--out", o, "--lr=-1"],
         "invalid training setting",
     );
+    fails_with(
+        &[
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            t,
+            "--out",
+            o,
+            "--l1-penalty",
+            "l2",
+        ],
+        "--l1-penalty",
+    );
+    fails_with(
+        &[
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            t,
+            "--out",
+            o,
+            "--l1-penalty",
+            "down-norm",
+            "--ffn",
+            "sparse",
+        ],
+        "add --ffn dense",
+    );
     // One document cannot be split into training and held-out text.
     fails_with(
         &[

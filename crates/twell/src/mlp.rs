@@ -178,6 +178,9 @@ pub struct SparseMlp {
     /// `None`: the device's default break-even.
     break_even: Option<f64>,
     record_stats: bool,
+    /// Weight each neuron's `|h_j|` in the L1 term by `‖Wd_j‖` (see
+    /// [`SparseMlp::set_l1_down_norm`]).
+    l1_down_norm: bool,
     calls: std::sync::atomic::AtomicUsize,
     last: Mutex<Option<LastForward>>,
     last_density: Mutex<Option<f64>>,
@@ -231,6 +234,7 @@ impl SparseMlp {
             config: TwellConfig::default(),
             break_even: None,
             record_stats: false,
+            l1_down_norm: false,
             calls: std::sync::atomic::AtomicUsize::new(0),
             last: Mutex::new(None),
             last_density: Mutex::new(None),
@@ -274,6 +278,18 @@ impl SparseMlp {
     pub fn with_stats(mut self, on: bool) -> Self {
         self.record_stats = on;
         self
+    }
+
+    /// Makes the L1 term `Σ_j |h_j|·‖Wd_j‖₂` instead of `Σ_j |h_j|`.
+    ///
+    /// Why: a ReLU MLP computes the same function after `Wg_j → a·Wg_j`,
+    /// `Wu_j → b·Wu_j`, `Wd_j → Wd_j/(a·b)` (a, b > 0), which scales `h_j` by `a·b`. The
+    /// plain L1 term can therefore be lowered by shrinking `h` and growing `Wd`, without a
+    /// single new zero. `|h_j|·‖Wd_j‖` is unchanged by that rescaling: it is the size of
+    /// neuron j's contribution to the output, which only turning the neuron off removes.
+    /// Dense path only (the TwELL kernels compute the plain term).
+    pub fn set_l1_down_norm(&mut self, on: bool) {
+        self.l1_down_norm = on;
     }
 
     pub fn set_mode(&mut self, mode: FfnMode) -> Result<()> {
@@ -411,7 +427,15 @@ impl SparseMlp {
         let lead = &dims[..dims.len() - 1];
         let x2 = x.reshape(((), d))?;
         let measure = self.measure_now(x.device());
-        let (out, l1) = if self.use_sparse(x2.dim(0)?, x.device()) {
+        let sparse = self.use_sparse(x2.dim(0)?, x.device());
+        if sparse && want_l1 && self.l1_down_norm {
+            return err(TwellError::Invalid(
+                "the down-norm weighted L1 term is computed on the dense path only: train with \
+                 the dense FFN (--ffn dense)"
+                    .into(),
+            ));
+        }
+        let (out, l1) = if sparse {
             let res = match self.screen_for(x2.dim(0)?)? {
                 Some(screen) => {
                     twell_mlp_screened(&x2, &self.gate, &self.up_down()?, self.config, screen)?
@@ -431,10 +455,15 @@ impl SparseMlp {
             let gate = x2.matmul(&self.gate.t()?)?;
             let h = (self.activation.apply(&gate)? * x2.matmul(&self.up.t()?)?)?;
             let out = h.matmul(&self.down.t()?)?;
-            let l1 = if want_l1 {
-                Some(h.abs()?.sum(D::Minus1)?)
-            } else {
-                None
+            let l1 = match (want_l1, self.l1_down_norm) {
+                (false, _) => None,
+                (true, false) => Some(h.abs()?.sum(D::Minus1)?),
+                (true, true) => {
+                    // ‖Wd_j‖ of each neuron (a column of down [d, f]); the epsilon keeps
+                    // the gradient of the square root finite at a zero column.
+                    let norms = (self.down.sqr()?.sum(0)? + 1e-12)?.sqrt()?;
+                    Some(h.abs()?.broadcast_mul(&norms)?.sum(D::Minus1)?)
+                }
             };
             if measure {
                 let stats = MlpStats::from_dense(&h.detach())?;

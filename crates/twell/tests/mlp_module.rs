@@ -139,3 +139,53 @@ fn screened_decoding_equals_unscreened_and_dense() {
         }
     }
 }
+
+/// Rescaling a neuron (`Wg_j·a`, `Wu_j·b`, `Wd_j/(a·b)`) keeps the output: the plain L1
+/// term moves with it, the down-norm weighted one does not; the TwELL path refuses the
+/// weighted term rather than return the plain one.
+#[test]
+fn down_norm_l1_ignores_relu_rescaling() {
+    let dev = Device::Cpu;
+    let (d, f) = (32, 96);
+    let w = synthetic_mlp(d, f, 0.2, DType::F32, &dev, 5).unwrap();
+    let x = synthetic_input(7, d, DType::F32, &dev, 6).unwrap();
+    // Neuron scales: a on the gate row, b on the up row, 1/(a·b) on the down column.
+    let (a, b): (Vec<f32>, Vec<f32>) = (0..f)
+        .map(|j| (0.25 + (j % 5) as f32, 0.5 + (j % 3) as f32))
+        .unzip();
+    let col = |v: &[f32]| Tensor::from_vec(v.to_vec(), (f, 1), &dev).unwrap();
+    let row = |v: &[f32]| Tensor::from_vec(v.to_vec(), (1, f), &dev).unwrap();
+    let inv: Vec<f32> = a.iter().zip(&b).map(|(a, b)| 1.0 / (a * b)).collect();
+    let gate = w.gate.broadcast_mul(&col(&a)).unwrap();
+    let up = w.up.broadcast_mul(&col(&b)).unwrap();
+    let down = w.down.broadcast_mul(&row(&inv)).unwrap();
+    let run = |g: &Tensor, u: &Tensor, dn: &Tensor, weighted: bool| {
+        let mut mlp = SparseMlp::new(
+            g.clone(),
+            u.clone(),
+            dn.clone(),
+            Activation::Relu,
+            FfnMode::Dense,
+        )
+        .unwrap();
+        mlp.set_l1_down_norm(weighted);
+        mlp.forward_with_l1(&x).unwrap()
+    };
+    let (out0, plain0) = run(&w.gate, &w.up, &w.down, false);
+    let (out1, plain1) = run(&gate, &up, &down, false);
+    let (_, weighted0) = run(&w.gate, &w.up, &w.down, true);
+    let (_, weighted1) = run(&gate, &up, &down, true);
+    assert!(rel_l2(&out0, &out1).unwrap() < 1e-5);
+    assert!(
+        rel_l2(&plain0, &plain1).unwrap() > 0.1,
+        "plain L1 should move"
+    );
+    assert!(rel_l2(&weighted0, &weighted1).unwrap() < 1e-5);
+    let mut sparse =
+        SparseMlp::new(w.gate, w.up, w.down, Activation::Relu, FfnMode::Sparse).unwrap();
+    sparse.set_l1_down_norm(true);
+    let e = sparse
+        .forward_with_l1(&x)
+        .expect_err("the TwELL path has no weighted term");
+    assert!(format!("{e}").contains("dense path"), "{e}");
+}
