@@ -528,6 +528,46 @@ fn bad_finetune_flags_are_rejected() {
 }
 
 #[test]
+fn model_bench_runs_one_ffn_path_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("model.json");
+    let (ok, text) = twell(&[
+        "bench",
+        "model",
+        "--shape",
+        "64x256x2",
+        "--heads",
+        "4",
+        "--vocab",
+        "300",
+        "--prefill",
+        "1x16",
+        "--decode-batch",
+        "1",
+        "--context",
+        "8",
+        "--decode-steps",
+        "1",
+        "--train",
+        "1x8",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--ffn-paths",
+        "sparse",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = report["measurements"].as_array().unwrap();
+    assert!(!rows.is_empty());
+    assert!(rows.iter().all(|m| m["ffn"] == "sparse"), "{rows:?}");
+}
+
+#[test]
 fn model_bench_runs_all_phases_on_a_random_shape() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("model.json");
@@ -600,6 +640,30 @@ fn model_bench_runs_all_phases_on_a_random_shape() {
 
 #[test]
 fn bad_model_bench_flags_are_rejected() {
+    fails_with(
+        &[
+            "bench",
+            "model",
+            "--shape",
+            "64x256x2",
+            "--ffn-paths",
+            "moe",
+        ],
+        "--ffn-paths 'moe'",
+    );
+    fails_with(
+        &[
+            "bench",
+            "model",
+            "--shape",
+            "64x256x2",
+            "--ffn-paths",
+            "sparse",
+            "--svg",
+            "x.svg",
+        ],
+        "run both --ffn-paths",
+    );
     fails_with(
         &["bench", "model", "--shape", "64x256"],
         "HIDDENxFFNxLAYERS",

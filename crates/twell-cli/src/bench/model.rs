@@ -60,6 +60,9 @@ pub struct ModelBenchArgs {
     /// SVG chart of the sparse/dense speed-up per measurement.
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// FFN paths to run: dense, sparse or both (one alone, to profile or trace it).
+    #[arg(long, value_delimiter = ',', default_value = "dense,sparse")]
+    pub ffn_paths: Vec<String>,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -115,6 +118,10 @@ fn random_tokens(b: usize, t: usize, vocab: usize, device: &Device) -> Result<Te
 }
 
 pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
+    let modes = ffn_paths(&args.ffn_paths)?;
+    if args.svg.is_some() && modes.len() < 2 {
+        bail!("--svg charts sparse against dense: run both --ffn-paths");
+    }
     if args.reps == 0 || args.decode_steps == 0 {
         bail!("--reps and --decode-steps must be at least 1");
     }
@@ -208,7 +215,6 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
     model.record_ffn_stats(false);
 
     let mut measurements = Vec::new();
-    let modes = [(FfnMode::Dense, "dense"), (FfnMode::Sparse, "sparse")];
     for &(b, t) in &prefill {
         bar.set_message(format!("prefill {b}x{t}"));
         let x = random_tokens(b, t, cfg.vocab_size, &device)?;
@@ -355,6 +361,26 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
         density_per_layer,
         measurements,
     })
+}
+
+/// The `--ffn-paths` list as FFN modes with their labels, dense first.
+fn ffn_paths(paths: &[String]) -> Result<Vec<(FfnMode, &'static str)>> {
+    let mut modes = Vec::new();
+    for (mode, label) in [(FfnMode::Dense, "dense"), (FfnMode::Sparse, "sparse")] {
+        if paths.iter().any(|p| p == label) {
+            modes.push((mode, label));
+        }
+    }
+    if let Some(bad) = paths
+        .iter()
+        .find(|p| !["dense", "sparse"].contains(&p.as_str()))
+    {
+        bail!("--ffn-paths '{bad}': want dense, sparse or both (dense,sparse)");
+    }
+    if modes.is_empty() {
+        bail!("--ffn-paths: name at least one of dense, sparse");
+    }
+    Ok(modes)
 }
 
 /// Times `run` under each FFN mode, modes interleaved per repetition; median time,
