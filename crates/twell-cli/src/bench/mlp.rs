@@ -11,6 +11,7 @@ use serde::Serialize;
 use twell::density::{synthetic_input, synthetic_mlp, MlpWeights};
 use twell::{Activation, FfnMode, SparseMlp};
 
+use super::memory::MemoryProbe;
 use super::timing::{host_read_bandwidth, interleaved_medians};
 use crate::device::{parse_dtype, DeviceArg};
 
@@ -77,6 +78,9 @@ pub struct MlpRow {
     pub sparse_gbps: f64,
     /// Dense FLOP rate, 6·M·d·f / time.
     pub dense_gflops: f64,
+    /// Peak device memory above the weights and x during one call (None on CPU).
+    pub dense_peak_bytes: Option<u64>,
+    pub sparse_peak_bytes: Option<u64>,
     /// Mean ms of each CUDA sparse stage (gate GEMM, pack, up, down), with --stages.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stages_ms: Option<[f64; 4]>,
@@ -241,6 +245,12 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     &mut [&mut dense_run, &mut sparse_run, &mut auto_run],
                 )?;
                 let stages_ms = take_stages();
+                let memory = MemoryProbe::start(&device)?;
+                std::hint::black_box(sets[0].0.forward(&x)?);
+                let dense_peak_bytes = memory.peak_extra()?;
+                let memory = MemoryProbe::start(&device)?;
+                std::hint::black_box(sets[0].1.forward(&x)?);
+                let sparse_peak_bytes = memory.peak_extra()?;
                 let elem = dtype.size_in_bytes() as f64;
                 let dense_bytes = 3.0 * (hidden * ffn) as f64 * elem;
                 // With the int8 gate screen (host, few tokens) the gate costs one byte per
@@ -267,6 +277,8 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     dense_gbps: dense_bytes / t[0] / 1e9,
                     sparse_gbps: sparse_bytes / t[1] / 1e9,
                     dense_gflops: 6.0 * (m * hidden * ffn) as f64 / t[0] / 1e9,
+                    dense_peak_bytes,
+                    sparse_peak_bytes,
                     stages_ms,
                 });
                 bar.inc(1);
@@ -337,6 +349,15 @@ pub fn print(report: &MlpReport) {
             r.sparse_gbps,
             r.dense_gflops
         );
+        if let (Some(dm), Some(sm)) = (r.dense_peak_bytes, r.sparse_peak_bytes) {
+            println!(
+                "{:>20} peak extra memory: dense {:.1} MiB, sparse {:.1} MiB ({:.2}x)",
+                "",
+                dm as f64 / (1 << 20) as f64,
+                sm as f64 / (1 << 20) as f64,
+                sm as f64 / dm.max(1) as f64
+            );
+        }
         if let Some(st) = r.stages_ms {
             println!(
                 "{:>20} stages ms: gate {:.4} | pack {:.4} | up {:.4} | down {:.4}",
