@@ -8,17 +8,36 @@ use plotters::prelude::*;
 use crate::bench::mlp::MlpRow;
 use sparse_llama::sparsity::LayerSparsity;
 
-/// Speed-up of sparse over dense against density, one line per (shape, M).
-pub fn speedup_vs_density(path: &Path, rows: &[MlpRow]) -> Result<()> {
+/// One measured layer for [`speedup_vs_density`].
+pub struct SpeedupPoint {
+    pub hidden: usize,
+    pub ffn: usize,
+    pub tokens: usize,
+    /// Fraction of d_ff.
+    pub density: f64,
+    pub speedup: f64,
+}
+
+impl From<&MlpRow> for SpeedupPoint {
+    fn from(r: &MlpRow) -> Self {
+        Self {
+            hidden: r.hidden,
+            ffn: r.ffn,
+            tokens: r.tokens,
+            density: r.target_density,
+            speedup: r.speedup,
+        }
+    }
+}
+
+/// Speed-up over dense against density, one line per (shape, tokens).
+pub fn speedup_vs_density(path: &Path, title: &str, rows: &[SpeedupPoint]) -> Result<()> {
     let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
-    let max_density = rows
-        .iter()
-        .map(|r| r.target_density * 100.0)
-        .fold(0.1, f64::max);
+    let max_density = rows.iter().map(|r| r.density * 100.0).fold(0.1, f64::max);
     let max_speedup = rows.iter().map(|r| r.speedup).fold(1.5, f64::max) * 1.1;
     let mut chart = ChartBuilder::on(&root)
-        .caption("TwELL sparse MLP: speed-up over dense", ("sans-serif", 22))
+        .caption(title, ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(50)
@@ -40,7 +59,7 @@ pub fn speedup_vs_density(path: &Path, rows: &[MlpRow]) -> Result<()> {
         let mut pts: Vec<(f64, f64)> = rows
             .iter()
             .filter(|r| (r.hidden, r.ffn, r.tokens) == *key)
-            .map(|r| (r.target_density * 100.0, r.speedup))
+            .map(|r| (r.density * 100.0, r.speedup))
             .collect();
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
         chart

@@ -134,6 +134,7 @@ fn tiny_mlp_train_bench_runs_and_writes_json() {
     let dir = std::env::temp_dir().join(format!("twell-cli-train-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("train.json");
+    let svg = dir.join("train.svg");
     let (ok, text) = twell(&[
         "bench",
         "mlp-train",
@@ -151,8 +152,11 @@ fn tiny_mlp_train_bench_runs_and_writes_json() {
         "1",
         "--json",
         json.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
     ]);
     assert!(ok, "{text}");
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let rows = report["rows"].as_array().unwrap();

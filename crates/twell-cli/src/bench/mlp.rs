@@ -298,7 +298,8 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(path) = &args.svg {
-        crate::chart::speedup_vs_density(path, &report.rows)?;
+        let points: Vec<_> = report.rows.iter().map(Into::into).collect();
+        crate::chart::speedup_vs_density(path, "TwELL sparse MLP: speed-up over dense", &points)?;
     }
     Ok(report)
 }

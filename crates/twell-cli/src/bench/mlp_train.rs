@@ -45,6 +45,9 @@ pub struct MlpTrainBenchArgs {
     /// Write the rows as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Write an SVG chart of speed-up against density here.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -205,6 +208,24 @@ pub fn run(args: &MlpTrainBenchArgs) -> Result<MlpTrainReport> {
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.svg {
+        let points: Vec<_> = report
+            .rows
+            .iter()
+            .map(|r| crate::chart::SpeedupPoint {
+                hidden: r.hidden,
+                ffn: r.ffn,
+                tokens: r.tokens,
+                density: r.target_density,
+                speedup: r.speedup,
+            })
+            .collect();
+        crate::chart::speedup_vs_density(
+            path,
+            "TwELL MLP training step (forward + backward): speed-up over dense",
+            &points,
+        )?;
     }
     Ok(report)
 }
