@@ -222,16 +222,14 @@ fn device_backward(
     use candle_core::{op::BackpropOp, Storage};
     let grad_res = grad_res.to_dtype(x.dtype())?.contiguous()?;
     let parts = [x, gate_proj, w_ud, &grad_res, counts].map(|t| t.storage_and_layout());
-    let mut cuda = Vec::with_capacity(parts.len());
-    for (storage, layout) in &parts {
-        match &**storage {
-            Storage::Cuda(s) => cuda.push((s, *layout)),
-            _ => candle_core::bail!("twell-mlp backward: a device forward needs device tensors"),
-        }
-    }
-    let [(xs, xl), (gs, gl), (ws, wl), (rs, rl), (cs, cl)] = cuda[..] else {
-        unreachable!("five storages")
+    let cuda = |i: usize| match &*parts[i].0 {
+        Storage::Cuda(s) => Ok((s, parts[i].1)),
+        _ => Err(candle_core::Error::Msg(
+            "twell-mlp backward: a device forward needs device tensors".into(),
+        )),
     };
+    let ((xs, xl), (gs, gl), (ws, wl), (rs, rl), (cs, cl)) =
+        (cuda(0)?, cuda(1)?, cuda(2)?, cuda(3)?, cuda(4)?);
     let (dx, dwg, dw_ud) =
         crate::cuda::twell_mlp_backward(xs, xl, rs, rl, gs, gl, ws, wl, cs, cl, state, config)?;
     let (m, d) = x.dims2()?;
