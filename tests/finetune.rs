@@ -6,7 +6,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::{rel_l2, tiny_config, tiny_tokenizer, tiny_weights};
 use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
-use sparse_llama::train::{PackedData, TrainConfig, Trainer};
+use sparse_llama::train::{L1Penalty, PackedData, TrainConfig, Trainer};
 use sparse_llama::Cache;
 use twell::FfnMode;
 
@@ -21,8 +21,13 @@ fn corpus_tokens() -> Vec<u32> {
 }
 
 fn trainer(l1: f64, steps: usize) -> Trainer {
+    trainer_with(l1, steps, FfnMode::Sparse, L1Penalty::Plain)
+}
+
+/// The tiny ReLU model's trainer with the given FFN path and L1 term.
+fn trainer_with(l1: f64, steps: usize, ffn: FfnMode, l1_penalty: L1Penalty) -> Trainer {
     let mut cfg = tiny_config("silu", 256).into_config(false).unwrap();
-    cfg.ffn_mode = FfnMode::Sparse;
+    cfg.ffn_mode = ffn;
     let w = tiny_weights(&cfg, 11);
     let tc = TrainConfig {
         seq_len: 32,
@@ -32,6 +37,7 @@ fn trainer(l1: f64, steps: usize) -> Trainer {
         lr: 3e-3,
         warmup_steps: 2,
         l1,
+        l1_penalty,
         dead_window_steps: 5,
         ..Default::default()
     };
@@ -206,24 +212,9 @@ fn bad_training_settings_and_resume_dirs_are_rejected() {
 /// and is written into the run's settings.
 #[test]
 fn down_norm_penalty_lowers_l0_on_the_dense_ffn() {
-    use sparse_llama::train::L1Penalty;
     let data = PackedData::new(&corpus_tokens(), 32).unwrap();
     let run = |l1: f64| {
-        let mut cfg = tiny_config("silu", 256).into_config(false).unwrap();
-        cfg.ffn_mode = FfnMode::Dense;
-        let tc = TrainConfig {
-            seq_len: 32,
-            batch_size: 4,
-            grad_accum: 2,
-            steps: 25,
-            lr: 3e-3,
-            warmup_steps: 2,
-            l1,
-            l1_penalty: L1Penalty::DownNorm,
-            dead_window_steps: 5,
-            ..Default::default()
-        };
-        let mut t = Trainer::new(cfg, tiny_weights_for_dense(), tc, &Device::Cpu).unwrap();
+        let mut t = trainer_with(l1, 25, FfnMode::Dense, L1Penalty::DownNorm);
         let logs: Vec<_> = (0..25).map(|_| t.train_step(&data).unwrap()).collect();
         logs.last().unwrap().clone()
     };
@@ -242,8 +233,3 @@ fn down_norm_penalty_lowers_l0_on_the_dense_ffn() {
 }
 
 const L1_DOWN_NORM: f64 = 0.5;
-
-fn tiny_weights_for_dense() -> std::collections::HashMap<String, Tensor> {
-    let cfg = tiny_config("silu", 256).into_config(false).unwrap();
-    tiny_weights(&cfg, 11)
-}

@@ -139,6 +139,18 @@ pub fn check_sweep(
     Ok(shapes)
 }
 
+/// One TwELL pass of `mlp`'s weights over `x`, outside autograd: the density (and, on
+/// the host, which neurons fired) the sparse variant will see.
+pub fn probe(x: &Tensor, mlp: &SparseMlp) -> candle_core::Result<twell::MlpOutput> {
+    let w_ud = twell::up_down_matrix(&mlp.up_proj().detach(), &mlp.down_proj().detach())?;
+    twell::twell_mlp(
+        &x.detach(),
+        &mlp.gate_proj().detach(),
+        &w_ud,
+        twell::TwellConfig::default(),
+    )
+}
+
 /// candle's own dense MLP on the same weights: three `candle_nn::Linear`s.
 struct DenseMlp {
     gate: Linear,
@@ -209,12 +221,7 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                 bar.set_message(format!("{hidden}x{ffn} density {density} M={m}"));
                 let x = synthetic_input(m, hidden, dtype, &device, 7)?;
                 // Density actually reached, and the union of active neurons.
-                let probe = twell::twell_mlp(
-                    &x,
-                    sets[0].1.gate_proj(),
-                    &twell::up_down_matrix(sets[0].1.up_proj(), sets[0].1.down_proj())?,
-                    twell::TwellConfig::default(),
-                )?;
+                let probe = probe(&x, &sets[0].1)?;
                 // The union of active neurons needs per-neuron counts, which only the
                 // host op keeps; on a GPU it is estimated from the density (uniform).
                 let nnz = probe.nnz()?;

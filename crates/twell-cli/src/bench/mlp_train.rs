@@ -12,7 +12,7 @@ use twell::density::{synthetic_input, synthetic_mlp};
 use twell::{Activation, FfnMode, SparseMlp};
 
 use super::memory::MemoryProbe;
-use super::mlp::check_sweep;
+use super::mlp::{check_sweep, probe};
 use super::timing::interleaved_medians;
 use crate::device::{parse_dtype, DeviceArg};
 
@@ -154,14 +154,7 @@ pub fn run(args: &MlpTrainBenchArgs) -> Result<MlpTrainReport> {
             for &m in &args.tokens {
                 bar.set_message(format!("{hidden}x{ffn} density {density} M={m}"));
                 let x = Var::from_tensor(&synthetic_input(m, hidden, dtype, &device, 9)?)?;
-                let w = &layers[0].sparse;
-                let measured_density = twell::twell_mlp(
-                    x.as_tensor(),
-                    w.gate_proj(),
-                    &twell::up_down_matrix(w.up_proj(), w.down_proj())?,
-                    twell::TwellConfig::default(),
-                )?
-                .density()?;
+                let measured_density = probe(x.as_tensor(), &layers[0].sparse)?.density()?;
                 let lambda = Some(args.l1);
                 let mut dense_run = |round: usize| step(&layers[round % 2].dense, &x, None);
                 let mut sparse_run =

@@ -68,8 +68,10 @@ impl CustomOp3 for CausalAttention {
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (b, heads, t, kv_heads, total, hd) = dims(ql, kl, vl)?;
+        let q_rows = Rows::new("q", qs, ql)?;
+        let dtype = q_rows.dtype();
         let (q, k, v) = (
-            Rows::new("q", qs, ql)?.to_f32_vec(),
+            q_rows.to_f32_vec(),
             Rows::new("k", ks, kl)?.to_f32_vec(),
             Rows::new("v", vs, vl)?.to_f32_vec(),
         );
@@ -100,7 +102,6 @@ impl CustomOp3 for CausalAttention {
             }
             o.iter_mut().for_each(|x| *x /= sum);
         });
-        let dtype = Rows::new("q", qs, ql)?.dtype();
         Ok((
             crate::cpu::float::storage_from_f32(out, dtype)?,
             Shape::from(ql.dims()),
