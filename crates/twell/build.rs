@@ -19,6 +19,7 @@ fn main() {
         "gate_pack",
         "gated_t2d",
         "twell_mlp_bwd",
+        "twell_mlp_decode",
         "causal_attention",
     ] {
         let src = kernels.join(format!("{name}.cu"));

@@ -403,7 +403,7 @@ impl Llama {
                     l1.push(l1_tokens.to_dtype(DType::F32)?.mean_all()?);
                     out
                 }
-                Pass::Inference => block.mlp.forward(&h)?,
+                Pass::Inference => block.mlp.forward_view(&h)?,
             };
             x = (mlp_out + &x)?;
         }

@@ -113,9 +113,10 @@ impl TrainConfig {
         if self.seq_len < 2 || self.batch_size == 0 || self.grad_accum == 0 || self.steps == 0 {
             return bad("seq_len >= 2, batch_size, grad_accum and steps >= 1");
         }
-        let lr_ok = self.lr > 0.0 && self.lr.is_finite();
+        // A zero rate is allowed: benchmarks time steps that leave the weights as set.
+        let lr_ok = self.lr >= 0.0 && self.lr.is_finite();
         if !lr_ok || !(0.0..=1.0).contains(&self.min_lr_ratio) {
-            return bad("lr > 0 and min_lr_ratio in [0, 1]");
+            return bad("lr >= 0 and min_lr_ratio in [0, 1]");
         }
         if self.l1 < 0.0 || !self.l1.is_finite() || self.weight_decay < 0.0 || self.clip_norm < 0.0
         {

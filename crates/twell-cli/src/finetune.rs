@@ -86,6 +86,9 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     if args.eval_batches == 0 {
         bail!("--eval-batches must be at least 1");
     }
+    if args.lr == 0.0 {
+        bail!("--lr 0 would train nothing: give a positive learning rate");
+    }
     let device = args.model.device()?;
     let dtype = args.model.dtype(&device)?;
     let cfg = TrainConfig {

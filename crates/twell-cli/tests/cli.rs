@@ -471,6 +471,12 @@ fn bad_finetune_flags_are_rejected() {
     );
     fails_with(
         &[
+            "finetune", "--model", m, "--data", t, "--out", o, "--lr", "0",
+        ],
+        "--lr 0 would train nothing",
+    );
+    fails_with(
+        &[
             "finetune",
             "--model",
             m,

@@ -96,8 +96,9 @@ pub const CUDA_BREAK_EVEN_DENSITY: f64 = 0.01;
 /// measured, so `Auto` runs dense there.
 pub const CUDA_AUTO_MIN_TOKENS: usize = 2048;
 
-/// Single-token decode on CUDA: sparse won up to 3% density and lost at 10%.
-pub const CUDA_DECODE_BREAK_EVEN_DENSITY: f64 = 0.05;
+/// Single-token decode on CUDA (the one-launch kernel): sparse won 1.6-1.7x up to 1%
+/// density and lost at 3% (0.91x), where its atomics pile up.
+pub const CUDA_DECODE_BREAK_EVEN_DENSITY: f64 = 0.025;
 
 /// In `Auto` mode on a GPU, the density is re-measured every this many calls.
 pub const AUTO_RECHECK_CALLS: usize = 32;
@@ -435,7 +436,7 @@ impl SparseMlp {
                     .into(),
             ));
         }
-        let (out, l1) = if sparse {
+        if sparse {
             let res = match self.screen_for(x2.dim(0)?)? {
                 Some(screen) => {
                     twell_mlp_screened(&x2, &self.gate, &self.up_down()?, self.config, screen)?
@@ -450,30 +451,35 @@ impl SparseMlp {
             if self.record_stats {
                 *self.last.lock().expect("stats lock") = Some(LastForward::Sparse(res.clone()));
             }
-            (res.out, Some(res.l1))
-        } else {
-            let gate = x2.matmul(&self.gate.t()?)?;
-            let h = (self.activation.apply(&gate)? * x2.matmul(&self.up.t()?)?)?;
-            let out = h.matmul(&self.down.t()?)?;
-            let l1 = match (want_l1, self.l1_down_norm) {
-                (false, _) => None,
-                (true, false) => Some(h.abs()?.sum(D::Minus1)?),
-                (true, true) => {
-                    // ‖Wd_j‖ of each neuron (a column of down [d, f]); the epsilon keeps
-                    // the gradient of the square root finite at a zero column.
-                    let norms = (self.down.sqr()?.sum(0)? + 1e-12)?.sqrt()?;
-                    Some(h.abs()?.broadcast_mul(&norms)?.sum(D::Minus1)?)
-                }
+            // Views, so that neither costs a copy kernel.
+            let out = res.out_with_lead(lead)?;
+            let l1 = if want_l1 {
+                Some(res.l1.reshape(lead)?)
+            } else {
+                None
             };
-            if measure {
-                let stats = MlpStats::from_dense(&h.detach())?;
-                *self.last_density.lock().expect("density lock") = Some(stats.density);
-                if self.record_stats {
-                    *self.last.lock().expect("stats lock") = Some(LastForward::Dense(h.detach()));
-                }
+            return Ok((out, l1));
+        }
+        let gate = x2.matmul(&self.gate.t()?)?;
+        let h = (self.activation.apply(&gate)? * x2.matmul(&self.up.t()?)?)?;
+        let out = h.matmul(&self.down.t()?)?;
+        let l1 = match (want_l1, self.l1_down_norm) {
+            (false, _) => None,
+            (true, false) => Some(h.abs()?.sum(D::Minus1)?),
+            (true, true) => {
+                // ‖Wd_j‖ of each neuron (a column of down [d, f]); the epsilon keeps
+                // the gradient of the square root finite at a zero column.
+                let norms = (self.down.sqr()?.sum(0)? + 1e-12)?.sqrt()?;
+                Some(h.abs()?.broadcast_mul(&norms)?.sum(D::Minus1)?)
             }
-            (out, l1)
         };
+        if measure {
+            let stats = MlpStats::from_dense(&h.detach())?;
+            *self.last_density.lock().expect("density lock") = Some(stats.density);
+            if self.record_stats {
+                *self.last.lock().expect("stats lock") = Some(LastForward::Dense(h.detach()));
+            }
+        }
         let mut out_dims = lead.to_vec();
         out_dims.push(d);
         let l1 = match l1 {
@@ -494,8 +500,17 @@ impl SparseMlp {
     }
 }
 
+impl SparseMlp {
+    /// The forward pass, whose output may be a strided view of the op's result (no
+    /// copy kernel): for an elementwise next op, such as a residual add. A matmul
+    /// needs [`Module::forward`]'s contiguous output.
+    pub fn forward_view(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.run(x, false)?.0)
+    }
+}
+
 impl Module for SparseMlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.run(x, false)?.0)
+        self.forward_view(x)?.contiguous()
     }
 }

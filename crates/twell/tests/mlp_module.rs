@@ -36,6 +36,24 @@ fn sparse_and_auto_equal_dense_for_relu_and_batched_input() {
         assert_eq!(l1.dims(), &[2, 5]);
         assert!(rel_l2(&out, &dense).unwrap() < 1e-5, "{mode:?}");
     }
+    // The view skips a copy; `Module::forward` stays contiguous, so a matmul takes it.
+    let sparse = make(FfnMode::Sparse);
+    let view = sparse.forward_view(&x).unwrap();
+    let module = sparse.forward(&x).unwrap();
+    assert_eq!(view.dims(), &[2, 5, 64]);
+    assert!(module.is_contiguous());
+    assert!(rel_l2(&view, &dense).unwrap() < 1e-5);
+    assert!(rel_l2(&module, &dense).unwrap() < 1e-5);
+    let projected = module.matmul(
+        &w.gate
+            .t()
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap()
+            .broadcast_as((2, 64, 384))
+            .unwrap(),
+    );
+    assert_eq!(projected.unwrap().dims(), &[2, 5, 384]);
 }
 
 #[test]

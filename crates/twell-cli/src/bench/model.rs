@@ -83,6 +83,9 @@ pub struct Measurement {
     /// (the rest fell back to the host).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device_backward_passes: Option<usize>,
+    /// Training: mean FFN density (L0 / d_ff over layers) of the timed steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_density: Option<f64>,
 }
 
 #[derive(Serialize, Debug)]
@@ -290,6 +293,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
                 mj_per_token: None,
                 phase_ms: None,
                 device_backward_passes: None,
+                train_density: None,
                 ..w
             });
         }
@@ -309,6 +313,10 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             // bf16 compute on f32 masters where the model runs in bf16 (the CUDA
             // kernels take bf16).
             bf16: dtype == DType::BF16,
+            // A zero learning rate keeps the weights, and so the density, as set: AdamW
+            // still does all its work, but a real rate moves a random model's gate
+            // biases within a few steps, and the FFN goes dense under the timer.
+            lr: 0.0,
             ..Default::default()
         };
         let mut trainer = Trainer::new(cfg.clone(), weights.clone(), tc, &device)?;
@@ -322,12 +330,14 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             let e0 = meter.read_mj();
             let calls = twell::device_backward_calls();
             let mut times = Vec::new();
+            let mut l0_sum = 0.0;
             for _ in 0..args.reps {
                 let t0 = Instant::now();
-                trainer.train_step(&data)?;
+                l0_sum += trainer.train_step(&data)?.mean_l0;
                 device.synchronize()?;
                 times.push(t0.elapsed().as_secs_f64());
             }
+            let train_density = l0_sum / (args.reps * cfg.intermediate_size) as f64;
             let e1 = meter.read_mj();
             let device_backward_passes = Some(twell::device_backward_calls() - calls);
             let peak_extra_bytes = probe.peak_extra()?;
@@ -348,6 +358,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
                 mj_per_token: e0.zip(e1).map(|(a, z)| (z - a) as f64 / tokens),
                 phase_ms,
                 device_backward_passes,
+                train_density: Some(train_density),
             });
         }
         bar.inc(1);
@@ -439,6 +450,7 @@ fn measure(
                 mj_per_token: energy_ok.then(|| energy[k] as f64 / (tokens * args.reps) as f64),
                 phase_ms: None,
                 device_backward_passes: None,
+                train_density: None,
             }
         })
         .collect())
@@ -495,6 +507,13 @@ pub fn print(report: &ModelReport) {
                 "{:>15} one synchronised step, ms: cast {:.1} | forward {:.1} | backward {:.1} | stats {:.1} | optimizer {:.1} | MLP backward passes on the GPU: {}",
                 "", p.cast, p.forward, p.backward, p.stats, p.optimizer,
                 m.device_backward_passes.unwrap_or(0)
+            );
+        }
+        if let Some(density) = m.train_density {
+            println!(
+                "{:>15} FFN density during the timed steps: {:.2}%",
+                "",
+                100.0 * density
             );
         }
     }

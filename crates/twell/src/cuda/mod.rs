@@ -2,7 +2,8 @@
 //!
 //! Everything runs on candle's stream of the input's device, with no host
 //! synchronisation: the gate GEMM through cuBLAS, then `gate_pack`, then the two
-//! `gated_t2d` kernels. Scratch buffers come from the stream-ordered pool.
+//! `gated_t2d` kernels; or, for a few rows of inference, the one `twell_mlp_decode`
+//! kernel. Scratch buffers come from the stream-ordered pool.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cublas::{sys::cublasOperation_t, Gemm, GemmConfig};
@@ -14,6 +15,9 @@ use half::bf16;
 use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
 use crate::ops::L1_COLUMNS;
+
+mod twell_mlp_decode;
+use twell_mlp_decode::{twell_mlp_decode, use_fused_decode, DecodeDims};
 
 const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
 const GATED_T2D_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));
@@ -107,7 +111,10 @@ const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 /// * the stream-ordered memory pool keeps freed memory instead of unmapping it at
 ///   every synchronisation (as PyTorch's caching allocator does), so per-call
 ///   scratch costs no driver calls;
-/// * candle's cuBLAS handle gets a workspace.
+/// * candle's cuBLAS handle gets a workspace;
+/// * cudarc's per-buffer event tracking is off (`TWELL_EVENT_TRACKING=1` keeps it): it
+///   orders work between streams, candle has one, and its two events per allocation
+///   cost 40% of a one-token decode step (docs/benchmarks.md).
 ///
 /// Idempotent per device. Every CUDA entry point of `twell` (CLI, benches) calls it.
 pub fn configure(dev: &CudaDevice) -> Result<()> {
@@ -125,6 +132,11 @@ pub fn configure(dev: &CudaDevice) -> Result<()> {
     }
     if let Err(e) = give_cublas_workspace(dev) {
         eprintln!("twell: could not give cuBLAS a workspace ({e}); continuing");
+    }
+    if std::env::var_os("TWELL_EVENT_TRACKING").is_none() {
+        // SAFETY: candle and twell issue all their work on the device's one stream,
+        // so the events cudarc records per buffer never order anything.
+        unsafe { dev.disable_event_tracking() };
     }
     Ok(())
 }
@@ -368,6 +380,28 @@ pub fn twell_mlp_forward(
         cap: cap_i,
         n_tiles: nt_i,
     };
+
+    if use_fused_decode(m, keep_for_backward) {
+        let ld = d + L1_COLUMNS;
+        // SAFETY: the kernel's last block writes every element; `poison` lets the
+        // tests check that.
+        let mut out = unsafe { dev.alloc::<bf16>(m * ld)? };
+        poison(&dev, &mut out)?;
+        let sizes = DecodeDims {
+            m,
+            d,
+            f,
+            tile,
+            n_tiles,
+        };
+        let counts = twell_mlp_decode(&dev, &xv, &wgv, &wudv, &mut out, &sizes)?;
+        let storage = CudaStorage::wrap_cuda_slice(out, dev);
+        let activity = Activity {
+            counts,
+            backward: None,
+        };
+        return Ok((storage, Shape::from((m, ld)), activity));
+    }
 
     let stream = dev.cuda_stream();
     let mut marks = Vec::new();

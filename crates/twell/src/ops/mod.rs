@@ -54,6 +54,8 @@ pub struct MlpOutput {
     pub config: crate::format::TwellConfig,
     /// Neurons (d_ff).
     pub ffn: usize,
+    /// `[M, d + L1_COLUMNS]`, what `out` and `l1` are views of.
+    joined: Tensor,
 }
 
 impl MlpOutput {
@@ -76,7 +78,17 @@ impl MlpOutput {
             counts,
             config,
             ffn,
+            joined,
         })
+    }
+
+    /// `out` as `[lead.., d]` (the rows of `lead` multiplied out), a view: reshaping
+    /// `out` itself would copy it, as its rows are strided.
+    pub fn out_with_lead(&self, lead: &[usize]) -> Result<Tensor> {
+        let d = self.out.dim(1)?;
+        let mut dims = lead.to_vec();
+        dims.push(d + L1_COLUMNS);
+        self.joined.reshape(dims)?.narrow(lead.len(), 0, d)
     }
 
     /// The per-(token, tile) nonzero counts, on the host.

@@ -127,10 +127,12 @@ impl CustomOp3 for TwellMlp {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let start = std::time::Instant::now();
-        let grads = self.backward(x, gate_proj, w_ud, grad_res);
-        trace_backward(start);
-        grads
+        let trace = Trace::begin("backward", x.device())?;
+        let grads = self.backward(x, gate_proj, w_ud, grad_res)?;
+        if let Some(t) = trace {
+            t.end(x.device())?;
+        }
+        Ok(grads)
     }
 }
 
@@ -190,22 +192,53 @@ impl TwellMlp {
     }
 }
 
-/// With `TWELL_TRACE_BACKWARD` set, prints how long each backward took to run (host)
-/// or issue (device) and how long since the previous one ended: where a whole model's
-/// backward spends its time between the MLPs.
-fn trace_backward(start: std::time::Instant) {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    static LAST_END: Mutex<Option<std::time::Instant>> = Mutex::new(None);
-    if !*ON.get_or_init(|| std::env::var_os("TWELL_TRACE_BACKWARD").is_some()) {
-        return;
+/// With `TWELL_TRACE` set, prints for each forward and backward how long it took to run
+/// (host) or issue (device) and how long since the previous traced call ended: where a
+/// whole model's step spends its time between the MLPs. With `TWELL_TRACE=sync` the
+/// device is synchronised around each call, so the times are the device's as well.
+struct Trace {
+    what: &'static str,
+    start: std::time::Instant,
+}
+
+fn trace_mode() -> Option<bool> {
+    static MODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| std::env::var("TWELL_TRACE").ok().map(|v| v == "sync"))
+}
+
+impl Trace {
+    fn begin(what: &'static str, device: &candle_core::Device) -> Result<Option<Self>> {
+        match trace_mode() {
+            None => Ok(None),
+            Some(sync) => {
+                if sync {
+                    device.synchronize()?;
+                }
+                Ok(Some(Self {
+                    what,
+                    start: std::time::Instant::now(),
+                }))
+            }
+        }
     }
-    let mut last = LAST_END.lock().expect("trace lock");
-    let gap = last.map_or(f64::NAN, |l| start.duration_since(l).as_secs_f64() * 1e3);
-    eprintln!(
-        "twell-mlp backward: issued in {:.3} ms, {gap:.3} ms after the previous one",
-        start.elapsed().as_secs_f64() * 1e3
-    );
-    *last = Some(std::time::Instant::now());
+
+    fn end(self, device: &candle_core::Device) -> Result<()> {
+        static LAST_END: Mutex<Option<std::time::Instant>> = Mutex::new(None);
+        if trace_mode() == Some(true) {
+            device.synchronize()?;
+        }
+        let mut last = LAST_END.lock().expect("trace lock");
+        let gap = last.map_or(f64::NAN, |l| {
+            self.start.duration_since(l).as_secs_f64() * 1e3
+        });
+        eprintln!(
+            "twell-mlp {}: {:.3} ms, {gap:.3} ms after the previous call",
+            self.what,
+            self.start.elapsed().as_secs_f64() * 1e3
+        );
+        *last = Some(std::time::Instant::now());
+        Ok(())
+    }
 }
 
 /// The backward pass on the GPU, from what the device forward kept.
@@ -316,9 +349,13 @@ fn run(
         keep_for_backward: x.track_op() || gate_proj.track_op() || w_ud.track_op(),
         saved: saved.clone(),
     };
+    let trace = Trace::begin("forward", x.device())?;
     let joined = x
         .contiguous()?
         .apply_op3(&gate_proj.contiguous()?, &w_ud.contiguous()?, op)?;
+    if let Some(t) = trace {
+        t.end(x.device())?;
+    }
     let kept = saved.lock().expect("saved lock").clone();
     let activity = match kept {
         Some(Saved::Host { pattern, gate }) => Activity::Host {
