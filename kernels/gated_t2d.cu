@@ -187,32 +187,9 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
     const int lane = threadIdx.x & 31;
     if (row >= M) return;
     uint4 xr[MAXV];
-#pragma unroll
-    for (int i = 0; i < MAXV; ++i) {
-        const int e = (lane + 32 * i) * VEC;
-        xr[i] = e < d ? *reinterpret_cast<const uint4*>(x + row * d + e) : make_uint4(0u, 0u, 0u, 0u);
-    }
+    row_to_registers<MAXV>(x + row * d, d, xr);
     const long long two_d = 2LL * d;
-    auto dot = [&](int j) {
-        const __nv_bfloat16* wu = w_ud + j * two_d;
-        float part = 0.f;
-#pragma unroll
-        for (int i = 0; i < MAXV; ++i) {
-            const int e = (lane + 32 * i) * VEC;
-            if (e < d) {
-                float b[VEC];
-                load8(wu + e, b);
-                const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xr[i]);
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const float2 xf = __bfloat1622float2(xh[q]);
-                    part = fmaf(xf.x, b[2 * q], part);
-                    part = fmaf(xf.y, b[2 * q + 1], part);
-                }
-            }
-        }
-        return warp_sum(part);
-    };
+    auto dot = [&](int j) { return registers_dot<MAXV>(xr, w_ud + j * two_d, d); };
     float l1 = 0.f;
     walk_row(
         counts, indices, values, row, tile, cap, n_tiles, f,

@@ -55,6 +55,42 @@ __device__ __forceinline__ float warp_dot(const __nv_bfloat16* __restrict__ x,
     return warp_sum(acc);
 }
 
+// A row of d bf16 (d % 8 == 0) in registers, for one warp: lane l holds the 16-byte
+// vectors l, l + 32, ... (MAXV of them, zero past d).
+template <int MAXV>
+__device__ __forceinline__ void row_to_registers(const __nv_bfloat16* __restrict__ src, int d, uint4* r) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < MAXV; ++i) {
+        const int e = (lane + 32 * i) * VEC;
+        r[i] = e < d ? *reinterpret_cast<const uint4*>(src + e) : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// r . w over d, for a row r held as `row_to_registers` leaves it. The loop is unrolled,
+// so all of the warp's loads of w are in flight at once. The result is in every lane.
+template <int MAXV>
+__device__ __forceinline__ float registers_dot(const uint4* r, const __nv_bfloat16* __restrict__ w, int d) {
+    const int lane = threadIdx.x & 31;
+    float part = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAXV; ++i) {
+        const int e = (lane + 32 * i) * VEC;
+        if (e < d) {
+            float b[VEC];
+            load8(w + e, b);
+            const __nv_bfloat162* rh = reinterpret_cast<const __nv_bfloat162*>(&r[i]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float2 rf = __bfloat1622float2(rh[q]);
+                part = fmaf(rf.x, b[2 * q], part);
+                part = fmaf(rf.y, b[2 * q + 1], part);
+            }
+        }
+    }
+    return warp_sum(part);
+}
+
 __device__ __forceinline__ long long global_warp() {
     return (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
 }

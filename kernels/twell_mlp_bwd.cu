@@ -41,34 +41,11 @@ __device__ void grads_row(const __nv_bfloat16* __restrict__ x,       // [M, d]
     const long long ld = d + L1_COLUMNS;
     const long long two_d = 2LL * d;
     uint4 dr[MAXV];
-#pragma unroll
-    for (int i = 0; i < MAXV; ++i) {
-        const int e = (lane + 32 * i) * VEC;
-        dr[i] = e < d ? *reinterpret_cast<const uint4*>(dres + row * ld + e) : make_uint4(0u, 0u, 0u, 0u);
-    }
+    row_to_registers<MAXV>(dres + row * ld, d, dr);
     const float dl = __bfloat162float(dres[row * ld + d]);
 
     // dout . Wd_j, in every lane.
-    auto dot_dout = [&](int j) {
-        const __nv_bfloat16* wd = w_ud + j * two_d + d;
-        float part = 0.f;
-#pragma unroll
-        for (int i = 0; i < MAXV; ++i) {
-            const int e = (lane + 32 * i) * VEC;
-            if (e < d) {
-                float b[VEC];
-                load8(wd + e, b);
-                const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(&dr[i]);
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const float2 of = __bfloat1622float2(o[q]);
-                    part = fmaf(of.x, b[2 * q], part);
-                    part = fmaf(of.y, b[2 * q + 1], part);
-                }
-            }
-        }
-        return warp_sum(part);
-    };
+    auto dot_dout = [&](int j) { return registers_dot<MAXV>(dr, w_ud + j * two_d + d, d); };
     const long long base = row * f;
     // Writes the gradients of active neuron j from its g, u and dout . Wd_j, and
     // returns (dg, du).

@@ -381,14 +381,13 @@ pub fn twell_mlp_forward(
         n_tiles: nt_i,
     };
 
-    if use_fused_decode(m, keep_for_backward) {
+    if use_fused_decode(m, d, keep_for_backward) {
         let ld = d + L1_COLUMNS;
         // SAFETY: the kernel's last block writes every element; `poison` lets the
         // tests check that.
-        let mut out = unsafe { dev.alloc::<bf16>(m * ld)? };
+        let mut out = unsafe { dev.alloc::<bf16>(ld)? };
         poison(&dev, &mut out)?;
         let sizes = DecodeDims {
-            m,
             d,
             f,
             tile,

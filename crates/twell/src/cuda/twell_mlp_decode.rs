@@ -1,12 +1,14 @@
-//! The one-launch decode MLP (`kernels/twell_mlp_decode.cu`): up to
-//! [`DECODE_FUSED_MAX_ROWS`] token rows, gate, ReLU, up and down in one kernel, for
-//! inference. Its f32 sums live in a scratch buffer kept per stream, that every launch
-//! leaves zeroed: a decode step then costs one launch and two output allocations.
+//! The one-launch decode MLP (`kernels/twell_mlp_decode.cu`): one token row's gate,
+//! ReLU, up and down in one kernel, for inference. Its f32 sums live in a scratch
+//! buffer kept per stream, that every launch leaves zeroed: a decode step's MLP then
+//! costs one launch and two output allocations.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
 use half::bf16;
@@ -15,51 +17,60 @@ use crate::ops::L1_COLUMNS;
 
 const TWELL_MLP_DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_decode.ptx"));
 
-/// Rows one launch takes (`DECODE_MAX_ROWS` in the .cu).
-pub const DECODE_FUSED_MAX_ROWS: usize = 8;
 const BLOCK_THREADS: u32 = 256;
-/// Enough blocks to fill an H200 several times over; warps loop over the neurons.
-const MAX_BLOCKS: usize = 4096;
 
-/// Whether a forward of `m` rows takes the fused kernel: inference only (it keeps
-/// nothing for a backward pass), and up to `TWELL_DECODE_FUSED_ROWS` rows (default 1,
-/// 0 turns it off). Each active neuron adds `m · d` f32 atomics, so beyond one row, or
-/// past ~2% density, the staged kernels win (docs/benchmarks.md).
-pub fn use_fused_decode(m: usize, keep_for_backward: bool) -> bool {
-    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let rows = *ROWS.get_or_init(|| {
-        std::env::var("TWELL_DECODE_FUSED_ROWS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1)
-            .min(DECODE_FUSED_MAX_ROWS)
-    });
-    !keep_for_backward && m >= 1 && m <= rows
+/// Whether a forward of `m` rows takes the fused kernel: one row (each active neuron
+/// adds `d` f32 atomics per row, so with more rows the staged kernels win,
+/// docs/kernel-notes.md), inference only (it keeps nothing for a backward pass), a
+/// hidden size whose row fits the warp's registers, and not with
+/// `TWELL_DECODE_FUSED=0` (to measure the staged kernels on the same row).
+pub fn use_fused_decode(m: usize, d: usize, keep_for_backward: bool) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("TWELL_DECODE_FUSED").map_or(true, |v| v != "0"));
+    on && m == 1 && !keep_for_backward && super::row_vectors(d).is_some()
 }
 
-/// The zeroed sums, L1 terms, tile counts and ticket of one stream, grown to the
+/// The zeroed sums, L1 term, tile counts and ticket of one stream, grown to the
 /// largest hidden size and tile count seen.
 struct Scratch {
     acc: CudaSlice<f32>,
     l1: CudaSlice<f32>,
     tile_counts: CudaSlice<u32>,
     ticket: CudaSlice<u32>,
+    /// Blocks of one wave, per kernel variant.
+    grids: HashMap<usize, u32>,
 }
 
 impl Scratch {
     fn new(dev: &CudaDevice, d: usize, n_tiles: usize) -> Result<Self> {
         Ok(Self {
-            acc: dev.alloc_zeros::<f32>(DECODE_FUSED_MAX_ROWS * d)?,
-            l1: dev.alloc_zeros::<f32>(DECODE_FUSED_MAX_ROWS)?,
-            tile_counts: dev.alloc_zeros::<u32>(DECODE_FUSED_MAX_ROWS * n_tiles)?,
+            acc: dev.alloc_zeros::<f32>(d)?,
+            l1: dev.alloc_zeros::<f32>(1)?,
+            tile_counts: dev.alloc_zeros::<u32>(n_tiles)?,
             ticket: dev.alloc_zeros::<u32>(1)?,
+            grids: HashMap::new(),
         })
     }
 
     fn fits(&self, d: usize, n_tiles: usize) -> bool {
-        self.acc.len() >= DECODE_FUSED_MAX_ROWS * d
-            && self.tile_counts.len() >= DECODE_FUSED_MAX_ROWS * n_tiles
+        self.acc.len() >= d && self.tile_counts.len() >= n_tiles
     }
+}
+
+/// Blocks of one wave: as many as the multiprocessors hold at once. The warps loop
+/// over the neurons, so a warp loads its row of x once for several of them, and no
+/// partial last wave idles the card.
+fn one_wave(dev: &CudaDevice, func: &CudaFunction) -> Result<u32> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    let sms = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?;
+    let per_sm = func
+        .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)
+        .w()?;
+    Ok((sms.max(1) as u32) * per_sm.max(1))
 }
 
 /// Keyed by the stream, so two candle devices never share one.
@@ -67,15 +78,14 @@ static SCRATCH: Mutex<Option<HashMap<usize, Scratch>>> = Mutex::new(None);
 
 /// Sizes of one fused launch.
 pub struct DecodeDims {
-    pub m: usize,
     pub d: usize,
     pub f: usize,
     pub tile: usize,
     pub n_tiles: usize,
 }
 
-/// Runs the fused MLP into `out [m, d + L1_COLUMNS]` and returns the `[m, n_tiles]`
-/// true nonzero counts.
+/// Runs the fused MLP of the row `x [1, d]` into `out [1, d + L1_COLUMNS]` and
+/// returns the `[1, n_tiles]` true nonzero counts.
 pub fn twell_mlp_decode(
     dev: &CudaDevice,
     x: &CudaView<bf16>,
@@ -85,15 +95,15 @@ pub fn twell_mlp_decode(
     dims: &DecodeDims,
 ) -> Result<CudaSlice<u32>> {
     let DecodeDims {
-        m,
         d,
         f,
         tile,
         n_tiles,
     } = *dims;
-    debug_assert!(out.len() == m * (d + L1_COLUMNS) && m <= DECODE_FUSED_MAX_ROWS);
+    debug_assert_eq!(out.len(), d + L1_COLUMNS);
+    let v = super::row_vectors(d).expect("use_fused_decode checked the hidden size");
     // SAFETY: the kernel's last block writes every count.
-    let mut counts = unsafe { dev.alloc::<u32>(m * n_tiles)? };
+    let mut counts = unsafe { dev.alloc::<u32>(n_tiles)? };
     let key = dev.cuda_stream().cu_stream() as usize;
     let mut guard = SCRATCH.lock().expect("decode scratch lock");
     let map = guard.get_or_insert_with(HashMap::new);
@@ -103,11 +113,19 @@ pub fn twell_mlp_decode(
     }
     let s = map.get_mut(&key).expect("inserted above");
     let func = dev.get_or_load_custom_func(
-        "twell_mlp_decode_bf16",
+        &format!("twell_mlp_decode_bf16_v{v}"),
         "twell_mlp_decode",
         TWELL_MLP_DECODE_PTX,
     )?;
-    let (m_i, d_i, f_i, tile_i, nt_i) = (m as i32, d as i32, f as i32, tile as i32, n_tiles as i32);
+    let wave = match s.grids.get(&v) {
+        Some(&g) => g,
+        None => {
+            let g = one_wave(dev, &func)?;
+            s.grids.insert(v, g);
+            g
+        }
+    };
+    let (d_i, f_i, tile_i, nt_i) = (d as i32, f as i32, tile as i32, n_tiles as i32);
     let mut b = func.builder();
     b.arg(x)
         .arg(wg)
@@ -118,19 +136,15 @@ pub fn twell_mlp_decode(
         .arg(&mut s.ticket)
         .arg(out)
         .arg(&mut counts);
-    b.arg(&m_i).arg(&d_i).arg(&f_i).arg(&tile_i).arg(&nt_i);
+    b.arg(&d_i).arg(&f_i).arg(&tile_i).arg(&nt_i);
     let warps_per_block = (BLOCK_THREADS / 32) as usize;
     let cfg = LaunchConfig {
-        grid_dim: (
-            f.div_ceil(warps_per_block).clamp(1, MAX_BLOCKS) as u32,
-            1,
-            1,
-        ),
+        grid_dim: ((f.div_ceil(warps_per_block) as u32).clamp(1, wave), 1, 1),
         block_dim: (BLOCK_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: a warp per neuron (grid-stride), rows below DECODE_MAX_ROWS, every index
-    // bounded by m, d, f and n_tiles; the scratch is at least as large as they need.
+    // SAFETY: a warp per neuron (grid-stride), every index bounded by d, f and n_tiles;
+    // the scratch is at least as large as they need.
     unsafe { b.launch(cfg) }.w()?;
     Ok(counts)
 }
