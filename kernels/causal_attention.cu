@@ -10,8 +10,11 @@
 // Query i of the block sits at absolute position past + i and attends keys 0 ..= past + i
 // (past = T - t: the KV cache before this call). Grouped-query attention: head h reads
 // KV head h / (heads / kv_heads). bf16 in and out, f32 math.
-#include <cuda_bf16.h>
-#include <stdint.h>
+//
+// One query per (batch, head) (KV-cache decode) leaves that layout with one busy thread
+// per block, so it has its own kernel below: a block per (batch, head) spreads the keys
+// over its threads.
+#include "twell_common.cuh"
 
 #define QUERIES 64
 #define KEYS 64
@@ -102,3 +105,99 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
         attend<HD>(q, k, v, out, heads, kv_heads, t, T, scale);                                   \
     }
 ATTEND_KERNEL(64)
+
+// Decode: one query row per (batch, head), attending all T keys. A block of
+// DECODE_THREADS per (batch, head): a thread per key scores into shared memory, the block
+// reduces the maximum and the sum, then each thread sums p · v for a pair of dims over
+// its share of the keys, and the shares meet in shared memory.
+#define DECODE_THREADS 256
+
+template <int HD>
+__device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1, HD]
+                           const __nv_bfloat16* __restrict__ k,  // [b, kv_heads, T, HD]
+                           const __nv_bfloat16* __restrict__ v,  // [b, kv_heads, T, HD]
+                           __nv_bfloat16* __restrict__ out,      // [b, heads, 1, HD]
+                           int heads, int kv_heads, int T, float scale) {
+    extern __shared__ float scores[];  // [T]
+    __shared__ float qs[HD];
+    __shared__ float reduce[DECODE_THREADS / 32];
+    constexpr int PAIRS = HD / 2;
+    constexpr int GROUPS = DECODE_THREADS / PAIRS;
+    __shared__ float2 part[GROUPS][PAIRS];
+    const int h = blockIdx.x, b = blockIdx.y;
+    const int kvh = h / (heads / kv_heads);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const long long q_row = (static_cast<long long>(b) * heads + h) * HD;
+    const long long kv_base = (static_cast<long long>(b) * kv_heads + kvh) * T * HD;
+    for (int e = tid; e < HD; e += DECODE_THREADS) qs[e] = __bfloat162float(q[q_row + e]) * scale;
+    __syncthreads();
+
+    float m = -INFINITY;
+    for (int j = tid; j < T; j += DECODE_THREADS) {
+        const __nv_bfloat16* kr = k + kv_base + static_cast<long long>(j) * HD;
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < HD; e += VEC) {
+            float kf[VEC];
+            load8(kr + e, kf);
+#pragma unroll
+            for (int c = 0; c < VEC; ++c) s = fmaf(qs[e + c], kf[c], s);
+        }
+        scores[j] = s;
+        m = fmaxf(m, s);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+    if (lane == 0) reduce[warp] = m;
+    __syncthreads();
+    m = reduce[0];
+#pragma unroll
+    for (int w = 1; w < DECODE_THREADS / 32; ++w) m = fmaxf(m, reduce[w]);
+    __syncthreads();  // every thread has read `reduce` before it is reused
+
+    float l = 0.f;
+    for (int j = tid; j < T; j += DECODE_THREADS) {
+        const float p = __expf(scores[j] - m);
+        scores[j] = p;
+        l += p;
+    }
+    l = warp_sum(l);
+    if (lane == 0) reduce[warp] = l;
+    __syncthreads();  // also publishes every p in `scores`
+    l = 0.f;
+#pragma unroll
+    for (int w = 0; w < DECODE_THREADS / 32; ++w) l += reduce[w];
+
+    const int pair = tid % PAIRS, group = tid / PAIRS;
+    const __nv_bfloat16* vp = v + kv_base + 2 * pair;
+    float2 acc = make_float2(0.f, 0.f);
+#pragma unroll 4
+    for (int j = group; j < T; j += GROUPS) {
+        const float2 vf =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vp + static_cast<long long>(j) * HD));
+        const float p = scores[j];
+        acc.x = fmaf(p, vf.x, acc.x);
+        acc.y = fmaf(p, vf.y, acc.y);
+    }
+    part[group][pair] = acc;
+    __syncthreads();
+    if (tid < PAIRS) {
+        float2 o = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g) {
+            o.x += part[g][tid].x;
+            o.y += part[g][tid].y;
+        }
+        const float inv = 1.f / l;
+        *reinterpret_cast<__nv_bfloat162*>(out + q_row + 2 * tid) = __floats2bfloat162_rn(o.x * inv, o.y * inv);
+    }
+}
+
+#define ATTEND_ONE_KERNEL(HD)                                                                     \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) causal_attention_decode_bf16_hd##HD( \
+        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                 \
+        const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,          \
+        int kv_heads, int T, float scale) {                                                       \
+        attend_one<HD>(q, k, v, out, heads, kv_heads, T, scale);                                  \
+    }
+ATTEND_ONE_KERNEL(64)

@@ -109,11 +109,13 @@ impl Cache {
 }
 
 /// Whether inference runs the fused causal-attention kernel: on CUDA in bf16 with a
-/// supported head size, unless `TWELL_PLAIN_ATTENTION` is set (to measure both). The
-/// kernel gives each query one thread, so one-token steps go to it only when the batch
-/// brings enough (batch, head) rows to fill the GPU: at batch 1 it measured slower than
-/// the plain ops (114 vs 150 tokens/s at context 512), at batch 16 faster (1166 vs 909).
-fn fused_attention(q: &Tensor, tokens: usize) -> bool {
+/// supported head size, unless `TWELL_PLAIN_ATTENTION` is set (to measure both). A
+/// one-token step over up to `CUDA_DECODE_MAX_KEYS` keys runs the kernel that spreads
+/// the keys over a block. Past that the kernel gives each query one thread, so such a
+/// step goes to it only when the batch brings enough (batch, head) rows to fill the GPU:
+/// at batch 1 that kernel measured slower than the plain ops (114 vs 150 tokens/s at
+/// context 512), at batch 16 faster (1166 vs 909).
+fn fused_attention(q: &Tensor, tokens: usize, keys: usize) -> bool {
     static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if *PLAIN.get_or_init(|| std::env::var_os("TWELL_PLAIN_ATTENTION").is_some())
         || !twell::ops::fused_on_device(q)
@@ -121,7 +123,7 @@ fn fused_attention(q: &Tensor, tokens: usize) -> bool {
         return false;
     }
     let rows = q.dims()[0] * q.dims()[1];
-    tokens > 1 || rows >= 256
+    tokens > 1 || keys <= twell::ops::CUDA_DECODE_MAX_KEYS || rows >= 256
 }
 
 /// Whether a forward pass must keep the autograd graph intact.
@@ -200,7 +202,7 @@ impl CausalSelfAttention {
             }
             *slot = Some((k.clone(), v.clone()));
         }
-        if pass == Pass::Inference && fused_attention(&q, t) {
+        if pass == Pass::Inference && fused_attention(&q, t, k.dim(2)?) {
             // The scores stay on chip; the mask is the causal one the kernel applies.
             let y = twell::ops::causal_attention(&q, &k, &v)?;
             let y = y.transpose(1, 2)?.reshape((b, t, hidden))?;

@@ -318,10 +318,13 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         backward.push(r);
     }
-    // (b, heads, t, kv_heads, T, hd): decode with a cache, grouped heads, prefill.
+    // (b, heads, t, kv_heads, T, hd): decode with a cache (the one-query kernel, and past
+    // its key limit the one-thread-per-query kernel), grouped heads, prefill.
     #[rustfmt::skip]
     let attention_cases = [
         (1, 9, 1, 3, 17, 64),
+        (2, 32, 1, 8, 2048, 64),
+        (1, 4, 1, 4, 9000, 64),
         (1, 9, 100, 3, 612, 64),
         (4, 32, 333, 8, 333, 64),
         (2, 32, 2048, 32, 2048, 64),

@@ -731,6 +731,8 @@ pub fn twell_mlp_backward(
 
 /// Queries per block of the attention kernel (`QUERIES` in the .cu).
 const ATTENTION_QUERIES: usize = 64;
+/// Threads per (batch, head) of the one-query attention kernel (`DECODE_THREADS`).
+const ATTENTION_DECODE_THREADS: u32 = 256;
 
 /// `causal_attention.cu` for `q [b, heads, t, hd]`, `k, v [b, kv_heads, T, hd]` (bf16,
 /// contiguous, hd in [`crate::ops::CUDA_HEAD_DIMS`]); `dims` = (b, heads, t, kv_heads, T, hd).
@@ -765,6 +767,36 @@ pub fn causal_attention(
     );
     // SAFETY: the kernel writes every output row.
     let mut out = unsafe { dev.alloc::<bf16>(b * heads * t * hd)? };
+    // One query per (batch, head): a block per (batch, head) over the keys, whose scores
+    // fit in shared memory; its 16-byte key loads need rows that start aligned.
+    let aligned = [ql, kl, vl].iter().all(|l| l.start_offset() % 8 == 0);
+    if t == 1 && total <= crate::ops::CUDA_DECODE_MAX_KEYS && aligned {
+        let func = dev.get_or_load_custom_func(
+            &format!("causal_attention_decode_bf16_hd{hd}"),
+            "causal_attention",
+            CAUSAL_ATTENTION_PTX,
+        )?;
+        let (heads_i, kv_i, total_i) = (heads as i32, kv_heads as i32, total as i32);
+        let mut builder = func.builder();
+        builder
+            .arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&mut out)
+            .arg(&heads_i)
+            .arg(&kv_i)
+            .arg(&total_i)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (heads as u32, b as u32, 1),
+            block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
+            shared_mem_bytes: (total * std::mem::size_of::<f32>()) as u32,
+        };
+        // SAFETY: a block per (batch, head), keys bounded by `total`; the dynamic shared
+        // memory holds its `total` scores (at most CUDA_DECODE_MAX_KEYS).
+        unsafe { builder.launch(cfg) }.w()?;
+        return Ok(CudaStorage::wrap_cuda_slice(out, dev));
+    }
     let func = dev.get_or_load_custom_func(
         &format!("causal_attention_bf16_hd{hd}"),
         "causal_attention",

@@ -16,6 +16,11 @@ use crate::error::{err, TwellError};
 /// Head sizes the CUDA kernel is built for.
 pub const CUDA_HEAD_DIMS: [usize; 1] = [64];
 
+/// Keys up to which one query per (batch, head) (KV-cache decode) runs the CUDA kernel
+/// that spreads the keys over a block: their scores sit in 32 KB of shared memory. Past
+/// it, the prefill kernel takes one thread per query.
+pub const CUDA_DECODE_MAX_KEYS: usize = 8192;
+
 /// The op behind [`causal_attention`]: inputs `(q, k, v)`, output shaped like `q`.
 pub struct CausalAttention {
     scale: f32,

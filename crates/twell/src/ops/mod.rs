@@ -18,7 +18,8 @@ mod gated_t2d;
 mod twell_mlp;
 
 pub use causal_attention::{
-    causal_attention, causal_attention_reference, fused_on_device, CausalAttention, CUDA_HEAD_DIMS,
+    causal_attention, causal_attention_reference, fused_on_device, CausalAttention,
+    CUDA_DECODE_MAX_KEYS, CUDA_HEAD_DIMS,
 };
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
