@@ -370,6 +370,8 @@ impl SparseMlp {
             return Ok(w.clone());
         }
         let w = up_down_matrix(&self.up, &self.down)?;
+        // One-token passes read scattered rows of it (and of the gate, below).
+        crate::cpu::huge_pages::collapse(&w);
         Ok(self.up_down.get_or_init(|| w).clone())
     }
 
@@ -399,6 +401,7 @@ impl SparseMlp {
             return Ok(Some(s.clone()));
         }
         let s = Arc::new(crate::ops::gate_screen(&self.gate)?);
+        crate::cpu::huge_pages::collapse(&self.gate);
         Ok(Some(self.gate_screen.get_or_init(|| s).clone()))
     }
 

@@ -4,6 +4,7 @@
 
 pub mod float;
 pub mod gate;
+pub mod huge_pages;
 pub mod screen;
 pub mod simd;
 pub mod t2d;

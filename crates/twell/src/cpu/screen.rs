@@ -150,10 +150,12 @@ impl GateScreen {
                 quantise_row(wg.f32_range(j * d, d, scratch), k)
             })
             .collect();
+        let q = Vec::with_capacity(f * d);
+        super::huge_pages::advise_vec(&q);
         let mut screen = Self {
             f,
             d,
-            q: Vec::with_capacity(f * d),
+            q,
             scale: Vec::with_capacity(f),
             outlier_col: Vec::with_capacity(f * k),
             outlier_val: Vec::with_capacity(f * k),
