@@ -645,6 +645,18 @@ fn model_bench_runs_all_phases_on_a_random_shape() {
     assert!(density
         .iter()
         .all(|d| d.as_f64().unwrap() > 0.0 && d.as_f64().unwrap() < 0.2));
+    // The timed training steps keep the density the shape was built with (they train at
+    // learning rate 0), and say so.
+    let set = density.iter().map(|d| d.as_f64().unwrap()).sum::<f64>() / 2.0;
+    for m in report["measurements"].as_array().unwrap() {
+        if m["phase"] == "train" {
+            let during = m["train_density"].as_f64().unwrap();
+            assert!(
+                during > 0.5 * set && during < 2.0 * set,
+                "training ran at {during}, the model was set to {set}"
+            );
+        }
+    }
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
 }
 
