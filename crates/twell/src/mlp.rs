@@ -412,6 +412,13 @@ impl SparseMlp {
         Ok((out, l1.expect("l1 requested")))
     }
 
+    /// The forward pass, whose output may be a strided view of the op's result (no
+    /// copy kernel): for an elementwise next op, such as a residual add. A matmul
+    /// needs [`Module::forward`]'s contiguous output.
+    pub fn forward_view(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.run(x, false)?.0)
+    }
+
     /// Sets whether forwards keep their statistics (see [`SparseMlp::with_stats`]).
     pub fn set_record_stats(&mut self, on: bool) {
         self.record_stats = on;
@@ -500,15 +507,6 @@ impl SparseMlp {
             Some(LastForward::Sparse(res)) => Some(MlpStats::from_output(res)?),
             Some(LastForward::Dense(h)) => Some(MlpStats::from_dense(h)?),
         })
-    }
-}
-
-impl SparseMlp {
-    /// The forward pass, whose output may be a strided view of the op's result (no
-    /// copy kernel): for an elementwise next op, such as a residual add. A matmul
-    /// needs [`Module::forward`]'s contiguous output.
-    pub fn forward_view(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.run(x, false)?.0)
     }
 }
 

@@ -8,12 +8,14 @@ use candle_core::{Storage, Tensor};
 
 const HUGE: usize = 2 << 20;
 
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("TWELL_NO_HUGE_PAGES").is_none())
 }
 
 /// The 2 MB-aligned part of `[start, start + bytes)`, if any.
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 fn aligned_interior(start: usize, bytes: usize) -> Option<(usize, usize)> {
     let (a, b) = (start.next_multiple_of(HUGE), (start + bytes) / HUGE * HUGE);
     (b > a).then_some((a, b - a))
