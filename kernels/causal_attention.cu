@@ -2,25 +2,54 @@
 //
 // The plain-op attention materialises the [b, heads, t, T] f32 scores and runs a dozen
 // elementwise kernels over them; at 4 x 2048 tokens that is 24 ms a layer on an H200.
-// Here the scores never leave registers (online softmax, as in FlashAttention): one
-// thread owns one query row (q and the output accumulator in registers), a block of
-// QUERIES threads walks the keys in tiles staged through shared memory, and every
-// thread reads each staged key and value by broadcast.
+// Here the scores never leave registers (online softmax, as in FlashAttention), and both
+// products run on tensor cores (mma.sync m16n8k16, bf16 in, f32 sums; sm_80 and later):
+// a block of ATT_WARPS warps takes ATT_QUERIES queries, 16 per warp, and walks the keys
+// in tiles of ATT_KEYS staged through shared memory. A warp's scores S = Q Kᵀ come out
+// of the mma in the very register layout the next mma wants for P, so P V needs no
+// shuffle; V's fragments come from shared memory through ldmatrix.trans.
 //
-// Query i of the block sits at absolute position past + i and attends keys 0 ..= past + i
-// (past = T - t: the KV cache before this call). Grouped-query attention: head h reads
-// KV head h / (heads / kv_heads). bf16 in and out, f32 math.
+// Query i sits at absolute position past + i and attends keys 0 ..= past + i (past = T - t:
+// the KV cache before this call). Grouped-query attention: head h reads KV head
+// h / (heads / kv_heads). bf16 in and out; q, k, v rows must start 16-byte aligned.
 //
-// One query per (batch, head) (KV-cache decode) leaves that layout with one busy thread
-// per block, so it has its own kernel below: a block per (batch, head) spreads the keys
-// over its threads.
+// One query per (batch, head) (KV-cache decode) would leave 15 of a warp's 16 rows idle,
+// so it has its own kernel below: a block per (batch, head) spreads the keys over its
+// threads.
 #include "twell_common.cuh"
 
-#define QUERIES 64
-#define KEYS 64
-// Keys scored at once before the running maximum is updated: one rescale of the
-// accumulator per chunk instead of per key.
-#define CHUNK 16
+#define ATT_WARPS 4
+#define ATT_QUERIES (16 * ATT_WARPS)
+#define ATT_KEYS 64
+// exp(x) = exp2(x · log2 e): the scale folds it in once.
+#define LOG2_E 1.4426950408889634f
+
+// c += a · b for one m16n8k16 tile: a is the 16 x 16 row-major fragment, b the 16 x 8
+// column-major one, c the 16 x 8 f32 accumulator, all in PTX's per-lane layout.
+__device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8 x 8 bf16 matrices from shared memory, transposed: lanes 8i .. 8i + 7 give the
+// row addresses of matrix i, and r[i] is this lane's pair of matrix i, column-wise.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const __nv_bfloat16* row) {
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// Two floats as one bf16 pair, the first in the low half (the lower column of a fragment).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 template <int HD>
 __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD]
@@ -28,77 +57,144 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
                        const __nv_bfloat16* __restrict__ v,  // [b, kv_heads, T, HD]
                        __nv_bfloat16* __restrict__ out,      // [b, heads, t, HD]
                        int heads, int kv_heads, int t, int T, float scale) {
-    __shared__ float ks[KEYS][HD];
-    __shared__ float vs[KEYS][HD];
+    // Rows padded by 16 bytes: the 8 keys a fragment load touches fall in distinct banks.
+    constexpr int STRIDE = HD + 8;
+    constexpr int KSTEPS = HD / 16;      // mma k-steps over the head dims (S = Q Kᵀ)
+    constexpr int DIM_TILES = HD / 8;    // mma n-tiles over the head dims (O = P V)
+    constexpr int KEY_TILES = ATT_KEYS / 8;
+    __shared__ __align__(16) __nv_bfloat16 ks[ATT_KEYS][STRIDE];
+    __shared__ __align__(16) __nv_bfloat16 vs[ATT_KEYS][STRIDE];
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (heads / kv_heads);
     const int past = T - t;
-    const int q0 = blockIdx.x * QUERIES;
-    const int qi = q0 + threadIdx.x;
-    const bool live = qi < t;
-    const long long q_row = ((static_cast<long long>(b) * heads + h) * t + (live ? qi : 0)) * HD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, c = lane & 3;  // the fragment row and column pair of this lane
+    // The last query blocks see the most keys: start them first.
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_QUERIES;
+    const int wq0 = q0 + warp * 16;
+    const long long q_base = (static_cast<long long>(b) * heads + h) * t * HD;
     const long long kv_base = (static_cast<long long>(b) * kv_heads + kvh) * T * HD;
+    const int row0 = wq0 + g, row1 = row0 + 8;  // the two query rows of this lane
+    const int pos0 = past + row0, pos1 = past + row1;
 
-    float qr[HD], acc[HD];
+    uint32_t qa[KSTEPS][4];
 #pragma unroll
-    for (int e = 0; e < HD; ++e) {
-        qr[e] = live ? __bfloat162float(q[q_row + e]) * scale : 0.f;
-        acc[e] = 0.f;
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        const int col = kk * 16 + 2 * c;
+        qa[kk][0] = row0 < t ? load_pair(q + q_base + static_cast<long long>(row0) * HD + col) : 0u;
+        qa[kk][1] = row1 < t ? load_pair(q + q_base + static_cast<long long>(row1) * HD + col) : 0u;
+        qa[kk][2] = row0 < t ? load_pair(q + q_base + static_cast<long long>(row0) * HD + col + 8) : 0u;
+        qa[kk][3] = row1 < t ? load_pair(q + q_base + static_cast<long long>(row1) * HD + col + 8) : 0u;
     }
-    float m = -INFINITY, l = 0.f;
-    const int last_key = past + min(q0 + QUERIES, t) - 1;  // the block's furthest key
-    const int my_last = past + qi;                         // this thread's furthest key
-    for (int k0 = 0; k0 <= last_key; k0 += KEYS) {
-        const int n = min(KEYS, last_key + 1 - k0);
+    float o[DIM_TILES][4];
+#pragma unroll
+    for (int n = 0; n < DIM_TILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    const float scale_log2 = scale * LOG2_E;
+
+    const int block_last = past + min(q0 + ATT_QUERIES, t) - 1;  // the furthest key of the block
+    const int warp_last = past + min(wq0 + 15, t - 1);            // ... and of this warp
+    for (int k0 = 0; k0 <= block_last; k0 += ATT_KEYS) {
         __syncthreads();
-        for (int idx = threadIdx.x; idx < n * HD; idx += QUERIES) {
-            const int r = idx / HD, c = idx % HD;
-            ks[r][c] = __bfloat162float(k[kv_base + static_cast<long long>(k0 + r) * HD + c]);
-            vs[r][c] = __bfloat162float(v[kv_base + static_cast<long long>(k0 + r) * HD + c]);
+        // Keys past T are zeros: their scores are masked, and a zero V keeps 0 · V finite.
+        for (int idx = threadIdx.x; idx < ATT_KEYS * HD / VEC; idx += blockDim.x) {
+            const int r = idx / (HD / VEC), col = (idx % (HD / VEC)) * VEC;
+            uint4 kr = make_uint4(0u, 0u, 0u, 0u), vr = kr;
+            if (k0 + r < T) {
+                const long long at = kv_base + static_cast<long long>(k0 + r) * HD + col;
+                kr = *reinterpret_cast<const uint4*>(k + at);
+                vr = *reinterpret_cast<const uint4*>(v + at);
+            }
+            *reinterpret_cast<uint4*>(&ks[r][col]) = kr;
+            *reinterpret_cast<uint4*>(&vs[r][col]) = vr;
         }
         __syncthreads();
-        if (!live) continue;
-        const int visible = min(n, my_last + 1 - k0);  // keys of this tile this row sees
-        for (int c0 = 0; c0 < visible; c0 += CHUNK) {
-            float s[CHUNK];
-            float chunk_max = -INFINITY;
+        if (wq0 >= t || k0 > warp_last) continue;  // the same in every lane of the warp
+
+        float s[KEY_TILES][4];
 #pragma unroll
-            for (int j = 0; j < CHUNK; ++j) {
-                float dot = -INFINITY;
-                if (c0 + j < visible) {
-                    dot = 0.f;
+        for (int n = 0; n < KEY_TILES; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
-                    for (int e = 0; e < HD; ++e) dot = fmaf(qr[e], ks[c0 + j][e], dot);
-                }
-                s[j] = dot;
-                chunk_max = fmaxf(chunk_max, dot);
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                const __nv_bfloat16* kr = &ks[n * 8 + g][kk * 16 + 2 * c];
+                mma_16816(s[n], qa[kk], load_pair(kr), load_pair(kr + 8));
             }
-            const float m_new = fmaxf(m, chunk_max);
-            const float correction = __expf(m - m_new);  // 0 on the first chunk
-            l *= correction;
+        }
+        // Scale, and mask the keys after each row where the tile crosses the diagonal.
+        const bool crosses = k0 + ATT_KEYS - 1 > past + wq0;
+        float mx0 = m0, mx1 = m1;
 #pragma unroll
-            for (int e = 0; e < HD; ++e) acc[e] *= correction;
+        for (int n = 0; n < KEY_TILES; ++n) {
 #pragma unroll
-            for (int j = 0; j < CHUNK; ++j) {
-                const float p = __expf(s[j] - m_new);  // 0 for keys past `visible`
-                l += p;
-                if (c0 + j < visible) {
-#pragma unroll
-                    for (int e = 0; e < HD; ++e) acc[e] = fmaf(p, vs[c0 + j][e], acc[e]);
-                }
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + n * 8 + 2 * c + (e & 1);
+                float x = s[n][e] * scale_log2;
+                if (crosses && key > (e < 2 ? pos0 : pos1)) x = -INFINITY;
+                s[n][e] = x;
             }
-            m = m_new;
+            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+        }
+        // A row's four lanes share it; every live row has seen key 0, so the maxima are finite.
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
+        const float corr0 = exp2f(m0 - mx0), corr1 = exp2f(m1 - mx1);  // 0 on the first tile
+        m0 = mx0;
+        m1 = mx1;
+        l0 *= corr0;
+        l1 *= corr1;
+#pragma unroll
+        for (int n = 0; n < DIM_TILES; ++n) {
+            o[n][0] *= corr0;
+            o[n][1] *= corr0;
+            o[n][2] *= corr1;
+            o[n][3] *= corr1;
+        }
+        // P in bf16: key tiles 2kk and 2kk + 1 are the two halves of k-step kk's A fragment.
+        uint32_t pa[ATT_KEYS / 16][4];
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n) {
+            const float p0 = exp2f(s[n][0] - m0), p1 = exp2f(s[n][1] - m0);
+            const float p2 = exp2f(s[n][2] - m1), p3 = exp2f(s[n][3] - m1);
+            l0 += p0 + p1;
+            l1 += p2 + p3;
+            pa[n / 2][(n % 2) * 2] = pack_bf16(p0, p1);
+            pa[n / 2][(n % 2) * 2 + 1] = pack_bf16(p2, p3);
+        }
+#pragma unroll
+        for (int kk = 0; kk < ATT_KEYS / 16; ++kk) {
+#pragma unroll
+            for (int np = 0; np < HD / 16; ++np) {
+                // Matrices: keys 0-7 and 8-15 of the k-step, at dims np·16 and np·16 + 8.
+                uint32_t bv[4];
+                ldmatrix_x4_trans(bv, &vs[kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][np * 16 + (lane >> 4) * 8]);
+                mma_16816(o[2 * np], pa[kk], bv[0], bv[1]);
+                mma_16816(o[2 * np + 1], pa[kk], bv[2], bv[3]);
+            }
         }
     }
-    if (live) {
-        const float inv = 1.f / l;
+    l0 += __shfl_xor_sync(FULL_MASK, l0, 1);
+    l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
+    l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
+    l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
 #pragma unroll
-        for (int e = 0; e < HD; ++e) out[q_row + e] = __float2bfloat16(acc[e] * inv);
+    for (int n = 0; n < DIM_TILES; ++n) {
+        const int col = n * 8 + 2 * c;
+        if (row0 < t)
+            *reinterpret_cast<__nv_bfloat162*>(out + q_base + static_cast<long long>(row0) * HD + col) =
+                __floats2bfloat162_rn(o[n][0] * inv0, o[n][1] * inv0);
+        if (row1 < t)
+            *reinterpret_cast<__nv_bfloat162*>(out + q_base + static_cast<long long>(row1) * HD + col) =
+                __floats2bfloat162_rn(o[n][2] * inv1, o[n][3] * inv1);
     }
 }
 
 #define ATTEND_KERNEL(HD)                                                                         \
-    extern "C" __global__ void __launch_bounds__(QUERIES) causal_attention_bf16_hd##HD(           \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) causal_attention_bf16_hd##HD(    \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                 \
         const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,          \
         int kv_heads, int t, int T, float scale) {                                                \

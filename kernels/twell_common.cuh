@@ -13,6 +13,10 @@
 // rest pad the row to 16 bytes so every row starts aligned.
 #define L1_COLUMNS 8
 
+// A float rounded to bf16 and back: where a kernel must see the value a bf16 tensor
+// (the cuBLAS gate of the other paths) would hold.
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

@@ -84,7 +84,7 @@ __device__ void grads_row(const __nv_bfloat16* __restrict__ x,       // [M, d]
                 float g = 0.f, u = 0.f, dd = 0.f;
                 for (int q = 0; q < 32 && k + q < width; ++q) {
                     const float gq = warp_dot(xr, wg + static_cast<long long>(c0 + k + q) * d, d);
-                    if (lane == q) g = __bfloat162float(__float2bfloat16(gq));
+                    if (lane == q) g = round_bf16(gq);
                 }
                 uint32_t mask = __ballot_sync(FULL_MASK, col < width && g > 0.f);
                 while (mask) {

@@ -186,9 +186,21 @@ fn check_attention(
 ) -> Result<AttentionResult> {
     let (b, heads, t, kv, total, hd) = dims;
     dev.set_seed(seed)?;
-    let q = Tensor::randn(0f32, 1.0, (b, heads, t, hd), dev)?.to_dtype(DType::BF16)?;
-    let k = Tensor::randn(0f32, 1.0, (b, kv, total, hd), dev)?.to_dtype(DType::BF16)?;
-    let v = Tensor::randn(0f32, 1.0, (b, kv, total, hd), dev)?.to_dtype(DType::BF16)?;
+    // Odd seeds start each input one element into its buffer (a contiguous view that is
+    // not 16-byte aligned), which the op must realign.
+    let skew = (seed % 2) as usize;
+    let input = |shape: (usize, usize, usize, usize)| -> Result<Tensor> {
+        let n = shape.0 * shape.1 * shape.2 * shape.3;
+        Ok(Tensor::randn(0f32, 1.0, n + skew, dev)?
+            .to_dtype(DType::BF16)?
+            .narrow(0, skew, n)?
+            .reshape(shape)?)
+    };
+    let (q, k, v) = (
+        input((b, heads, t, hd))?,
+        input((b, kv, total, hd))?,
+        input((b, kv, total, hd))?,
+    );
     if !twell::ops::fused_on_device(&q) {
         bail!("causal attention {dims:?} would not run the CUDA kernel");
     }
@@ -319,7 +331,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         backward.push(r);
     }
     // (b, heads, t, kv_heads, T, hd): decode with a cache (the one-query kernel, and past
-    // its key limit the one-thread-per-query kernel), grouped heads, prefill.
+    // its key limit the prefill kernel), grouped heads, prefill.
     #[rustfmt::skip]
     let attention_cases = [
         (1, 9, 1, 3, 17, 64),
@@ -328,6 +340,8 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         (1, 9, 100, 3, 612, 64),
         (4, 32, 333, 8, 333, 64),
         (2, 32, 2048, 32, 2048, 64),
+        (3, 6, 17, 2, 81, 64),
+        (1, 2, 1000, 1, 1000, 64),
     ];
     let mut attention = Vec::new();
     for (k, &dims) in attention_cases.iter().enumerate() {

@@ -17,7 +17,7 @@ use crate::format::TwellConfig;
 use crate::ops::L1_COLUMNS;
 
 mod twell_mlp_decode;
-use twell_mlp_decode::{twell_mlp_decode, use_fused_decode, DecodeDims};
+use twell_mlp_decode::{twell_mlp_decode, use_fused_decode};
 
 const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
 const GATED_T2D_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));
@@ -387,13 +387,7 @@ pub fn twell_mlp_forward(
         // tests check that.
         let mut out = unsafe { dev.alloc::<bf16>(ld)? };
         poison(&dev, &mut out)?;
-        let sizes = DecodeDims {
-            d,
-            f,
-            tile,
-            n_tiles,
-        };
-        let counts = twell_mlp_decode(&dev, &xv, &wgv, &wudv, &mut out, &sizes)?;
+        let counts = twell_mlp_decode(&dev, &xv, &wgv, &wudv, &mut out, &dims)?;
         let storage = CudaStorage::wrap_cuda_slice(out, dev);
         let activity = Activity {
             counts,
@@ -729,8 +723,10 @@ pub fn twell_mlp_backward(
     ))
 }
 
-/// Queries per block of the attention kernel (`QUERIES` in the .cu).
+/// Queries per block of the attention kernel (`ATT_QUERIES` in the .cu), 16 per warp.
 const ATTENTION_QUERIES: usize = 64;
+/// Threads per block of the attention kernel (`ATT_WARPS` warps).
+const ATTENTION_THREADS: u32 = 128;
 /// Threads per (batch, head) of the one-query attention kernel (`DECODE_THREADS`).
 const ATTENTION_DECODE_THREADS: u32 = 256;
 
@@ -765,12 +761,17 @@ pub fn causal_attention(
         bf16_view("k", k, kl)?,
         bf16_view("v", v, vl)?,
     );
+    // Both kernels read rows with 16-byte loads; `ops::causal_attention` realigns its inputs.
+    if [ql, kl, vl].iter().any(|l| l.start_offset() % 8 != 0) {
+        return err(TwellError::Invalid(
+            "causal_attention on CUDA: q, k and v must start 16-byte aligned".into(),
+        ));
+    }
     // SAFETY: the kernel writes every output row.
     let mut out = unsafe { dev.alloc::<bf16>(b * heads * t * hd)? };
     // One query per (batch, head): a block per (batch, head) over the keys, whose scores
-    // fit in shared memory; its 16-byte key loads need rows that start aligned.
-    let aligned = [ql, kl, vl].iter().all(|l| l.start_offset() % 8 == 0);
-    if t == 1 && total <= crate::ops::CUDA_DECODE_MAX_KEYS && aligned {
+    // fit in shared memory.
+    if t == 1 && total <= crate::ops::CUDA_DECODE_MAX_KEYS {
         let func = dev.get_or_load_custom_func(
             &format!("causal_attention_decode_bf16_hd{hd}"),
             "causal_attention",
@@ -816,10 +817,10 @@ pub fn causal_attention(
         .arg(&scale);
     let cfg = LaunchConfig {
         grid_dim: (t.div_ceil(ATTENTION_QUERIES) as u32, heads as u32, b as u32),
-        block_dim: (ATTENTION_QUERIES as u32, 1, 1),
+        block_dim: (ATTENTION_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: one thread per query row, bounds checked in the kernel.
+    // SAFETY: ATTENTION_QUERIES query rows per block, rows and keys bounds-checked in the kernel.
     unsafe { builder.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }

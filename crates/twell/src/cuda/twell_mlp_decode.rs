@@ -13,6 +13,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
 use half::bf16;
 
+use super::KernelDims;
 use crate::ops::L1_COLUMNS;
 
 const TWELL_MLP_DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_decode.ptx"));
@@ -76,14 +77,6 @@ fn one_wave(dev: &CudaDevice, func: &CudaFunction) -> Result<u32> {
 /// Keyed by the stream, so two candle devices never share one.
 static SCRATCH: Mutex<Option<HashMap<usize, Scratch>>> = Mutex::new(None);
 
-/// Sizes of one fused launch.
-pub struct DecodeDims {
-    pub d: usize,
-    pub f: usize,
-    pub tile: usize,
-    pub n_tiles: usize,
-}
-
 /// Runs the fused MLP of the row `x [1, d]` into `out [1, d + L1_COLUMNS]` and
 /// returns the `[1, n_tiles]` true nonzero counts.
 pub fn twell_mlp_decode(
@@ -92,14 +85,9 @@ pub fn twell_mlp_decode(
     wg: &CudaView<bf16>,
     w_ud: &CudaView<bf16>,
     out: &mut CudaSlice<bf16>,
-    dims: &DecodeDims,
+    dims: &KernelDims,
 ) -> Result<CudaSlice<u32>> {
-    let DecodeDims {
-        d,
-        f,
-        tile,
-        n_tiles,
-    } = *dims;
+    let (d, f, n_tiles) = (dims.d as usize, dims.f as usize, dims.n_tiles as usize);
     debug_assert_eq!(out.len(), d + L1_COLUMNS);
     let v = super::row_vectors(d).expect("use_fused_decode checked the hidden size");
     // SAFETY: the kernel's last block writes every count.
@@ -125,7 +113,6 @@ pub fn twell_mlp_decode(
             g
         }
     };
-    let (d_i, f_i, tile_i, nt_i) = (d as i32, f as i32, tile as i32, n_tiles as i32);
     let mut b = func.builder();
     b.arg(x)
         .arg(wg)
@@ -136,7 +123,10 @@ pub fn twell_mlp_decode(
         .arg(&mut s.ticket)
         .arg(out)
         .arg(&mut counts);
-    b.arg(&d_i).arg(&f_i).arg(&tile_i).arg(&nt_i);
+    b.arg(&dims.d)
+        .arg(&dims.f)
+        .arg(&dims.tile)
+        .arg(&dims.n_tiles);
     let warps_per_block = (BLOCK_THREADS / 32) as usize;
     let cfg = LaunchConfig {
         grid_dim: ((f.div_ceil(warps_per_block) as u32).clamp(1, wave), 1, 1),
@@ -144,7 +134,8 @@ pub fn twell_mlp_decode(
         shared_mem_bytes: 0,
     };
     // SAFETY: a warp per neuron (grid-stride), every index bounded by d, f and n_tiles;
-    // the scratch is at least as large as they need.
+    // the scratch is at least as large as they need; a block's neuron list is bounded
+    // by DECODE_LIST in the kernel.
     unsafe { b.launch(cfg) }.w()?;
     Ok(counts)
 }

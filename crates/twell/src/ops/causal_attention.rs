@@ -3,8 +3,8 @@
 //!
 //! The plain-op attention (f32 scores `[b, heads, t, T]`, mask add, softmax) costs
 //! far more than the MLP at prefill sizes on a GPU, so no FFN speed-up could show at
-//! the model level. The CUDA kernel (`kernels/causal_attention.cu`) keeps each query's
-//! scores in registers with an online softmax. Forward only: training keeps the
+//! the model level. The CUDA kernel (`kernels/causal_attention.cu`) keeps the scores
+//! in registers with an online softmax and runs both products on tensor cores. Forward only: training keeps the
 //! plain ops, whose backward candle already has.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -18,7 +18,7 @@ pub const CUDA_HEAD_DIMS: [usize; 1] = [64];
 
 /// Keys up to which one query per (batch, head) (KV-cache decode) runs the CUDA kernel
 /// that spreads the keys over a block: their scores sit in 32 KB of shared memory. Past
-/// it, the prefill kernel takes one thread per query.
+/// it, the prefill kernel takes it (one of a warp's 16 query rows busy).
 pub const CUDA_DECODE_MAX_KEYS: usize = 8192;
 
 /// The op behind [`causal_attention`]: inputs `(q, k, v)`, output shaped like `q`.
@@ -146,8 +146,18 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let op = CausalAttention {
         scale: 1.0 / (hd.max(1) as f32).sqrt(),
     };
-    q.contiguous()?
-        .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)
+    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+    q.apply_op3_no_bwd(&k, &v, &op)
+}
+
+/// `t` contiguous, and on CUDA starting 16-byte aligned (an offset of 8 bf16), as the
+/// kernels' vector loads need: a view that starts elsewhere is copied.
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    if t.device().is_cuda() && t.layout().start_offset() % 8 != 0 {
+        return t.affine(1.0, 0.0);
+    }
+    Ok(t)
 }
 
 /// Whether [`causal_attention`] runs its CUDA kernel for this query: a CUDA tensor in
