@@ -11,7 +11,12 @@
 //
 // Query i sits at absolute position past + i and attends keys 0 ..= past + i (past = T - t:
 // the KV cache before this call). Grouped-query attention: head h reads KV head
-// h / (heads / kv_heads). bf16 in and out; q, k, v rows must start 16-byte aligned.
+// h / (heads / kv_heads). bf16 in and out.
+//
+// Layouts: q, k, v are read through strides (batch, head, position; the head dims
+// contiguous, every row 16-byte aligned), so the model hands over its [b, t, heads, hd]
+// projections and its KV cache as they are, without a transposing copy. The output is
+// written [b, t, heads, hd], which is what the output projection reads.
 //
 // One query per (batch, head) (KV-cache decode) would leave 15 of a warp's 16 rows idle,
 // so it has its own kernel below: a block per (batch, head) spreads the keys over its
@@ -43,6 +48,19 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const __nv_bfloat
                  : "r"(addr));
 }
 
+// Element strides of a [b, heads, positions, hd] operand: batch, head, position.
+struct Strides {
+    long long b, h, t;
+    __device__ __forceinline__ long long row(int bi, int hi, int ti) const {
+        return bi * b + hi * h + static_cast<long long>(ti) * t;
+    }
+};
+
+// Offset of (batch, head, position) in the [b, t, heads, hd] output.
+__device__ __forceinline__ long long out_row(int bi, int hi, int ti, int heads, int t, int hd) {
+    return ((static_cast<long long>(bi) * t + ti) * heads + hi) * hd;
+}
+
 // Two floats as one bf16 pair, the first in the low half (the lower column of a fragment).
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -52,11 +70,12 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 __device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 template <int HD>
-__device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD]
-                       const __nv_bfloat16* __restrict__ k,  // [b, kv_heads, T, HD]
-                       const __nv_bfloat16* __restrict__ v,  // [b, kv_heads, T, HD]
-                       __nv_bfloat16* __restrict__ out,      // [b, heads, t, HD]
-                       int heads, int kv_heads, int t, int T, float scale) {
+__device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD], strided
+                       const __nv_bfloat16* __restrict__ k,  // [b, kv_heads, T, HD], strided
+                       const __nv_bfloat16* __restrict__ v,  // [b, kv_heads, T, HD], strided
+                       __nv_bfloat16* __restrict__ out,      // [b, t, heads, HD]
+                       int heads, int kv_heads, int t, int T, float scale, Strides qs, Strides kst,
+                       Strides vst) {
     // Rows padded by 16 bytes: the 8 keys a fragment load touches fall in distinct banks.
     constexpr int STRIDE = HD + 8;
     constexpr int KSTEPS = HD / 16;      // mma k-steps over the head dims (S = Q Kᵀ)
@@ -72,8 +91,6 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
     // The last query blocks see the most keys: start them first.
     const int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_QUERIES;
     const int wq0 = q0 + warp * 16;
-    const long long q_base = (static_cast<long long>(b) * heads + h) * t * HD;
-    const long long kv_base = (static_cast<long long>(b) * kv_heads + kvh) * T * HD;
     const int row0 = wq0 + g, row1 = row0 + 8;  // the two query rows of this lane
     const int pos0 = past + row0, pos1 = past + row1;
 
@@ -81,10 +98,12 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
         const int col = kk * 16 + 2 * c;
-        qa[kk][0] = row0 < t ? load_pair(q + q_base + static_cast<long long>(row0) * HD + col) : 0u;
-        qa[kk][1] = row1 < t ? load_pair(q + q_base + static_cast<long long>(row1) * HD + col) : 0u;
-        qa[kk][2] = row0 < t ? load_pair(q + q_base + static_cast<long long>(row0) * HD + col + 8) : 0u;
-        qa[kk][3] = row1 < t ? load_pair(q + q_base + static_cast<long long>(row1) * HD + col + 8) : 0u;
+        const __nv_bfloat16* q0r = q + qs.row(b, h, row0) + col;
+        const __nv_bfloat16* q1r = q + qs.row(b, h, row1) + col;
+        qa[kk][0] = row0 < t ? load_pair(q0r) : 0u;
+        qa[kk][1] = row1 < t ? load_pair(q1r) : 0u;
+        qa[kk][2] = row0 < t ? load_pair(q0r + 8) : 0u;
+        qa[kk][3] = row1 < t ? load_pair(q1r + 8) : 0u;
     }
     float o[DIM_TILES][4];
 #pragma unroll
@@ -101,9 +120,8 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
             const int r = idx / (HD / VEC), col = (idx % (HD / VEC)) * VEC;
             uint4 kr = make_uint4(0u, 0u, 0u, 0u), vr = kr;
             if (k0 + r < T) {
-                const long long at = kv_base + static_cast<long long>(k0 + r) * HD + col;
-                kr = *reinterpret_cast<const uint4*>(k + at);
-                vr = *reinterpret_cast<const uint4*>(v + at);
+                kr = *reinterpret_cast<const uint4*>(k + kst.row(b, kvh, k0 + r) + col);
+                vr = *reinterpret_cast<const uint4*>(v + vst.row(b, kvh, k0 + r) + col);
             }
             *reinterpret_cast<uint4*>(&ks[r][col]) = kr;
             *reinterpret_cast<uint4*>(&vs[r][col]) = vr;
@@ -185,10 +203,10 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
     for (int n = 0; n < DIM_TILES; ++n) {
         const int col = n * 8 + 2 * c;
         if (row0 < t)
-            *reinterpret_cast<__nv_bfloat162*>(out + q_base + static_cast<long long>(row0) * HD + col) =
+            *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, row0, heads, t, HD) + col) =
                 __floats2bfloat162_rn(o[n][0] * inv0, o[n][1] * inv0);
         if (row1 < t)
-            *reinterpret_cast<__nv_bfloat162*>(out + q_base + static_cast<long long>(row1) * HD + col) =
+            *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, row1, heads, t, HD) + col) =
                 __floats2bfloat162_rn(o[n][2] * inv1, o[n][3] * inv1);
     }
 }
@@ -197,8 +215,8 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) causal_attention_bf16_hd##HD(    \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                 \
         const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,          \
-        int kv_heads, int t, int T, float scale) {                                                \
-        attend<HD>(q, k, v, out, heads, kv_heads, t, T, scale);                                   \
+        int kv_heads, int t, int T, float scale, Strides qs, Strides ks, Strides vs) {            \
+        attend<HD>(q, k, v, out, heads, kv_heads, t, T, scale, qs, ks, vs);                       \
     }
 ATTEND_KERNEL(64)
 
@@ -209,11 +227,12 @@ ATTEND_KERNEL(64)
 #define DECODE_THREADS 256
 
 template <int HD>
-__device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1, HD]
-                           const __nv_bfloat16* __restrict__ k,  // [b, kv_heads, T, HD]
-                           const __nv_bfloat16* __restrict__ v,  // [b, kv_heads, T, HD]
-                           __nv_bfloat16* __restrict__ out,      // [b, heads, 1, HD]
-                           int heads, int kv_heads, int T, float scale) {
+__device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1, HD], strided
+                           const __nv_bfloat16* __restrict__ k,  // [b, kv_heads, T, HD], strided
+                           const __nv_bfloat16* __restrict__ v,  // [b, kv_heads, T, HD], strided
+                           __nv_bfloat16* __restrict__ out,      // [b, 1, heads, HD]
+                           int heads, int kv_heads, int T, float scale, Strides qst, Strides kst,
+                           Strides vst) {
     extern __shared__ float scores[];  // [T]
     __shared__ float qs[HD];
     __shared__ float reduce[DECODE_THREADS / 32];
@@ -223,14 +242,13 @@ __device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1
     const int h = blockIdx.x, b = blockIdx.y;
     const int kvh = h / (heads / kv_heads);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const long long q_row = (static_cast<long long>(b) * heads + h) * HD;
-    const long long kv_base = (static_cast<long long>(b) * kv_heads + kvh) * T * HD;
+    const long long q_row = qst.row(b, h, 0);
     for (int e = tid; e < HD; e += DECODE_THREADS) qs[e] = __bfloat162float(q[q_row + e]) * scale;
     __syncthreads();
 
     float m = -INFINITY;
     for (int j = tid; j < T; j += DECODE_THREADS) {
-        const __nv_bfloat16* kr = k + kv_base + static_cast<long long>(j) * HD;
+        const __nv_bfloat16* kr = k + kst.row(b, kvh, j);
         float s = 0.f;
 #pragma unroll
         for (int e = 0; e < HD; e += VEC) {
@@ -265,12 +283,12 @@ __device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1
     for (int w = 0; w < DECODE_THREADS / 32; ++w) l += reduce[w];
 
     const int pair = tid % PAIRS, group = tid / PAIRS;
-    const __nv_bfloat16* vp = v + kv_base + 2 * pair;
+    const __nv_bfloat16* vp = v + vst.row(b, kvh, 0) + 2 * pair;
     float2 acc = make_float2(0.f, 0.f);
 #pragma unroll 4
     for (int j = group; j < T; j += GROUPS) {
         const float2 vf =
-            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vp + static_cast<long long>(j) * HD));
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vp + static_cast<long long>(j) * vst.t));
         const float p = scores[j];
         acc.x = fmaf(p, vf.x, acc.x);
         acc.y = fmaf(p, vf.y, acc.y);
@@ -285,7 +303,8 @@ __device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1
             o.y += part[g][tid].y;
         }
         const float inv = 1.f / l;
-        *reinterpret_cast<__nv_bfloat162*>(out + q_row + 2 * tid) = __floats2bfloat162_rn(o.x * inv, o.y * inv);
+        *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, 0, heads, 1, HD) + 2 * tid) =
+            __floats2bfloat162_rn(o.x * inv, o.y * inv);
     }
 }
 
@@ -293,7 +312,7 @@ __device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) causal_attention_decode_bf16_hd##HD( \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                 \
         const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,          \
-        int kv_heads, int T, float scale) {                                                       \
-        attend_one<HD>(q, k, v, out, heads, kv_heads, T, scale);                                  \
+        int kv_heads, int T, float scale, Strides qs, Strides ks, Strides vs) {                   \
+        attend_one<HD>(q, k, v, out, heads, kv_heads, T, scale, qs, ks, vs);                      \
     }
 ATTEND_ONE_KERNEL(64)

@@ -158,16 +158,23 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (int c = threadIdx.x; c < d + L1_COLUMNS; c += blockDim.x) {
+    // Four sums per thread and step (d % 8 == 0): this block runs alone, so its few
+    // round trips to L2 are the kernel's tail.
+#pragma unroll 2
+    for (int c = 4 * threadIdx.x; c < d; c += 4 * blockDim.x) {
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(acc + c));
+        *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + c);
+        o[0] = __floats2bfloat162_rn(a.x, a.y);
+        o[1] = __floats2bfloat162_rn(a.z, a.w);
+    }
+    if (threadIdx.x < L1_COLUMNS) {
         float v = 0.f;
-        if (c < d) {
-            v = __ldcg(acc + c);
-            acc[c] = 0.f;
-        } else if (c == d) {
+        if (threadIdx.x == 0) {
             v = __ldcg(l1);
             *l1 = 0.f;
         }
-        out[c] = __float2bfloat16(v);
+        out[d + threadIdx.x] = __float2bfloat16(v);
     }
     for (int t = threadIdx.x; t < n_tiles; t += blockDim.x) {
         counts[t] = __ldcg(tile_counts + t);

@@ -23,6 +23,7 @@ pub use crate::config::{Config, LlamaConfig, LlamaEosToks};
 pub struct Cache {
     masks: HashMap<(usize, usize), Tensor>,
     pub use_kv_cache: bool,
+    /// Per layer, keys and values as `[b, T, kv_heads, hd]` (the projections' layout).
     kvs: Vec<Option<(Tensor, Tensor)>>,
     cos: Tensor,
     sin: Tensor,
@@ -89,7 +90,7 @@ impl Cache {
     /// Tokens held in the cache.
     pub fn len(&self) -> usize {
         match self.kvs.first() {
-            Some(Some((k, _))) => k.dim(2).unwrap_or(0),
+            Some(Some((k, _))) => k.dim(1).unwrap_or(0),
             _ => 0,
         }
     }
@@ -176,39 +177,45 @@ impl CausalSelfAttention {
         pass: Pass,
     ) -> Result<Tensor> {
         let (b, t, hidden) = x.dims3()?;
-        let heads = |p: &Linear, n: usize| -> Result<Tensor> {
-            p.forward(x)?
-                .reshape((b, t, n, self.head_dim))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let q = heads(&self.q_proj, self.num_attention_heads)?;
-        let k = heads(&self.k_proj, self.num_key_value_heads)?;
-        let mut v = heads(&self.v_proj, self.num_key_value_heads)?;
-        let (q, mut k) = match pass {
-            Pass::Inference => (
-                candle_nn::rotary_emb::rope(&q, cos, sin)?,
-                candle_nn::rotary_emb::rope(&k, cos, sin)?,
-            ),
-            Pass::Train => (
-                candle_nn::rotary_emb::rope_slow(&q, cos, sin)?,
-                candle_nn::rotary_emb::rope_slow(&k, cos, sin)?,
-            ),
-        };
-        if let Some(slot) = kv_cache {
-            if let Some((ck, cv)) = slot.as_ref() {
-                k = Tensor::cat(&[ck, &k], 2)?.contiguous()?;
-                v = Tensor::cat(&[cv, &v], 2)?.contiguous()?;
+        // Projections as `[b, t, heads, hd]`: a reshape, no copy.
+        let proj = |p: &Linear, n: usize| p.forward(x)?.reshape((b, t, n, self.head_dim));
+        let (nq, nkv) = (self.num_attention_heads, self.num_key_value_heads);
+        let (q, k, v) = match pass {
+            Pass::Inference => {
+                // RoPE on the `[b, t, heads, hd]` rows; the KV cache keeps that layout
+                // (`[b, T, kv_heads, hd]`) and grows along dim 1.
+                let q = candle_nn::rotary_emb::rope_thd(&proj(&self.q_proj, nq)?, cos, sin)?;
+                let mut k = candle_nn::rotary_emb::rope_thd(&proj(&self.k_proj, nkv)?, cos, sin)?;
+                let mut v = proj(&self.v_proj, nkv)?;
+                if let Some(slot) = kv_cache {
+                    if let Some((ck, cv)) = slot.as_ref() {
+                        k = Tensor::cat(&[ck, &k], 1)?;
+                        v = Tensor::cat(&[cv, &v], 1)?;
+                    }
+                    *slot = Some((k.clone(), v.clone()));
+                }
+                // `[b, heads, positions, hd]` views.
+                let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
+                if fused_attention(&q, t, k.dim(2)?) {
+                    // The scores stay on chip; the mask is the causal one the kernel
+                    // applies. The strided views go in as they are, and the output's
+                    // transpose is contiguous `[b, t, heads, hd]` again.
+                    let y = twell::ops::causal_attention(&q, &k, &v)?;
+                    let y = y.transpose(1, 2)?.reshape((b, t, hidden))?;
+                    return self.o_proj.forward(&y);
+                }
+                (q.contiguous()?, k.contiguous()?, v.contiguous()?)
             }
-            *slot = Some((k.clone(), v.clone()));
-        }
-        if pass == Pass::Inference && fused_attention(&q, t, k.dim(2)?) {
-            // The scores stay on chip; the mask is the causal one the kernel applies.
-            let y = twell::ops::causal_attention(&q, &k, &v)?;
-            let y = y.transpose(1, 2)?.reshape((b, t, hidden))?;
-            return self.o_proj.forward(&y);
-        }
-        let rep = self.num_attention_heads / self.num_key_value_heads;
+            Pass::Train => {
+                let heads = |p: &Linear, n: usize| proj(p, n)?.transpose(1, 2)?.contiguous();
+                (
+                    candle_nn::rotary_emb::rope_slow(&heads(&self.q_proj, nq)?, cos, sin)?,
+                    candle_nn::rotary_emb::rope_slow(&heads(&self.k_proj, nkv)?, cos, sin)?,
+                    heads(&self.v_proj, nkv)?,
+                )
+            }
+        };
+        let rep = nq / nkv;
         let k = candle_transformers::utils::repeat_kv(k, rep)?;
         let v = candle_transformers::utils::repeat_kv(v, rep)?;
 

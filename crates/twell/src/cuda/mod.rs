@@ -103,6 +103,30 @@ fn bf16_view<'a>(what: &'static str, s: &'a CudaStorage, l: &Layout) -> Result<C
     }
 }
 
+/// A bf16 view of a CUDA storage from a layout's start to its last element, for
+/// kernels that address the elements through the layout's strides.
+fn strided_bf16_view<'a>(
+    what: &'static str,
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<CudaView<'a, bf16>> {
+    if s.dtype() != DType::BF16 {
+        return err(TwellError::Invalid(format!(
+            "{what}: the CUDA kernels take bf16, got {:?}",
+            s.dtype()
+        )));
+    }
+    let dims = l.dims();
+    if dims.contains(&0) {
+        return err(TwellError::Invalid(format!(
+            "{what}: empty tensor {dims:?}"
+        )));
+    }
+    let last: usize = dims.iter().zip(l.stride()).map(|(d, s)| (d - 1) * s).sum();
+    Ok(s.as_cuda_slice::<bf16>()?
+        .slice(l.start_offset()..l.start_offset() + last + 1))
+}
+
 /// Bytes of cuBLAS workspace: Hopper's fast GEMM kernels need one (NVIDIA recommends
 /// 32 MiB), and a handle without one falls back to slower kernels.
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
@@ -730,8 +754,31 @@ const ATTENTION_THREADS: u32 = 128;
 /// Threads per (batch, head) of the one-query attention kernel (`DECODE_THREADS`).
 const ATTENTION_DECODE_THREADS: u32 = 256;
 
+/// Element strides of a `[b, heads, positions, hd]` operand of the attention kernels
+/// (`Strides` in the .cu): batch, head, position; the head dims are contiguous.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AttentionStrides {
+    b: i64,
+    h: i64,
+    t: i64,
+}
+
+// SAFETY: a plain `#[repr(C)]` struct of three i64, as the kernels declare it.
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for AttentionStrides {}
+
+/// The strides of a 4-d layout, if the kernels can read it: the last dim contiguous
+/// and every row 16-byte aligned (their vector loads).
+pub fn attention_strides(l: &Layout) -> Option<[usize; 3]> {
+    match *l.stride() {
+        [b, h, t, 1] if [b, h, t, l.start_offset()].iter().all(|s| s % 8 == 0) => Some([b, h, t]),
+        _ => None,
+    }
+}
+
 /// `causal_attention.cu` for `q [b, heads, t, hd]`, `k, v [b, kv_heads, T, hd]` (bf16,
-/// contiguous, hd in [`crate::ops::CUDA_HEAD_DIMS`]); `dims` = (b, heads, t, kv_heads, T, hd).
+/// any layout [`attention_strides`] accepts, hd in [`crate::ops::CUDA_HEAD_DIMS`]);
+/// `dims` = (b, heads, t, kv_heads, T, hd). The output is `[b, t, heads, hd]`.
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention(
     q: &CudaStorage,
@@ -755,18 +802,28 @@ pub fn causal_attention(
             "causal_attention on CUDA: batch {b} and heads {heads} must be at most 65535"
         )));
     }
+    let strides = |what: &str, l: &Layout| -> Result<AttentionStrides> {
+        match attention_strides(l) {
+            Some([b, h, t]) => Ok(AttentionStrides {
+                b: b as i64,
+                h: h as i64,
+                t: t as i64,
+            }),
+            None => err(TwellError::Invalid(format!(
+                "causal_attention on CUDA: {what} needs contiguous head dims and 16-byte aligned \
+                 rows, got strides {:?} at offset {}",
+                l.stride(),
+                l.start_offset()
+            ))),
+        }
+    };
+    let (qst, kst, vst) = (strides("q", ql)?, strides("k", kl)?, strides("v", vl)?);
     let dev = q.device().clone();
     let (qv, kv, vv) = (
-        bf16_view("q", q, ql)?,
-        bf16_view("k", k, kl)?,
-        bf16_view("v", v, vl)?,
+        strided_bf16_view("q", q, ql)?,
+        strided_bf16_view("k", k, kl)?,
+        strided_bf16_view("v", v, vl)?,
     );
-    // Both kernels read rows with 16-byte loads; `ops::causal_attention` realigns its inputs.
-    if [ql, kl, vl].iter().any(|l| l.start_offset() % 8 != 0) {
-        return err(TwellError::Invalid(
-            "causal_attention on CUDA: q, k and v must start 16-byte aligned".into(),
-        ));
-    }
     // SAFETY: the kernel writes every output row.
     let mut out = unsafe { dev.alloc::<bf16>(b * heads * t * hd)? };
     // One query per (batch, head): a block per (batch, head) over the keys, whose scores
@@ -787,14 +844,18 @@ pub fn causal_attention(
             .arg(&heads_i)
             .arg(&kv_i)
             .arg(&total_i)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&qst)
+            .arg(&kst)
+            .arg(&vst);
         let cfg = LaunchConfig {
             grid_dim: (heads as u32, b as u32, 1),
             block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
             shared_mem_bytes: (total * std::mem::size_of::<f32>()) as u32,
         };
-        // SAFETY: a block per (batch, head), keys bounded by `total`; the dynamic shared
-        // memory holds its `total` scores (at most CUDA_DECODE_MAX_KEYS).
+        // SAFETY: a block per (batch, head), keys bounded by `total`, rows addressed
+        // through strides checked above; the dynamic shared memory holds its `total`
+        // scores (at most CUDA_DECODE_MAX_KEYS).
         unsafe { builder.launch(cfg) }.w()?;
         return Ok(CudaStorage::wrap_cuda_slice(out, dev));
     }
@@ -814,7 +875,10 @@ pub fn causal_attention(
         .arg(&kv_i)
         .arg(&t_i)
         .arg(&total_i)
-        .arg(&scale);
+        .arg(&scale)
+        .arg(&qst)
+        .arg(&kst)
+        .arg(&vst);
     let cfg = LaunchConfig {
         grid_dim: (t.div_ceil(ATTENTION_QUERIES) as u32, heads as u32, b as u32),
         block_dim: (ATTENTION_THREADS, 1, 1),

@@ -83,11 +83,12 @@ impl CustomOp3 for CausalAttention {
         let past = total - t;
         let group = heads / kv_heads;
         let mut out = vec![0f32; b * heads * t * hd];
+        // The output is [b, t, heads, hd], as the CUDA kernel writes it.
         out.par_chunks_mut(hd).enumerate().for_each(|(row, o)| {
-            let (bh, i) = (row / t, row % t);
-            let (bi, h) = (bh / heads, bh % heads);
+            let (bi, i, h) = (row / (t * heads), (row / heads) % t, row % heads);
             let kv = (bi * kv_heads + h / group) * total * hd;
-            let qr = &q[row * hd..(row + 1) * hd];
+            let q_row = (bi * heads + h) * t + i;
+            let qr = &q[q_row * hd..(q_row + 1) * hd];
             let visible = past + i + 1;
             let scores: Vec<f32> = (0..visible)
                 .map(|j| {
@@ -109,7 +110,7 @@ impl CustomOp3 for CausalAttention {
         });
         Ok((
             crate::cpu::float::storage_from_f32(out, dtype)?,
-            Shape::from(ql.dims()),
+            Shape::from((b, t, heads, hd)),
         ))
     }
 
@@ -124,15 +125,18 @@ impl CustomOp3 for CausalAttention {
         vl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = dims(ql, kl, vl)?;
+        let (b, heads, t, _, _, hd) = dims;
         let out = crate::cuda::causal_attention(qs, ql, ks, kl, vs, vl, dims, self.scale)?;
-        Ok((out, Shape::from(ql.dims())))
+        Ok((out, Shape::from((b, t, heads, hd))))
     }
 }
 
 /// Causal attention of `q [b, heads, t, hd]` over `k, v [b, kv_heads, T, hd]` with
 /// `T >= t`: query `i` sits at position `T - t + i` (the keys before it are a KV cache)
 /// and sees keys `0 ..= T - t + i`. Grouped-query attention when `kv_heads < heads`.
-/// Returns `[b, heads, t, hd]` in q's dtype. Not differentiable.
+/// Returns `[b, heads, t, hd]` in q's dtype, as a transposed view of a contiguous
+/// `[b, t, heads, hd]`: `.transpose(1, 2)` gives the rows the output projection reads
+/// without a copy. Not differentiable.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
         return err(TwellError::Invalid(format!(
@@ -146,18 +150,28 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let op = CausalAttention {
         scale: 1.0 / (hd.max(1) as f32).sqrt(),
     };
-    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
-    q.apply_op3_no_bwd(&k, &v, &op)
+    let (q, k, v) = (readable(q)?, readable(k)?, readable(v)?);
+    // The op writes [b, t, heads, hd]; this view of it is [b, heads, t, hd].
+    q.apply_op3_no_bwd(&k, &v, &op)?.transpose(1, 2)
 }
 
-/// `t` contiguous, and on CUDA starting 16-byte aligned (an offset of 8 bf16), as the
-/// kernels' vector loads need: a view that starts elsewhere is copied.
-fn aligned(t: &Tensor) -> Result<Tensor> {
-    let t = t.contiguous()?;
-    if t.device().is_cuda() && t.layout().start_offset() % 8 != 0 {
-        return t.affine(1.0, 0.0);
+/// An input as the op reads it. The CUDA kernels take strided views as they are (a
+/// model's `[b, t, heads, hd]` projections seen as `[b, heads, t, hd]`), as long as the
+/// head dims are contiguous and every row starts 16-byte aligned, as their vector loads
+/// need; anything else is copied. The CPU op reads contiguous rows.
+fn readable(t: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        if crate::cuda::attention_strides(t.layout()).is_some() {
+            return Ok(t.clone());
+        }
+        let t = t.contiguous()?;
+        if t.layout().start_offset() % 8 != 0 {
+            return t.affine(1.0, 0.0);
+        }
+        return Ok(t);
     }
-    Ok(t)
+    t.contiguous()
 }
 
 /// Whether [`causal_attention`] runs its CUDA kernel for this query: a CUDA tensor in
