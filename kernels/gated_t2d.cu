@@ -88,7 +88,7 @@ extern "C" __global__ void gated_t2d_down_bf16(
     const __nv_bfloat16* __restrict__ gate,    // [M, f]: h of overflow tiles
     const float* __restrict__ l1,              // [M]
     float* __restrict__ acc_out,               // [M, d] f32, used when tile_groups > 1
-    __nv_bfloat16* __restrict__ out,           // [M, d + L1_COLUMNS]
+    __nv_bfloat16* __restrict__ out,           // [M, d] rows, then M L1 terms
     int M, int d, int f, int tile, int cap, int n_tiles, int tile_groups) {
     const int n_chunks = (d + WARP_CHUNK - 1) / WARP_CHUNK;
     const long long w = global_warp();
@@ -146,30 +146,22 @@ extern "C" __global__ void gated_t2d_down_bf16(
             }
         }
     }
-    const long long ld = d + L1_COLUMNS;
     if (tile_groups == 1) {
-        if (mine) store8(out + row * ld + e0, acc);
-        if (chunk == 0 && lane == 0) {
-            float tail[VEC] = {l1[row], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            store8(out + row * ld + d, tail);
-        }
+        if (mine) store8(out + row * d + e0, acc);
+        if (chunk == 0 && lane == 0) out[l1_at(M, d, row)] = __float2bfloat16(l1[row]);
     } else if (mine) {
 #pragma unroll
         for (int k = 0; k < VEC; ++k) atomicAdd(acc_out + row * d + e0 + k, acc[k]);
     }
 }
 
-// Decode path epilogue: the f32 partial sums to bf16, and the L1 column.
+// Decode path epilogue: the f32 partial sums [M, d] to bf16, then the L1 terms.
 extern "C" __global__ void gated_t2d_finish_bf16(const float* __restrict__ acc, const float* __restrict__ l1,
                                                  __nv_bfloat16* __restrict__ out, int M, int d) {
-    const long long ld = d + L1_COLUMNS;
-    const long long n = static_cast<long long>(M) * ld;
-    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+    const long long rows = static_cast<long long>(M) * d;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows + M;
          i += static_cast<long long>(gridDim.x) * blockDim.x) {
-        const long long row = i / ld;
-        const int col = static_cast<int>(i % ld);
-        float v = col < d ? acc[row * d + col] : (col == d ? l1[row] : 0.f);
-        out[i] = __float2bfloat16(v);
+        out[i] = __float2bfloat16(i < rows ? acc[i] : l1[i - rows]);
     }
 }
 
@@ -249,8 +241,8 @@ UP_ROW_KERNEL(16)
 // Prefill path, down: one warp per token row, the output row in registers (MAXV
 // 16-byte vectors per lane). `walk_row` reads each tile's (j, h) list with one
 // coalesced load and broadcasts it; every neuron then costs MAXV independent 16-byte
-// loads per lane (its whole Wd row), with no reduction between them. Stores bf16 and
-// the L1 column.
+// loads per lane (its whole Wd row), with no reduction between them. Stores the bf16
+// row and the token's L1 term.
 template <int MAXV>
 __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,
                          const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,
@@ -291,16 +283,12 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
                 }
             }
         });
-    const long long ld = d + L1_COLUMNS;
 #pragma unroll
     for (int i = 0; i < MAXV; ++i) {
         const int e = (lane + 32 * i) * VEC;
-        if (e < d) store8(out + row * ld + e, acc[i]);
+        if (e < d) store8(out + row * d + e, acc[i]);
     }
-    if (lane == 0) {
-        float tail[VEC] = {l1[row], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        store8(out + row * ld + d, tail);
-    }
+    if (lane == 0) out[l1_at(M, d, row)] = __float2bfloat16(l1[row]);
 }
 
 #define DOWN_ROW_KERNEL(MAXV)                                                                        \

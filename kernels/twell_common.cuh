@@ -9,9 +9,12 @@
 #define VEC 8
 // d-elements one warp covers per step of the down projection (32 lanes x 8).
 #define WARP_CHUNK 256
-// Columns after the d outputs of each row: column d holds the token's L1 term, the
-// rest pad the row to 16 bytes so every row starts aligned.
-#define L1_COLUMNS 8
+// An MLP op's result for M tokens is the [M, d] output rows, then the M L1 terms
+// (`Σ_j |h_j|` per token): the output is contiguous, and the L1 term rides along in the
+// same tensor (a CustomOp has one output) for its gradient.
+__device__ __forceinline__ long long l1_at(int M, int d, long long row) {
+    return static_cast<long long>(M) * d + row;
+}
 
 // A float rounded to bf16 and back: where a kernel must see the value a bf16 tensor
 // (the cuBLAS gate of the other paths) would hold.

@@ -22,7 +22,7 @@
 
 template <int MAXV>
 __device__ void grads_row(const __nv_bfloat16* __restrict__ x,       // [M, d]
-                          const __nv_bfloat16* __restrict__ dres,    // [M, d + L1_COLUMNS]
+                          const __nv_bfloat16* __restrict__ dres,    // [M, d] rows, then M L1 terms
                           const __nv_bfloat16* __restrict__ wg,      // [f, d]
                           const __nv_bfloat16* __restrict__ w_ud,    // [f, 2d]
                           const uint32_t* __restrict__ counts,       // [M, n_tiles]
@@ -38,11 +38,10 @@ __device__ void grads_row(const __nv_bfloat16* __restrict__ x,       // [M, d]
     const long long row = global_warp();
     const int lane = threadIdx.x & 31;
     if (row >= M) return;
-    const long long ld = d + L1_COLUMNS;
     const long long two_d = 2LL * d;
     uint4 dr[MAXV];
-    row_to_registers<MAXV>(dres + row * ld, d, dr);
-    const float dl = __bfloat162float(dres[row * ld + d]);
+    row_to_registers<MAXV>(dres + row * d, d, dr);
+    const float dl = __bfloat162float(dres[l1_at(M, d, row)]);
 
     // dout . Wd_j, in every lane.
     auto dot_dout = [&](int j) { return registers_dot<MAXV>(dr, w_ud + j * two_d + d, d); };

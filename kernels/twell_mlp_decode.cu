@@ -104,7 +104,7 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]
                            float* l1,                               // scratch [1], zero
                            uint32_t* tile_counts,                   // scratch [n_tiles], zero
                            uint32_t* ticket,                        // scratch, zero
-                           __nv_bfloat16* __restrict__ out,         // [1, d + L1_COLUMNS]
+                           __nv_bfloat16* __restrict__ out,         // [1, d], then the L1 term
                            uint32_t* __restrict__ counts,           // [1, n_tiles]
                            int d, int f, int tile, int n_tiles) {
     __shared__ int listed_j[DECODE_LIST];
@@ -168,13 +168,9 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]
         o[0] = __floats2bfloat162_rn(a.x, a.y);
         o[1] = __floats2bfloat162_rn(a.z, a.w);
     }
-    if (threadIdx.x < L1_COLUMNS) {
-        float v = 0.f;
-        if (threadIdx.x == 0) {
-            v = __ldcg(l1);
-            *l1 = 0.f;
-        }
-        out[d + threadIdx.x] = __float2bfloat16(v);
+    if (threadIdx.x == 0) {
+        out[l1_at(1, d, 0)] = __float2bfloat16(__ldcg(l1));
+        *l1 = 0.f;
     }
     for (int t = threadIdx.x; t < n_tiles; t += blockDim.x) {
         counts[t] = __ldcg(tile_counts + t);

@@ -412,7 +412,7 @@ impl Llama {
                     l1.push(l1_tokens.to_dtype(DType::F32)?.mean_all()?);
                     out
                 }
-                Pass::Inference => block.mlp.forward_view(&h)?,
+                Pass::Inference => block.mlp.forward(&h)?,
             };
             x = (mlp_out + &x)?;
         }

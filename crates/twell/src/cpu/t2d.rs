@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use super::float::{Float, Rows};
 use super::simd::{add_assign, axpy, dot};
 use crate::format::TwellPattern;
-use crate::ops::L1_COLUMNS;
+use crate::ops::mlp_result_len;
 
 /// Tokens per block: large enough that hot neurons are reused, small enough that
 /// the per-thread partial outputs stay in cache.
@@ -123,8 +123,8 @@ fn x_block<'a>(
     x.f32_range(rows.start * d, rows.len() * d, scratch)
 }
 
-/// Forward: returns `[M, d + L1_COLUMNS]` f32, each row `out_i` followed by
-/// `l1_i = Σ_j |h_ij|` and zero padding.
+/// Forward: returns `[mlp_result_len(M, d)]` f32: the `[M, d]` rows `out_i`, then each
+/// token's `l1_i = Σ_j |h_ij|`.
 pub fn forward<T: Float>(
     pattern: &TwellPattern,
     g: &[T],
@@ -133,8 +133,7 @@ pub fn forward<T: Float>(
     d: usize,
 ) -> Vec<f32> {
     let m = pattern.rows();
-    let width = d + L1_COLUMNS;
-    let mut out = vec![0f32; m * width];
+    let mut out = vec![0f32; mlp_result_len(m, d)];
     let mut xs = Vec::new();
     for start in (0..m).step_by(TOKEN_BLOCK) {
         let rows = start..(start + TOKEN_BLOCK).min(m);
@@ -144,7 +143,8 @@ pub fn forward<T: Float>(
         let partials: Vec<Vec<f32>> = ranges
             .par_iter()
             .map_init(Vec::new, |scratch, range| {
-                let mut part = vec![0f32; rows.len() * width];
+                // This block's rows, then its L1 terms (the result's layout, local).
+                let mut part = vec![0f32; mlp_result_len(rows.len(), d)];
                 for j in range.clone() {
                     let (lo, hi) = (blk.ptr[j] as usize, blk.ptr[j + 1] as usize);
                     if lo == hi {
@@ -152,20 +152,23 @@ pub fn forward<T: Float>(
                     }
                     let w = w_ud.f32_range(j * 2 * d, 2 * d, scratch);
                     let (wu, wd) = w.split_at(d);
+                    let (part_rows, part_l1) = part.split_at_mut(rows.len() * d);
                     for &(i, pos) in &blk.pairs[lo..hi] {
                         let i = i as usize;
                         let h = g[pos as usize].to_f32() * dot(&xb[i * d..(i + 1) * d], wu);
-                        let row = &mut part[i * width..(i + 1) * width];
-                        axpy(h, wd, &mut row[..d]);
-                        row[d] += h.abs();
+                        axpy(h, wd, &mut part_rows[i * d..(i + 1) * d]);
+                        part_l1[i] += h.abs();
                     }
                 }
                 part
             })
             .collect();
-        let dst = &mut out[blk.rows.start * width..blk.rows.end * width];
+        let (out_rows, out_l1) = out.split_at_mut(m * d);
+        let n = blk.rows.len();
         for p in &partials {
-            add_assign(dst, p);
+            let (p_rows, p_l1) = p.split_at(n * d);
+            add_assign(&mut out_rows[blk.rows.start * d..blk.rows.end * d], p_rows);
+            add_assign(&mut out_l1[blk.rows.clone()], p_l1);
         }
     }
     out
@@ -193,8 +196,8 @@ pub struct T2dGrads {
 /// `(value position, ∂L/∂g)` pairs it found.
 type ChunkGrads = (Vec<f32>, Vec<(u32, f32)>);
 
-/// Backward of `forward`. `dout` is `[M, d + L1_COLUMNS]`: the output gradient, then
-/// the gradient of each token's L1 term (the padding's gradient is ignored).
+/// Backward of `forward`. `dout` is laid out as `forward`'s result: the `[M, d]` output
+/// gradient, then the gradient of each token's L1 term.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<T: Float>(
     pattern: &TwellPattern,
@@ -206,7 +209,7 @@ pub fn backward<T: Float>(
     d: usize,
 ) -> T2dGrads {
     let (m, f) = (pattern.rows(), pattern.cols());
-    let width = d + L1_COLUMNS;
+    let (dout_rows, dout_l1) = dout.split_at(m * d);
     let mut dx = vec![0f32; m * d];
     let mut dw_ud = vec![0f32; f * 2 * d];
     let fused = matches!(gate, GateGrad::Weights(_));
@@ -220,7 +223,8 @@ pub fn backward<T: Float>(
         let rows = start..(start + TOKEN_BLOCK).min(m);
         let blk = block_pairs(pattern, g, rows.clone());
         let xb = x_block(&x, &rows, d, &mut xs);
-        let db = &dout[rows.start * width..rows.end * width];
+        let db = &dout_rows[rows.start * d..rows.end * d];
+        let dl1 = &dout_l1[rows.clone()];
         let ranges = balanced_ranges(&blk.ptr, parts());
         let dw_parts = split_rows(&mut dw_ud, &ranges, 2 * d);
         let dwg_parts: Vec<Option<&mut [f32]>> = if fused {
@@ -256,12 +260,12 @@ pub fn backward<T: Float>(
                         for &(i, pos) in &blk.pairs[lo..hi] {
                             let i = i as usize;
                             let xi = &xb[i * d..(i + 1) * d];
-                            let di = &db[i * width..(i + 1) * width];
+                            let di = &db[i * d..(i + 1) * d];
                             let gv = g[pos as usize].to_f32();
                             let u = dot(xi, wu);
                             let h = gv * u;
-                            let dh = dot(&di[..d], wd) + di[d] * sign(h);
-                            axpy(h, &di[..d], dwd);
+                            let dh = dot(di, wd) + dl1[i] * sign(h);
+                            axpy(h, di, dwd);
                             let (du, dg) = (dh * gv, dh * u);
                             axpy(du, xi, dwu);
                             let dxi = &mut dx_part[i * d..(i + 1) * d];

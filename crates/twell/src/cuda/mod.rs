@@ -14,7 +14,7 @@ use half::bf16;
 
 use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
-use crate::ops::L1_COLUMNS;
+use crate::ops::mlp_result_len;
 
 mod twell_mlp_decode;
 use twell_mlp_decode::{twell_mlp_decode, use_fused_decode};
@@ -359,7 +359,8 @@ fn poison(dev: &CudaDevice, buf: &mut CudaSlice<bf16>) -> Result<()> {
 }
 
 /// The whole ReGLU MLP for `x [m, d]`, `wg [f, d]`, `w_ud [f, 2d]` (bf16):
-/// returns `[m, d + L1_COLUMNS]` (outputs, then each token's L1 term) and the counts,
+/// returns the result `[mlp_result_len(m, d)]` (the `[m, d]` outputs, then each token's
+/// L1 term) and the counts,
 /// plus, when `keep_for_backward`, what [`twell_mlp_backward`] needs.
 #[allow(clippy::too_many_arguments)]
 pub fn twell_mlp_forward(
@@ -406,10 +407,10 @@ pub fn twell_mlp_forward(
     };
 
     if use_fused_decode(m, d, keep_for_backward) {
-        let ld = d + L1_COLUMNS;
+        let len = mlp_result_len(m, d);
         // SAFETY: the kernel's last block writes every element; `poison` lets the
         // tests check that.
-        let mut out = unsafe { dev.alloc::<bf16>(ld)? };
+        let mut out = unsafe { dev.alloc::<bf16>(len)? };
         poison(&dev, &mut out)?;
         let counts = twell_mlp_decode(&dev, &xv, &wgv, &wudv, &mut out, &dims)?;
         let storage = CudaStorage::wrap_cuda_slice(out, dev);
@@ -417,7 +418,7 @@ pub fn twell_mlp_forward(
             counts,
             backward: None,
         };
-        return Ok((storage, Shape::from((m, ld)), activity));
+        return Ok((storage, Shape::from(len), activity));
     }
 
     let stream = dev.cuda_stream();
@@ -469,9 +470,9 @@ pub fn twell_mlp_forward(
     let no_u: u64 = 0;
     mark(&mut marks)?;
 
-    let ld = d + L1_COLUMNS;
+    let len = mlp_result_len(m, d);
     // SAFETY: the last kernel writes every element; `poison` lets the tests check that.
-    let mut out = unsafe { dev.alloc::<bf16>(m * ld)? };
+    let mut out = unsafe { dev.alloc::<bf16>(len)? };
     poison(&dev, &mut out)?;
     let decode = m <= decode_max_tokens();
     match (decode, row_vectors(d)) {
@@ -574,13 +575,13 @@ pub fn twell_mlp_forward(
                 )?;
                 let mut b = finish.builder();
                 b.arg(&acc).arg(&l1).arg(&mut out).arg(&m_i).arg(&d_i);
-                let blocks = (m * ld).div_ceil(BLOCK_THREADS as usize).min(4096) as u32;
+                let blocks = len.div_ceil(BLOCK_THREADS as usize).min(4096) as u32;
                 let cfg = LaunchConfig {
                     grid_dim: (blocks.max(1), 1, 1),
                     block_dim: (BLOCK_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                // SAFETY: grid-stride loop over m · ld elements.
+                // SAFETY: grid-stride loop over the `len` elements of `out`.
                 unsafe { b.launch(cfg) }.w()?;
             }
         }
@@ -600,11 +601,11 @@ pub fn twell_mlp_forward(
         g_slots,
         u_slots,
     });
-    Ok((storage, Shape::from((m, ld)), Activity { counts, backward }))
+    Ok((storage, Shape::from(len), Activity { counts, backward }))
 }
 
-/// Gradients of the TwELL MLP from the forward's pattern: `dres [m, d + L1_COLUMNS]`
-/// holds d(loss)/d(out) and, in column `d`, d(loss)/d(L1 term). Returns
+/// Gradients of the TwELL MLP from the forward's pattern: `dres [mlp_result_len(m, d)]`
+/// holds d(loss)/d(out) `[m, d]`, then d(loss)/d(L1 term) per token. Returns
 /// `(dx [m, d], d gate_proj [f, d], d w_ud [f, 2d])`, all bf16.
 ///
 /// The row kernels (`twell_mlp_bwd.cu`) scatter h, dg and du into dense `[m, f]`
@@ -626,12 +627,12 @@ pub fn twell_mlp_backward(
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     let (m, d) = xl.shape().dims2()?;
     let f = wl.shape().dims2()?.0;
-    let ld = d + L1_COLUMNS;
+    let len = mlp_result_len(m, d);
     let (tile, cap) = (config.tile(), config.capacity());
     let n_tiles = config.n_tiles(f);
-    if rl.shape().dims2()? != (m, ld) || cl.shape().dims2()? != (m, n_tiles) {
+    if rl.shape().dims() != [len] || cl.shape().dims2()? != (m, n_tiles) {
         return err(TwellError::Invalid(format!(
-            "twell-mlp backward: want dres [{m}, {ld}] and counts [{m}, {n_tiles}], got {:?} and {:?}",
+            "twell-mlp backward: want dres [{len}] and counts [{m}, {n_tiles}], got {:?} and {:?}",
             rl.shape(),
             cl.shape()
         )));
@@ -737,7 +738,8 @@ pub fn twell_mlp_backward(
         blas.gemm(weight_grad(d, d), &xv, &dg, &mut dwg).w()?;
         blas.gemm(weight_grad(d, 2 * d), &xv, &du, &mut dw_ud.slice_mut(0..))
             .w()?;
-        blas.gemm(weight_grad(ld, 2 * d), &rv, &h, &mut dw_ud.slice_mut(d..))
+        // dres's first m · d elements are d(loss)/d(out) as [m, d].
+        blas.gemm(weight_grad(d, 2 * d), &rv, &h, &mut dw_ud.slice_mut(d..))
             .w()?;
     }
     Ok((

@@ -14,7 +14,7 @@ use candle_core::{CudaDevice, Result};
 use half::bf16;
 
 use super::KernelDims;
-use crate::ops::L1_COLUMNS;
+use crate::ops::mlp_result_len;
 
 const TWELL_MLP_DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_decode.ptx"));
 
@@ -77,7 +77,7 @@ fn one_wave(dev: &CudaDevice, func: &CudaFunction) -> Result<u32> {
 /// Keyed by the stream, so two candle devices never share one.
 static SCRATCH: Mutex<Option<HashMap<usize, Scratch>>> = Mutex::new(None);
 
-/// Runs the fused MLP of the row `x [1, d]` into `out [1, d + L1_COLUMNS]` and
+/// Runs the fused MLP of the row `x [1, d]` into `out [mlp_result_len(1, d)]` and
 /// returns the `[1, n_tiles]` true nonzero counts.
 pub fn twell_mlp_decode(
     dev: &CudaDevice,
@@ -88,7 +88,7 @@ pub fn twell_mlp_decode(
     dims: &KernelDims,
 ) -> Result<CudaSlice<u32>> {
     let (d, f, n_tiles) = (dims.d as usize, dims.f as usize, dims.n_tiles as usize);
-    debug_assert_eq!(out.len(), d + L1_COLUMNS);
+    debug_assert_eq!(out.len(), mlp_result_len(1, d));
     let v = super::row_vectors(d).expect("use_fused_decode checked the hidden size");
     // SAFETY: the kernel's last block writes every count.
     let mut counts = unsafe { dev.alloc::<u32>(n_tiles)? };

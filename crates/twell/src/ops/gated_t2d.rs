@@ -1,6 +1,6 @@
 //! `gated_t2d`: the sparse up and down projections of a packed gate (gated T2D).
 
-use super::{Activity, L1_COLUMNS};
+use super::{mlp_result_len, Activity};
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
@@ -13,7 +13,8 @@ use crate::cpu::float::Rows;
 use crate::cpu::t2d::{self, GateGrad};
 use crate::format::{Twell, TwellPattern};
 
-/// The op behind [`gated_t2d`]: inputs `(gate values, x, w_ud)`, output `[M, d + L1_COLUMNS]`.
+/// The op behind [`gated_t2d`]: inputs `(gate values, x, w_ud)`, output
+/// `[mlp_result_len(M, d)]`.
 pub struct GatedT2d {
     pattern: Arc<TwellPattern>,
 }
@@ -37,10 +38,7 @@ impl CustomOp3 for GatedT2d {
         let x = Rows::new("x", xs, xl)?;
         let w_ud = Rows::new("w_ud", ws, wl)?;
         let out = with_values!(vs, vl, |g| t2d::forward(&self.pattern, g, x, w_ud, d));
-        Ok((
-            cpu_storage(out, x.dtype())?,
-            Shape::from((m, d + L1_COLUMNS)),
-        ))
+        Ok((cpu_storage(out, x.dtype())?, Shape::from(mlp_result_len(m, d))))
     }
 
     fn bwd(
@@ -118,6 +116,7 @@ pub fn gated_t2d(gate: &Twell, x: &Tensor, w_ud: &Tensor) -> Result<MlpOutput> {
             .apply_op3(&x.contiguous()?, &w_ud.contiguous()?, op)?;
     MlpOutput::split(
         joined,
+        (m, d),
         Activity::Host {
             pattern,
             gate: None,

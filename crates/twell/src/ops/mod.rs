@@ -5,10 +5,11 @@
 //! * [`twell_mlp`]: both fused, the whole ReGLU MLP;
 //! * [`causal_attention`]: fused causal attention for the model around the MLP.
 //!
-//! The ops that produce an MLP output return `[M, d + L1_COLUMNS]`: the output rows,
-//! then in column `d` each token's L1 term `Σ_j |h_j|` (the rest is padding that keeps
-//! GPU rows 16-byte aligned). Both come from the same pass,
-//! and both carry gradients, so the L1 penalty costs no extra sweep.
+//! The ops that produce an MLP output return one flat tensor of
+//! [`mlp_result_len`]`(M, d)` elements: the `[M, d]` output rows, then each token's L1
+//! term `Σ_j |h_j|` (a CustomOp has one output). Both come from the same pass, and both
+//! carry gradients, so the L1 penalty costs no extra sweep; the output rows stay
+//! contiguous, so a residual add or the next matmul reads them without a copy.
 //! Weights for up and down travel as one neuron-major matrix `w_ud [f, 2d]` whose
 //! row `j` is `[Wu_j | Wd_j]`: an active neuron's weights are one contiguous read.
 
@@ -27,15 +28,17 @@ pub use twell_mlp::{gate_screen, twell_mlp, twell_mlp_screened, TwellMlp};
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, DType, Device, Layout, Result, Storage, Tensor, D};
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Storage, Tensor};
 
 use crate::cpu::float::{is_value_dtype, Rows};
 use crate::error::{err, TwellError};
 use crate::format::TwellPattern;
 
-/// Columns after the `d` outputs of a sparse MLP op's result: column `d` holds the
-/// token's L1 term, the others pad each row to a multiple of 16 bytes.
-pub const L1_COLUMNS: usize = 8;
+/// Elements of a sparse MLP op's result for `m` tokens of `d` outputs: the `[m, d]`
+/// output rows, then the `m` L1 terms.
+pub fn mlp_result_len(m: usize, d: usize) -> usize {
+    m * (d + 1)
+}
 
 /// The output of a sparse MLP op.
 #[derive(Clone, Debug)]
@@ -55,41 +58,37 @@ pub struct MlpOutput {
     pub config: crate::format::TwellConfig,
     /// Neurons (d_ff).
     pub ffn: usize,
-    /// `[M, d + L1_COLUMNS]`, what `out` and `l1` are views of.
-    joined: Tensor,
 }
 
 impl MlpOutput {
+    /// Views of the op's flat result `[mlp_result_len(m, d)]`.
     fn split(
         joined: Tensor,
+        (m, d): (usize, usize),
         activity: Activity,
         config: crate::format::TwellConfig,
         ffn: usize,
     ) -> Result<Self> {
-        let d = joined.dim(D::Minus1)? - L1_COLUMNS;
         let (pattern, gate_values, counts) = match activity {
             Activity::Host { pattern, gate } => (Some(pattern), gate, None),
             Activity::Device { counts } => (None, None, Some(counts)),
         };
         Ok(Self {
-            out: joined.narrow(1, 0, d)?,
-            l1: joined.narrow(1, d, 1)?.squeeze(1)?,
+            out: joined.narrow(0, 0, m * d)?.reshape((m, d))?,
+            l1: joined.narrow(0, m * d, m)?,
             pattern,
             gate_values,
             counts,
             config,
             ffn,
-            joined,
         })
     }
 
-    /// `out` as `[lead.., d]` (the rows of `lead` multiplied out), a view: reshaping
-    /// `out` itself would copy it, as its rows are strided.
+    /// `out` as `[lead.., d]` (the rows of `lead` multiplied out), a view.
     pub fn out_with_lead(&self, lead: &[usize]) -> Result<Tensor> {
-        let d = self.out.dim(1)?;
         let mut dims = lead.to_vec();
-        dims.push(d + L1_COLUMNS);
-        self.joined.reshape(dims)?.narrow(lead.len(), 0, d)
+        dims.push(self.out.dim(1)?);
+        self.out.reshape(dims)
     }
 
     /// The per-(token, tile) nonzero counts, on the host.

@@ -4,7 +4,7 @@
 //! each token's L1 term. The pattern and gate values found in the forward pass are
 //! kept for the backward pass, so the gate GEMM runs once per training step.
 
-use super::{Activity, L1_COLUMNS};
+use super::{mlp_result_len, Activity};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
@@ -37,7 +37,8 @@ enum Saved {
     },
 }
 
-/// The op behind [`twell_mlp`]: inputs `(x, gate_proj, w_ud)`, output `[M, d + L1_COLUMNS]`.
+/// The op behind [`twell_mlp`]: inputs `(x, gate_proj, w_ud)`, output
+/// `[mlp_result_len(M, d)]`.
 pub struct TwellMlp {
     config: TwellConfig,
     /// An int8 screen of `gate_proj` for few-token host passes (see `cpu::screen`).
@@ -82,10 +83,7 @@ impl CustomOp3 for TwellMlp {
             pattern: Arc::new(pattern),
             gate: Arc::new(gate),
         });
-        Ok((
-            cpu_storage(out, x.dtype())?,
-            Shape::from((m, d + L1_COLUMNS)),
-        ))
+        Ok((cpu_storage(out, x.dtype())?, Shape::from(mlp_result_len(m, d))))
     }
 
     #[cfg(feature = "cuda")]
@@ -365,5 +363,5 @@ fn run(
         Some(Saved::Device { counts, .. }) => Activity::Device { counts },
         None => candle_core::bail!("twell-mlp: forward produced no pattern"),
     };
-    MlpOutput::split(joined, activity, config, f)
+    MlpOutput::split(joined, (m, d), activity, config, f)
 }
