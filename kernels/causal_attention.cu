@@ -5,9 +5,10 @@
 // Here the scores never leave registers (online softmax, as in FlashAttention), and both
 // products run on tensor cores (mma.sync m16n8k16, bf16 in, f32 sums; sm_80 and later):
 // a block of ATT_WARPS warps takes ATT_QUERIES queries, 16 per warp, and walks the keys
-// in tiles of ATT_KEYS staged through shared memory. A warp's scores S = Q Kᵀ come out
-// of the mma in the very register layout the next mma wants for P, so P V needs no
-// shuffle; V's fragments come from shared memory through ldmatrix.trans.
+// in tiles of ATT_KEYS, copied into shared memory with cp.async in two stages so the next
+// tile loads while this one is computed. A warp's scores S = Q Kᵀ come out of the mma in
+// the very register layout the next mma wants for P, so P V needs no shuffle; K's and
+// V's fragments come from shared memory through ldmatrix (V transposed).
 //
 // Query i sits at absolute position past + i and attends keys 0 ..= past + i (past = T - t:
 // the KV cache before this call). Grouped-query attention: head h reads KV head
@@ -23,7 +24,7 @@
 // threads.
 #include "twell_common.cuh"
 
-#define ATT_WARPS 4
+#define ATT_WARPS 8
 #define ATT_QUERIES (16 * ATT_WARPS)
 #define ATT_KEYS 64
 // exp(x) = exp2(x · log2 e): the scale folds it in once.
@@ -61,6 +62,34 @@ __device__ __forceinline__ long long out_row(int bi, int hi, int ti, int heads, 
     return ((static_cast<long long>(bi) * t + ti) * heads + hi) * hd;
 }
 
+// Four 8 x 8 bf16 matrices from shared memory, as stored: r[i] is this lane's pair of
+// matrix i, row-wise.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const __nv_bfloat16* row) {
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// 16 bytes global -> shared without passing through registers; `valid` false writes zeros.
+__device__ __forceinline__ void copy16_async(__nv_bfloat16* dst, const __nv_bfloat16* src, bool valid) {
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// 2^x on the special-function unit (2^-inf = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Two floats as one bf16 pair, the first in the low half (the lower column of a fragment).
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -76,13 +105,15 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
                        __nv_bfloat16* __restrict__ out,      // [b, t, heads, HD]
                        int heads, int kv_heads, int t, int T, float scale, Strides qs, Strides kst,
                        Strides vst) {
-    // Rows padded by 16 bytes: the 8 keys a fragment load touches fall in distinct banks.
+    // Rows padded by 16 bytes: the 8 rows one ldmatrix phase reads fall in distinct banks.
     constexpr int STRIDE = HD + 8;
     constexpr int KSTEPS = HD / 16;      // mma k-steps over the head dims (S = Q Kᵀ)
     constexpr int DIM_TILES = HD / 8;    // mma n-tiles over the head dims (O = P V)
     constexpr int KEY_TILES = ATT_KEYS / 8;
-    __shared__ __align__(16) __nv_bfloat16 ks[ATT_KEYS][STRIDE];
-    __shared__ __align__(16) __nv_bfloat16 vs[ATT_KEYS][STRIDE];
+    constexpr int CHUNKS = ATT_KEYS * HD / VEC;  // 16-byte pieces of one K (or V) tile
+    // Two stages: the next tile's copies fly while this one is computed.
+    __shared__ __align__(16) __nv_bfloat16 ks[2][ATT_KEYS][STRIDE];
+    __shared__ __align__(16) __nv_bfloat16 vs[2][ATT_KEYS][STRIDE];
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (heads / kv_heads);
     const int past = T - t;
@@ -93,6 +124,21 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
     const int wq0 = q0 + warp * 16;
     const int row0 = wq0 + g, row1 = row0 + 8;  // the two query rows of this lane
     const int pos0 = past + row0, pos1 = past + row1;
+
+    // Keys past T are zeros: their scores are masked, and a zero V keeps 0 · V finite.
+    auto stage = [&](int buf, int k0) {
+        for (int idx = threadIdx.x; idx < CHUNKS; idx += blockDim.x) {
+            const int r = idx / (HD / VEC), col = (idx % (HD / VEC)) * VEC;
+            const bool valid = k0 + r < T;
+            const int key = valid ? k0 + r : 0;
+            copy16_async(&ks[buf][r][col], k + kst.row(b, kvh, key) + col, valid);
+            copy16_async(&vs[buf][r][col], v + vst.row(b, kvh, key) + col, valid);
+        }
+        async_commit();
+    };
+    const int block_last = past + min(q0 + ATT_QUERIES, t) - 1;  // the furthest key of the block
+    const int warp_last = past + min(wq0 + 15, t - 1);            // ... and of this warp
+    stage(0, 0);
 
     uint32_t qa[KSTEPS][4];
 #pragma unroll
@@ -111,88 +157,87 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
     const float scale_log2 = scale * LOG2_E;
 
-    const int block_last = past + min(q0 + ATT_QUERIES, t) - 1;  // the furthest key of the block
-    const int warp_last = past + min(wq0 + 15, t - 1);            // ... and of this warp
-    for (int k0 = 0; k0 <= block_last; k0 += ATT_KEYS) {
-        __syncthreads();
-        // Keys past T are zeros: their scores are masked, and a zero V keeps 0 · V finite.
-        for (int idx = threadIdx.x; idx < ATT_KEYS * HD / VEC; idx += blockDim.x) {
-            const int r = idx / (HD / VEC), col = (idx % (HD / VEC)) * VEC;
-            uint4 kr = make_uint4(0u, 0u, 0u, 0u), vr = kr;
-            if (k0 + r < T) {
-                kr = *reinterpret_cast<const uint4*>(k + kst.row(b, kvh, k0 + r) + col);
-                vr = *reinterpret_cast<const uint4*>(v + vst.row(b, kvh, k0 + r) + col);
-            }
-            *reinterpret_cast<uint4*>(&ks[r][col]) = kr;
-            *reinterpret_cast<uint4*>(&vs[r][col]) = vr;
+    for (int k0 = 0, buf = 0; k0 <= block_last; k0 += ATT_KEYS, buf ^= 1) {
+        // The other stage was read in the previous step, finished before its closing sync.
+        if (k0 + ATT_KEYS <= block_last) {
+            stage(buf ^ 1, k0 + ATT_KEYS);
+            async_wait<1>();  // this stage's copies have landed, the next may fly
+        } else {
+            async_wait<0>();
         }
-        __syncthreads();
-        if (wq0 >= t || k0 > warp_last) continue;  // the same in every lane of the warp
-
-        float s[KEY_TILES][4];
+        __syncthreads();  // ... everyone's
+        if (wq0 < t && k0 <= warp_last) {  // the same in every lane of the warp
+            float s[KEY_TILES][4];
 #pragma unroll
-        for (int n = 0; n < KEY_TILES; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            for (int n = 0; n < KEY_TILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; ++kk) {
-                const __nv_bfloat16* kr = &ks[n * 8 + g][kk * 16 + 2 * c];
-                mma_16816(s[n], qa[kk], load_pair(kr), load_pair(kr + 8));
+#pragma unroll
+                for (int np = 0; np < KEY_TILES / 2; ++np) {
+                    // Matrices: keys of tiles 2np and 2np + 1, dims kk·16 and kk·16 + 8.
+                    uint32_t kb[4];
+                    ldmatrix_x4(kb, &ks[buf][(2 * np + (lane >> 4)) * 8 + (lane & 7)][kk * 16 + ((lane >> 3) & 1) * 8]);
+                    mma_16816(s[2 * np], qa[kk], kb[0], kb[1]);
+                    mma_16816(s[2 * np + 1], qa[kk], kb[2], kb[3]);
+                }
+            }
+            // Scale, and mask the keys after each row where the tile crosses the diagonal.
+            const bool crosses = k0 + ATT_KEYS - 1 > past + wq0;
+            float mx0 = m0, mx1 = m1;
+#pragma unroll
+            for (int n = 0; n < KEY_TILES; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + n * 8 + 2 * c + (e & 1);
+                    float x = s[n][e] * scale_log2;
+                    if (crosses && key > (e < 2 ? pos0 : pos1)) x = -INFINITY;
+                    s[n][e] = x;
+                }
+                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+            }
+            // A row's four lanes share it; every live row has seen key 0, so the maxima
+            // are finite.
+            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
+            const float corr0 = fast_exp2(m0 - mx0), corr1 = fast_exp2(m1 - mx1);  // 0 at first
+            m0 = mx0;
+            m1 = mx1;
+            l0 *= corr0;
+            l1 *= corr1;
+#pragma unroll
+            for (int n = 0; n < DIM_TILES; ++n) {
+                o[n][0] *= corr0;
+                o[n][1] *= corr0;
+                o[n][2] *= corr1;
+                o[n][3] *= corr1;
+            }
+            // P in bf16: key tiles 2kk and 2kk + 1 are the two halves of k-step kk's A fragment.
+            uint32_t pa[ATT_KEYS / 16][4];
+#pragma unroll
+            for (int n = 0; n < KEY_TILES; ++n) {
+                const float p0 = fast_exp2(s[n][0] - m0), p1 = fast_exp2(s[n][1] - m0);
+                const float p2 = fast_exp2(s[n][2] - m1), p3 = fast_exp2(s[n][3] - m1);
+                l0 += p0 + p1;
+                l1 += p2 + p3;
+                pa[n / 2][(n % 2) * 2] = pack_bf16(p0, p1);
+                pa[n / 2][(n % 2) * 2 + 1] = pack_bf16(p2, p3);
+            }
+#pragma unroll
+            for (int kk = 0; kk < ATT_KEYS / 16; ++kk) {
+#pragma unroll
+                for (int np = 0; np < HD / 16; ++np) {
+                    // Matrices: keys 0-7 and 8-15 of the k-step, at dims np·16 and np·16 + 8.
+                    uint32_t bv[4];
+                    ldmatrix_x4_trans(bv, &vs[buf][kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][np * 16 + (lane >> 4) * 8]);
+                    mma_16816(o[2 * np], pa[kk], bv[0], bv[1]);
+                    mma_16816(o[2 * np + 1], pa[kk], bv[2], bv[3]);
+                }
             }
         }
-        // Scale, and mask the keys after each row where the tile crosses the diagonal.
-        const bool crosses = k0 + ATT_KEYS - 1 > past + wq0;
-        float mx0 = m0, mx1 = m1;
-#pragma unroll
-        for (int n = 0; n < KEY_TILES; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + n * 8 + 2 * c + (e & 1);
-                float x = s[n][e] * scale_log2;
-                if (crosses && key > (e < 2 ? pos0 : pos1)) x = -INFINITY;
-                s[n][e] = x;
-            }
-            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-        }
-        // A row's four lanes share it; every live row has seen key 0, so the maxima are finite.
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
-        const float corr0 = exp2f(m0 - mx0), corr1 = exp2f(m1 - mx1);  // 0 on the first tile
-        m0 = mx0;
-        m1 = mx1;
-        l0 *= corr0;
-        l1 *= corr1;
-#pragma unroll
-        for (int n = 0; n < DIM_TILES; ++n) {
-            o[n][0] *= corr0;
-            o[n][1] *= corr0;
-            o[n][2] *= corr1;
-            o[n][3] *= corr1;
-        }
-        // P in bf16: key tiles 2kk and 2kk + 1 are the two halves of k-step kk's A fragment.
-        uint32_t pa[ATT_KEYS / 16][4];
-#pragma unroll
-        for (int n = 0; n < KEY_TILES; ++n) {
-            const float p0 = exp2f(s[n][0] - m0), p1 = exp2f(s[n][1] - m0);
-            const float p2 = exp2f(s[n][2] - m1), p3 = exp2f(s[n][3] - m1);
-            l0 += p0 + p1;
-            l1 += p2 + p3;
-            pa[n / 2][(n % 2) * 2] = pack_bf16(p0, p1);
-            pa[n / 2][(n % 2) * 2 + 1] = pack_bf16(p2, p3);
-        }
-#pragma unroll
-        for (int kk = 0; kk < ATT_KEYS / 16; ++kk) {
-#pragma unroll
-            for (int np = 0; np < HD / 16; ++np) {
-                // Matrices: keys 0-7 and 8-15 of the k-step, at dims np·16 and np·16 + 8.
-                uint32_t bv[4];
-                ldmatrix_x4_trans(bv, &vs[kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][np * 16 + (lane >> 4) * 8]);
-                mma_16816(o[2 * np], pa[kk], bv[0], bv[1]);
-                mma_16816(o[2 * np + 1], pa[kk], bv[2], bv[3]);
-            }
-        }
+        __syncthreads();  // this stage is read; the next step may refill it
     }
     l0 += __shfl_xor_sync(FULL_MASK, l0, 1);
     l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
@@ -212,7 +257,7 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
 }
 
 #define ATTEND_KERNEL(HD)                                                                         \
-    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) causal_attention_bf16_hd##HD(    \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) causal_attention_bf16_hd##HD( \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                 \
         const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,          \
         int kv_heads, int t, int T, float scale, Strides qs, Strides ks, Strides vs) {            \

@@ -750,9 +750,9 @@ pub fn twell_mlp_backward(
 }
 
 /// Queries per block of the attention kernel (`ATT_QUERIES` in the .cu), 16 per warp.
-const ATTENTION_QUERIES: usize = 64;
+const ATTENTION_QUERIES: usize = 128;
 /// Threads per block of the attention kernel (`ATT_WARPS` warps).
-const ATTENTION_THREADS: u32 = 128;
+const ATTENTION_THREADS: u32 = 256;
 /// Threads per (batch, head) of the one-query attention kernel (`DECODE_THREADS`).
 const ATTENTION_DECODE_THREADS: u32 = 256;
 
