@@ -21,6 +21,7 @@ fn main() {
         "twell_mlp_bwd",
         "twell_mlp_decode",
         "causal_attention",
+        "add_rms_norm",
     ] {
         let src = kernels.join(format!("{name}.cu"));
         let ptx = out.join(format!("{name}.ptx"));

@@ -263,6 +263,11 @@ impl Norm {
             Pass::Train => candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps as f32),
         }
     }
+
+    /// Inference: `(x + y, norm(x + y))`, one kernel on CUDA.
+    fn add_forward(&self, x: &Tensor, y: &Tensor) -> Result<(Tensor, Tensor)> {
+        twell::ops::add_rms_norm(x, y, &self.weight, self.eps)
+    }
 }
 
 #[derive(Debug)]
@@ -395,28 +400,43 @@ impl Llama {
             }
         };
         let mut l1 = Vec::new();
+        // Inference fuses each residual add with the norm after it (`add_rms_norm`), so
+        // `h` (the next sublayer's normalised input) is carried from one step to the next.
+        let mut h = match self.blocks.first() {
+            Some(block) => block.input_layernorm.forward(&x, pass)?,
+            None => return Ok((self.norm.forward(&x, pass)?, l1)),
+        };
         for (i, block) in self.blocks.iter().enumerate() {
             let kv = match cache.as_deref_mut() {
                 Some(c) if c.use_kv_cache => Some(&mut c.kvs[i]),
                 _ => None,
             };
-            let h = block.input_layernorm.forward(&x, pass)?;
-            x = (block
+            let attn = block
                 .self_attn
-                .forward(&h, &cos, &sin, mask.as_ref(), kv, pass)?
-                + &x)?;
-            let h = block.post_attention_layernorm.forward(&x, pass)?;
-            let mlp_out = match pass {
-                Pass::Train => {
-                    let (out, l1_tokens) = block.mlp.forward_with_l1(&h)?;
-                    l1.push(l1_tokens.to_dtype(DType::F32)?.mean_all()?);
-                    out
-                }
-                Pass::Inference => block.mlp.forward(&h)?,
+                .forward(&h, &cos, &sin, mask.as_ref(), kv, pass)?;
+            // The norm of the next sublayer: this block's MLP, then the next block's
+            // attention (or the final norm).
+            let next = match self.blocks.get(i + 1) {
+                Some(b) => &b.input_layernorm,
+                None => &self.norm,
             };
-            x = (mlp_out + &x)?;
+            match pass {
+                Pass::Train => {
+                    x = (attn + &x)?;
+                    let hm = block.post_attention_layernorm.forward(&x, pass)?;
+                    let (out, l1_tokens) = block.mlp.forward_with_l1(&hm)?;
+                    l1.push(l1_tokens.to_dtype(DType::F32)?.mean_all()?);
+                    x = (out + &x)?;
+                    h = next.forward(&x, pass)?;
+                }
+                Pass::Inference => {
+                    let (sum, hm) = block.post_attention_layernorm.add_forward(&x, &attn)?;
+                    let out = block.mlp.forward(&hm)?;
+                    (x, h) = next.add_forward(&sum, &out)?;
+                }
+            }
         }
-        Ok((self.norm.forward(&x, pass)?, l1))
+        Ok((h, l1))
     }
 
     /// Logits of the last position, `[b, vocab]` in f32 (as candle-transformers).

@@ -214,7 +214,7 @@ fn check_attention(
 }
 
 /// A whole random Llama (hd 64, grouped-query heads) through the inference path
-/// (fused attention, fused norm and rope, KV cache across two chunks) against its
+/// (fused attention, fused residual add + norm, rope, KV cache across two chunks) against its
 /// training path (plain ops) on the same tokens: relative L2 error of the logits.
 fn check_model_attention(dev: &Device) -> Result<f64> {
     use sparse_llama::{synthetic, Cache, Llama};
@@ -242,10 +242,45 @@ fn check_model_attention(dev: &Device) -> Result<f64> {
 }
 
 #[derive(Serialize, Debug)]
+struct NormResult {
+    /// `(M, d)`.
+    dims: (usize, usize),
+    /// The sums against candle's add (bit-exact expected) and the normalised rows
+    /// against candle's `rms_norm` of them.
+    sum_err: f64,
+    norm_err: f64,
+    on_device: bool,
+    pass: bool,
+}
+
+/// The fused residual add + RMS norm (bf16) against candle's two ops on the GPU.
+fn check_add_rms_norm(dev: &Device, (m, d): (usize, usize), seed: u64) -> Result<NormResult> {
+    dev.set_seed(seed)?;
+    let x = Tensor::randn(0f32, 1.0, (m, d), dev)?.to_dtype(DType::BF16)?;
+    let y = Tensor::randn(0f32, 1.0, (m, d), dev)?.to_dtype(DType::BF16)?;
+    let alpha = Tensor::randn(1f32, 0.1, d, dev)?.to_dtype(DType::BF16)?;
+    let eps = 1e-5;
+    let both = x.apply_op3_no_bwd(&y, &alpha, &twell::ops::AddRmsNorm::new(eps))?;
+    let on_device = both.device().is_cuda();
+    let sum = (&x + &y)?;
+    let normed = candle_nn::ops::rms_norm(&sum, &alpha, eps as f32)?;
+    let sum_err = rel_l2(&both.get(0)?, &sum)?;
+    let norm_err = rel_l2(&both.get(1)?, &normed)?;
+    Ok(NormResult {
+        dims: (m, d),
+        sum_err,
+        norm_err,
+        on_device,
+        pass: on_device && sum_err == 0.0 && norm_err < TOLERANCE,
+    })
+}
+
+#[derive(Serialize, Debug)]
 struct Report {
     forward: Vec<CaseResult>,
     backward: Vec<BackwardResult>,
     attention: Vec<AttentionResult>,
+    add_rms_norm: Vec<NormResult>,
     model_attention_err: f64,
 }
 
@@ -354,6 +389,18 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         attention.push(r);
     }
+    let mut add_rms_norm = Vec::new();
+    for (k, &dims) in [(1, 576), (7, 2048), (4096, 2048), (3, 8192)].iter().enumerate() {
+        let r = check_add_rms_norm(&dev, dims, 950 + k as u64)?;
+        println!(
+            "add_rms_norm (M, d) = {:?}: sum rel err {:.2e}, norm rel err {:.2e} {}",
+            r.dims,
+            r.sum_err,
+            r.norm_err,
+            if r.pass { "ok" } else { "FAIL" }
+        );
+        add_rms_norm.push(r);
+    }
     let model_attention_err = check_model_attention(&dev)?;
     let model_ok = model_attention_err < TOLERANCE;
     println!(
@@ -364,13 +411,15 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
     let failed = results.iter().filter(|r| !r.pass).count()
         + backward.iter().filter(|r| !r.pass).count()
         + attention.iter().filter(|r| !r.pass).count()
+        + add_rms_norm.iter().filter(|r| !r.pass).count()
         + usize::from(!model_ok);
-    let total = results.len() + backward.len() + attention.len() + 1;
+    let total = results.len() + backward.len() + attention.len() + add_rms_norm.len() + 1;
     if let Some(path) = &args.json {
         let report = Report {
             forward: results,
             backward,
             attention,
+            add_rms_norm,
             model_attention_err,
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;

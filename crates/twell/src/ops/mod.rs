@@ -3,7 +3,8 @@
 //! * [`gate_pack`]: `relu(x · Wgᵀ)` packed to TwELL (the D2T step);
 //! * [`gated_t2d`]: the sparse up and down projections of a packed gate;
 //! * [`twell_mlp`]: both fused, the whole ReGLU MLP;
-//! * [`causal_attention`]: fused causal attention for the model around the MLP.
+//! * [`causal_attention`]: fused causal attention for the model around the MLP;
+//! * [`add_rms_norm`]: the residual add and the RMS norm after it, for the same model.
 //!
 //! The ops that produce an MLP output return one flat tensor of
 //! [`mlp_result_len`]`(M, d)` elements: the `[M, d]` output rows, then each token's L1
@@ -13,11 +14,13 @@
 //! Weights for up and down travel as one neuron-major matrix `w_ud [f, 2d]` whose
 //! row `j` is `[Wu_j | Wd_j]`: an active neuron's weights are one contiguous read.
 
+mod add_rms_norm;
 mod causal_attention;
 mod gate_pack;
 mod gated_t2d;
 mod twell_mlp;
 
+pub use add_rms_norm::{add_rms_norm, AddRmsNorm};
 pub use causal_attention::{
     causal_attention, causal_attention_reference, fused_on_device, CausalAttention,
     CUDA_DECODE_MAX_KEYS, CUDA_HEAD_DIMS,

@@ -1,0 +1,62 @@
+//! Launcher of `kernels/add_rms_norm.cu`: the residual add and the RMS norm after it.
+
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaStorage, Layout, Result};
+use half::bf16;
+
+use super::bf16_view;
+use crate::error::{err, TwellError};
+
+const ADD_RMS_NORM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/add_rms_norm.ptx"));
+
+/// Threads per row (`NORM_THREADS` in the .cu).
+const NORM_THREADS: u32 = 256;
+/// Widest row the kernel keeps in registers (`NORM_MAX_VECS` 16-byte vectors a thread).
+pub const MAX_HIDDEN: usize = 256 * 4 * 8;
+
+/// `x, y [m, d]` and `alpha [d]` (bf16, contiguous, `d % 8 == 0`, `d <= MAX_HIDDEN`):
+/// returns `[2, m, d]`, the sums `x + y` then the normalised sums.
+pub fn add_rms_norm(
+    x: &CudaStorage,
+    xl: &Layout,
+    y: &CudaStorage,
+    yl: &Layout,
+    alpha: &CudaStorage,
+    al: &Layout,
+    eps: f32,
+) -> Result<CudaStorage> {
+    let (m, d) = xl.shape().dims2()?;
+    if d % 8 != 0 || d > MAX_HIDDEN || m > i32::MAX as usize {
+        return err(TwellError::Invalid(format!(
+            "add_rms_norm on CUDA takes hidden % 8 == 0 and <= {MAX_HIDDEN}, got [{m}, {d}]"
+        )));
+    }
+    let (xv, yv, av) = (
+        bf16_view("x", x, xl)?,
+        bf16_view("y", y, yl)?,
+        bf16_view("alpha", alpha, al)?,
+    );
+    let dev = x.device().clone();
+    // SAFETY: the kernel writes both halves of every row.
+    let mut out = unsafe { dev.alloc::<bf16>(2 * m * d)? };
+    let func = dev.get_or_load_custom_func("add_rms_norm_bf16", "add_rms_norm", ADD_RMS_NORM_PTX)?;
+    let (m_i, d_i) = (m as i32, d as i32);
+    let mut b = func.builder();
+    b.arg(&xv)
+        .arg(&yv)
+        .arg(&av)
+        .arg(&mut out)
+        .arg(&m_i)
+        .arg(&d_i)
+        .arg(&eps);
+    let cfg = LaunchConfig {
+        grid_dim: (m as u32, 1, 1),
+        block_dim: (NORM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: a block per row, columns bounded by d; shapes checked above.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}

@@ -1,0 +1,163 @@
+//! `add_rms_norm`: a residual add and the RMS norm that follows it, as one op.
+//!
+//! Each sublayer of a Llama block ends in `x = x + y` and the next begins with
+//! `rms_norm(x)`. As two candle ops that is two launches and two passes over `[M, d]`; at
+//! one token per step (decode) the launches are the cost, at prefill sizes the passes.
+//! The CUDA kernel (`kernels/add_rms_norm.cu`) does both in one pass. Forward only: the
+//! training path keeps candle's differentiable ops.
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::cpu::float::Rows;
+use crate::error::{err, TwellError};
+
+/// The op behind [`add_rms_norm`]: inputs `(x [M, d], y [M, d], alpha [d])`, output
+/// `[2, M, d]` (the sums, then the normalised sums). It runs on the CPU too, so tests can
+/// hold it against candle's ops.
+pub struct AddRmsNorm {
+    eps: f32,
+}
+
+impl AddRmsNorm {
+    pub fn new(eps: f64) -> Self {
+        Self { eps: eps as f32 }
+    }
+}
+
+/// `(M, d)` of a call, checked.
+fn dims(x: &Layout, y: &Layout, alpha: &Layout) -> Result<(usize, usize)> {
+    let (m, d) = x.shape().dims2()?;
+    if y.dims() != x.dims() || alpha.dims() != [d] {
+        return err(TwellError::ShapeMismatch {
+            what: "add_rms_norm",
+            detail: format!(
+                "x {:?}, y {:?}, alpha {:?}: want y like x and alpha [{d}]",
+                x.dims(),
+                y.dims(),
+                alpha.dims()
+            ),
+        });
+    }
+    Ok((m, d))
+}
+
+/// `v` as the dtype would store it.
+fn round_to(dtype: DType, v: f32) -> f32 {
+    match dtype {
+        DType::BF16 => half::bf16::from_f32(v).to_f32(),
+        DType::F16 => half::f16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
+impl CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ys: &CpuStorage,
+        yl: &Layout,
+        als: &CpuStorage,
+        al: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, d) = dims(xl, yl, al)?;
+        let x = Rows::new("x", xs, xl)?;
+        let dtype = x.dtype();
+        let (x, y, alpha) = (
+            x.to_f32_vec(),
+            Rows::new("y", ys, yl)?.to_f32_vec(),
+            Rows::new("alpha", als, al)?.to_f32_vec(),
+        );
+        let mut out = vec![0f32; 2 * m * d];
+        let (sums, normed) = out.split_at_mut(m * d);
+        sums.par_chunks_mut(d)
+            .zip(normed.par_chunks_mut(d))
+            .enumerate()
+            .for_each(|(row, (s, n))| {
+                let base = row * d;
+                for (k, v) in s.iter_mut().enumerate() {
+                    *v = round_to(dtype, x[base + k] + y[base + k]);
+                }
+                let mean = s.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                let scale = 1.0 / (mean + self.eps).sqrt();
+                for ((o, v), a) in n.iter_mut().zip(s.iter()).zip(&alpha) {
+                    *o = scale * v * a;
+                }
+            });
+        Ok((
+            crate::cpu::float::storage_from_f32(out, dtype)?,
+            Shape::from((2, m, d)),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ys: &candle_core::CudaStorage,
+        yl: &Layout,
+        als: &candle_core::CudaStorage,
+        al: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (m, d) = dims(xl, yl, al)?;
+        let out = crate::cuda::add_rms_norm(xs, xl, ys, yl, als, al, self.eps)?;
+        Ok((out, Shape::from((2, m, d))))
+    }
+}
+
+/// `(x + y, rms_norm(x + y) · alpha)` for `x, y [.., d]` and `alpha [d]`, as a Llama
+/// block's residual add and the norm after it compute them (the sum rounded to the
+/// dtype before it is normalised). On CUDA in bf16 one kernel does both (hidden sizes
+/// up to 8,192, a multiple of 8); elsewhere candle's ops. Not differentiable.
+pub fn add_rms_norm(x: &Tensor, y: &Tensor, alpha: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    if x.dtype() != y.dtype() || x.dtype() != alpha.dtype() {
+        return err(TwellError::Invalid(format!(
+            "add_rms_norm: x, y, alpha must share a dtype, got {:?}, {:?}, {:?}",
+            x.dtype(),
+            y.dtype(),
+            alpha.dtype()
+        )));
+    }
+    if x.dims() != y.dims() {
+        return err(TwellError::ShapeMismatch {
+            what: "add_rms_norm",
+            detail: format!("x is {:?}, y is {:?}", x.dims(), y.dims()),
+        });
+    }
+    let dims = x.dims().to_vec();
+    let d = *dims.last().unwrap_or(&0);
+    if !fused_on_device(x) || d % 8 != 0 || d == 0 {
+        let sum = (x + y)?;
+        let normed = candle_nn::ops::rms_norm(&sum, alpha, eps as f32)?;
+        return Ok((sum, normed));
+    }
+    let op = AddRmsNorm::new(eps);
+    let both = x.reshape(((), d))?.contiguous()?.apply_op3_no_bwd(
+        &y.reshape(((), d))?.contiguous()?,
+        &alpha.contiguous()?,
+        &op,
+    )?;
+    Ok((both.get(0)?.reshape(dims.clone())?, both.get(1)?.reshape(dims)?))
+}
+
+/// Whether [`add_rms_norm`] runs its CUDA kernel for `x`: a CUDA tensor in bf16 whose
+/// rows fit the kernel.
+fn fused_on_device(x: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        x.device().is_cuda()
+            && x.dtype() == DType::BF16
+            && x.dims().last().is_some_and(|&d| d <= crate::cuda::ADD_RMS_NORM_MAX_HIDDEN)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        false
+    }
+}

@@ -1,0 +1,72 @@
+//! The fused residual add + RMS norm against the two candle ops it replaces, and its
+//! bad-input errors.
+
+use candle_core::{DType, Device, Tensor};
+use twell::ops::{add_rms_norm, AddRmsNorm};
+
+fn random(shape: (usize, usize), seed: u64) -> Tensor {
+    let values: Vec<f32> = (0..shape.0 * shape.1)
+        .map(|i| {
+            let x = (i as u64 + 1)
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(seed);
+            ((x >> 33) as f32 / (1u64 << 31) as f32) * 4.0 - 2.0
+        })
+        .collect();
+    Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+}
+
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    twell::compare::rel_l2(a, b).unwrap()
+}
+
+#[test]
+fn op_matches_add_then_rms_norm() {
+    // (M, d): one token, odd token counts, hidden sizes of the default model and others.
+    for (k, &(m, d)) in [(1, 8), (1, 576), (7, 64), (33, 576), (5, 2048)].iter().enumerate() {
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+            let seed = 10 * k as u64;
+            let x = random((m, d), seed).to_dtype(dtype).unwrap();
+            let y = random((m, d), seed + 1).to_dtype(dtype).unwrap();
+            let alpha = random((1, d), seed + 2).squeeze(0).unwrap().to_dtype(dtype).unwrap();
+            let eps = 1e-5;
+            let both = x
+                .apply_op3_no_bwd(&y, &alpha, &AddRmsNorm::new(eps))
+                .unwrap();
+            assert_eq!(both.dims(), &[2, m, d]);
+            let sum = (&x + &y).unwrap();
+            let normed = candle_nn::ops::rms_norm(&sum, &alpha, eps as f32).unwrap();
+            // The sum is what candle's add stores, to the bit.
+            let got = both.get(0).unwrap().to_dtype(DType::F32).unwrap();
+            let want = sum.to_dtype(DType::F32).unwrap();
+            assert_eq!(got.to_vec2::<f32>().unwrap(), want.to_vec2::<f32>().unwrap());
+            let err = rel_err(&both.get(1).unwrap(), &normed);
+            assert!(err < tol, "({m}, {d}) {dtype:?}: rel err {err:.2e}");
+            // The public function keeps the leading dims.
+            let x3 = x.reshape((1, m, d)).unwrap();
+            let y3 = y.reshape((1, m, d)).unwrap();
+            let (s3, n3) = add_rms_norm(&x3, &y3, &alpha, eps).unwrap();
+            assert_eq!(s3.dims(), &[1, m, d]);
+            assert!(rel_err(&n3.squeeze(0).unwrap(), &normed) < tol);
+        }
+    }
+}
+
+#[test]
+fn bad_shapes_and_dtypes_are_rejected() {
+    let x = random((3, 16), 1);
+    let alpha = random((1, 16), 2).squeeze(0).unwrap();
+    let short = random((3, 8), 3);
+    let err = add_rms_norm(&x, &short, &alpha, 1e-5).unwrap_err().to_string();
+    assert!(err.contains("add_rms_norm"), "{err}");
+    let err = add_rms_norm(&x, &x.to_dtype(DType::BF16).unwrap(), &alpha, 1e-5)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("dtype"), "{err}");
+    let wrong_alpha = random((1, 8), 4).squeeze(0).unwrap();
+    let err = x
+        .apply_op3_no_bwd(&x, &wrong_alpha, &AddRmsNorm::new(1e-5))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("alpha"), "{err}");
+}
