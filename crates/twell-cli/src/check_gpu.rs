@@ -390,7 +390,10 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         attention.push(r);
     }
     let mut add_rms_norm = Vec::new();
-    for (k, &dims) in [(1, 576), (7, 2048), (4096, 2048), (3, 8192)].iter().enumerate() {
+    for (k, &dims) in [(1, 576), (7, 2048), (4096, 2048), (3, 8192)]
+        .iter()
+        .enumerate()
+    {
         let r = check_add_rms_norm(&dev, dims, 950 + k as u64)?;
         println!(
             "add_rms_norm (M, d) = {:?}: sum rel err {:.2e}, norm rel err {:.2e} {}",

@@ -23,12 +23,19 @@ fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
 #[test]
 fn op_matches_add_then_rms_norm() {
     // (M, d): one token, odd token counts, hidden sizes of the default model and others.
-    for (k, &(m, d)) in [(1, 8), (1, 576), (7, 64), (33, 576), (5, 2048)].iter().enumerate() {
+    for (k, &(m, d)) in [(1, 8), (1, 576), (7, 64), (33, 576), (5, 2048)]
+        .iter()
+        .enumerate()
+    {
         for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
             let seed = 10 * k as u64;
             let x = random((m, d), seed).to_dtype(dtype).unwrap();
             let y = random((m, d), seed + 1).to_dtype(dtype).unwrap();
-            let alpha = random((1, d), seed + 2).squeeze(0).unwrap().to_dtype(dtype).unwrap();
+            let alpha = random((1, d), seed + 2)
+                .squeeze(0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
             let eps = 1e-5;
             let both = x
                 .apply_op3_no_bwd(&y, &alpha, &AddRmsNorm::new(eps))
@@ -39,7 +46,10 @@ fn op_matches_add_then_rms_norm() {
             // The sum is what candle's add stores, to the bit.
             let got = both.get(0).unwrap().to_dtype(DType::F32).unwrap();
             let want = sum.to_dtype(DType::F32).unwrap();
-            assert_eq!(got.to_vec2::<f32>().unwrap(), want.to_vec2::<f32>().unwrap());
+            assert_eq!(
+                got.to_vec2::<f32>().unwrap(),
+                want.to_vec2::<f32>().unwrap()
+            );
             let err = rel_err(&both.get(1).unwrap(), &normed);
             assert!(err < tol, "({m}, {d}) {dtype:?}: rel err {err:.2e}");
             // The public function keeps the leading dims.
@@ -57,7 +67,9 @@ fn bad_shapes_and_dtypes_are_rejected() {
     let x = random((3, 16), 1);
     let alpha = random((1, 16), 2).squeeze(0).unwrap();
     let short = random((3, 8), 3);
-    let err = add_rms_norm(&x, &short, &alpha, 1e-5).unwrap_err().to_string();
+    let err = add_rms_norm(&x, &short, &alpha, 1e-5)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("add_rms_norm"), "{err}");
     let err = add_rms_norm(&x, &x.to_dtype(DType::BF16).unwrap(), &alpha, 1e-5)
         .unwrap_err()

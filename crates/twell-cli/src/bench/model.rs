@@ -55,6 +55,11 @@ pub struct ModelBenchArgs {
     pub warmup: usize,
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
+    /// Seconds of repeated runs per phase and FFN mode over which energy is read, after
+    /// the timed repetitions: NVML's counter moves in steps, so short regions misread
+    /// it. 0 reads it over the timed repetitions instead.
+    #[arg(long, default_value_t = 2.0)]
+    pub energy_secs: f64,
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// SVG chart of the sparse/dense speed-up per measurement.
@@ -236,6 +241,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             b,
             t,
             b * t,
+            true,
             &mut run,
         )?);
         bar.inc(1);
@@ -271,6 +277,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             b,
             args.context,
             b * steps,
+            false,
             &mut run,
         )?;
         let without = measure(
@@ -283,6 +290,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             b,
             args.context,
             b,
+            false,
             &mut prefill_only,
         )?;
         for (w, p) in with.into_iter().zip(without) {
@@ -395,7 +403,8 @@ fn ffn_paths(paths: &[String]) -> Result<Vec<(FfnMode, &'static str)>> {
 }
 
 /// Times `run` under each FFN mode, modes interleaved per repetition; median time,
-/// peak extra device memory and energy per token of each mode.
+/// peak extra device memory and energy per token of each mode. With `long_energy` the
+/// energy comes from `--energy-secs` of further runs per mode instead of the timed ones.
 #[allow(clippy::too_many_arguments)]
 fn measure(
     model: &mut Llama,
@@ -407,6 +416,7 @@ fn measure(
     batch: usize,
     seq: usize,
     tokens: usize,
+    long_energy: bool,
     run: &mut dyn FnMut(&Llama) -> candle_core::Result<()>,
 ) -> Result<Vec<Measurement>> {
     let mut times = vec![Vec::new(); modes.len()];
@@ -434,6 +444,29 @@ fn measure(
             }
         }
     }
+    let mut tokens_measured = vec![tokens * args.reps; modes.len()];
+    if long_energy && energy_ok && args.energy_secs > 0.0 {
+        // Two halves, the second in reverse order, so no mode always follows the other.
+        energy = vec![0; modes.len()];
+        tokens_measured = vec![0; modes.len()];
+        let order: Vec<usize> = (0..modes.len()).chain((0..modes.len()).rev()).collect();
+        for k in order {
+            model.set_ffn_mode(modes[k].0)?;
+            let per_run = median(times[k].clone()).max(1e-6);
+            let runs = ((args.energy_secs / 2.0) / per_run).ceil().max(1.0) as usize;
+            device.synchronize()?;
+            let e0 = meter.read_mj();
+            for _ in 0..runs {
+                run(model)?;
+            }
+            device.synchronize()?;
+            match e0.zip(meter.read_mj()) {
+                Some((a, z)) => energy[k] += z.saturating_sub(a),
+                None => energy_ok = false,
+            }
+            tokens_measured[k] += runs * tokens;
+        }
+    }
     Ok(modes
         .iter()
         .enumerate()
@@ -447,7 +480,8 @@ fn measure(
                 tokens_per_sec: tokens as f64 / secs,
                 ms: secs * 1e3,
                 peak_extra_bytes: peaks[k],
-                mj_per_token: energy_ok.then(|| energy[k] as f64 / (tokens * args.reps) as f64),
+                mj_per_token: energy_ok
+                    .then(|| energy[k] as f64 / tokens_measured[k].max(1) as f64),
                 phase_ms: None,
                 device_backward_passes: None,
                 train_density: None,

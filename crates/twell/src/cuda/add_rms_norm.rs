@@ -1,7 +1,7 @@
 //! Launcher of `kernels/add_rms_norm.cu`: the residual add and the RMS norm after it.
 
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Layout, Result};
 use half::bf16;
@@ -41,7 +41,8 @@ pub fn add_rms_norm(
     let dev = x.device().clone();
     // SAFETY: the kernel writes both halves of every row.
     let mut out = unsafe { dev.alloc::<bf16>(2 * m * d)? };
-    let func = dev.get_or_load_custom_func("add_rms_norm_bf16", "add_rms_norm", ADD_RMS_NORM_PTX)?;
+    let func =
+        dev.get_or_load_custom_func("add_rms_norm_bf16", "add_rms_norm", ADD_RMS_NORM_PTX)?;
     let (m_i, d_i) = (m as i32, d as i32);
     let mut b = func.builder();
     b.arg(&xv)

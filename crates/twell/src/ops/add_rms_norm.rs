@@ -143,7 +143,10 @@ pub fn add_rms_norm(x: &Tensor, y: &Tensor, alpha: &Tensor, eps: f64) -> Result<
         &alpha.contiguous()?,
         &op,
     )?;
-    Ok((both.get(0)?.reshape(dims.clone())?, both.get(1)?.reshape(dims)?))
+    Ok((
+        both.get(0)?.reshape(dims.clone())?,
+        both.get(1)?.reshape(dims)?,
+    ))
 }
 
 /// Whether [`add_rms_norm`] runs its CUDA kernel for `x`: a CUDA tensor in bf16 whose
@@ -153,7 +156,9 @@ fn fused_on_device(x: &Tensor) -> bool {
     {
         x.device().is_cuda()
             && x.dtype() == DType::BF16
-            && x.dims().last().is_some_and(|&d| d <= crate::cuda::ADD_RMS_NORM_MAX_HIDDEN)
+            && x.dims()
+                .last()
+                .is_some_and(|&d| d <= crate::cuda::ADD_RMS_NORM_MAX_HIDDEN)
     }
     #[cfg(not(feature = "cuda"))]
     {

@@ -38,7 +38,10 @@ impl CustomOp3 for GatedT2d {
         let x = Rows::new("x", xs, xl)?;
         let w_ud = Rows::new("w_ud", ws, wl)?;
         let out = with_values!(vs, vl, |g| t2d::forward(&self.pattern, g, x, w_ud, d));
-        Ok((cpu_storage(out, x.dtype())?, Shape::from(mlp_result_len(m, d))))
+        Ok((
+            cpu_storage(out, x.dtype())?,
+            Shape::from(mlp_result_len(m, d)),
+        ))
     }
 
     fn bwd(

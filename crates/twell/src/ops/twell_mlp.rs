@@ -83,7 +83,10 @@ impl CustomOp3 for TwellMlp {
             pattern: Arc::new(pattern),
             gate: Arc::new(gate),
         });
-        Ok((cpu_storage(out, x.dtype())?, Shape::from(mlp_result_len(m, d))))
+        Ok((
+            cpu_storage(out, x.dtype())?,
+            Shape::from(mlp_result_len(m, d)),
+        ))
     }
 
     #[cfg(feature = "cuda")]
