@@ -181,17 +181,19 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
                     mma_16816(s[2 * np + 1], qa[kk], kb[2], kb[3]);
                 }
             }
-            // Scale, and mask the keys after each row where the tile crosses the diagonal.
+            // Mask the keys after each row where the tile crosses the diagonal. The scores
+            // stay unscaled (the scale is positive, so the maxima are the same keys'): the
+            // scale goes into the exponent's one fused multiply-add below.
             const bool crosses = k0 + ATT_KEYS - 1 > past + wq0;
             float mx0 = m0, mx1 = m1;
 #pragma unroll
             for (int n = 0; n < KEY_TILES; ++n) {
+                if (crosses) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = k0 + n * 8 + 2 * c + (e & 1);
-                    float x = s[n][e] * scale_log2;
-                    if (crosses && key > (e < 2 ? pos0 : pos1)) x = -INFINITY;
-                    s[n][e] = x;
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = k0 + n * 8 + 2 * c + (e & 1);
+                        if (key > (e < 2 ? pos0 : pos1)) s[n][e] = -INFINITY;
+                    }
                 }
                 mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
                 mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
@@ -202,7 +204,8 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
             mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
             mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
             mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
-            const float corr0 = fast_exp2(m0 - mx0), corr1 = fast_exp2(m1 - mx1);  // 0 at first
+            // 0 on the first tile (m = -inf).
+            const float corr0 = fast_exp2((m0 - mx0) * scale_log2), corr1 = fast_exp2((m1 - mx1) * scale_log2);
             m0 = mx0;
             m1 = mx1;
             l0 *= corr0;
@@ -216,10 +219,13 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
             }
             // P in bf16: key tiles 2kk and 2kk + 1 are the two halves of k-step kk's A fragment.
             uint32_t pa[ATT_KEYS / 16][4];
+            const float ms0 = m0 * scale_log2, ms1 = m1 * scale_log2;
 #pragma unroll
             for (int n = 0; n < KEY_TILES; ++n) {
-                const float p0 = fast_exp2(s[n][0] - m0), p1 = fast_exp2(s[n][1] - m0);
-                const float p2 = fast_exp2(s[n][2] - m1), p3 = fast_exp2(s[n][3] - m1);
+                const float p0 = fast_exp2(fmaf(s[n][0], scale_log2, -ms0));
+                const float p1 = fast_exp2(fmaf(s[n][1], scale_log2, -ms0));
+                const float p2 = fast_exp2(fmaf(s[n][2], scale_log2, -ms1));
+                const float p3 = fast_exp2(fmaf(s[n][3], scale_log2, -ms1));
                 l0 += p0 + p1;
                 l1 += p2 + p3;
                 pa[n / 2][(n % 2) * 2] = pack_bf16(p0, p1);

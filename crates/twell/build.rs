@@ -22,6 +22,7 @@ fn main() {
         "twell_mlp_decode",
         "causal_attention",
         "add_rms_norm",
+        "rope",
     ] {
         let src = kernels.join(format!("{name}.cu"));
         let ptx = out.join(format!("{name}.ptx"));

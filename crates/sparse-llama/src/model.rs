@@ -25,9 +25,33 @@ pub struct Cache {
     pub use_kv_cache: bool,
     /// Per layer, keys and values as `[b, T, kv_heads, hd]` (the projections' layout).
     kvs: Vec<Option<(Tensor, Tensor)>>,
+    rope: Rope,
+    device: Device,
+}
+
+/// RoPE angles: `cos, sin [positions, head_dim / 2]` for candle's ops and `cos_sin
+/// [positions, head_dim]` (both side by side) for [`twell::ops::rope`].
+#[derive(Debug, Clone)]
+struct Rope {
     cos: Tensor,
     sin: Tensor,
-    device: Device,
+    cos_sin: Tensor,
+}
+
+impl Rope {
+    fn new(cos: Tensor, sin: Tensor) -> Result<Self> {
+        let cos_sin = twell::ops::rope_table(&cos, &sin)?;
+        Ok(Self { cos, sin, cos_sin })
+    }
+
+    /// The angles of positions `start..start + len`.
+    fn narrow(&self, start: usize, len: usize) -> Result<Self> {
+        Ok(Self {
+            cos: self.cos.narrow(0, start, len)?,
+            sin: self.sin.narrow(0, start, len)?,
+            cos_sin: self.cos_sin.narrow(0, start, len)?,
+        })
+    }
 }
 
 /// RoPE tables `cos, sin [positions, head_dim / 2]` (rotate-half convention, as HF).
@@ -72,12 +96,12 @@ fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<Tens
 impl Cache {
     pub fn new(use_kv_cache: bool, dtype: DType, config: &Config, device: &Device) -> Result<Self> {
         let (cos, sin) = rope_tables(config, config.max_position_embeddings, dtype, device)?;
+        let rope = Rope::new(cos, sin)?;
         Ok(Self {
             masks: HashMap::new(),
             use_kv_cache,
             kvs: vec![None; config.num_hidden_layers],
-            cos,
-            sin,
+            rope,
             device: device.clone(),
         })
     }
@@ -116,14 +140,25 @@ impl Cache {
 /// step goes to it only when the batch brings enough (batch, head) rows to fill the GPU:
 /// at batch 1 that kernel measured slower than the plain ops (114 vs 150 tokens/s at
 /// context 512), at batch 16 faster (1166 vs 909).
-fn fused_attention(q: &Tensor, tokens: usize, keys: usize) -> bool {
+/// `rows` is batch × query heads. Decided once per forward pass, before any layer: the
+/// plain path needs the causal mask, which the fused kernels never read, so a fused pass
+/// does not build it.
+fn fused_attention(
+    device: &Device,
+    dtype: DType,
+    head_dim: usize,
+    rows: usize,
+    tokens: usize,
+    keys: usize,
+) -> bool {
     static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if *PLAIN.get_or_init(|| std::env::var_os("TWELL_PLAIN_ATTENTION").is_some())
-        || !twell::ops::fused_on_device(q)
+        || !device.is_cuda()
+        || dtype != DType::BF16
+        || !twell::ops::CUDA_HEAD_DIMS.contains(&head_dim)
     {
         return false;
     }
-    let rows = q.dims()[0] * q.dims()[1];
     tokens > 1 || keys <= twell::ops::CUDA_DECODE_MAX_KEYS || rows >= 256
 }
 
@@ -164,17 +199,19 @@ impl CausalSelfAttention {
         })
     }
 
-    /// `x [b, t, h]` → `[b, t, h]`. `rope` holds `cos, sin` for positions
-    /// `index_pos..index_pos + t`; `mask` is `[t, kv_len]` or `None` for one token.
+    /// `x [b, t, h]` → `[b, t, h]`. `rope` holds the angles of positions
+    /// `index_pos..index_pos + t`; `mask` is `[t, kv_len]`, or `None` for one token and
+    /// for the fused kernels (`fused`, inference only), which apply the causal mask
+    /// themselves.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        rope: &Rope,
         mask: Option<&Tensor>,
         kv_cache: Option<&mut Option<(Tensor, Tensor)>>,
         pass: Pass,
+        fused: bool,
     ) -> Result<Tensor> {
         let (b, t, hidden) = x.dims3()?;
         // Projections as `[b, t, heads, hd]`: a reshape, no copy.
@@ -184,8 +221,8 @@ impl CausalSelfAttention {
             Pass::Inference => {
                 // RoPE on the `[b, t, heads, hd]` rows; the KV cache keeps that layout
                 // (`[b, T, kv_heads, hd]`) and grows along dim 1.
-                let q = candle_nn::rotary_emb::rope_thd(&proj(&self.q_proj, nq)?, cos, sin)?;
-                let mut k = candle_nn::rotary_emb::rope_thd(&proj(&self.k_proj, nkv)?, cos, sin)?;
+                let q = twell::ops::rope(&proj(&self.q_proj, nq)?, &rope.cos_sin)?;
+                let mut k = twell::ops::rope(&proj(&self.k_proj, nkv)?, &rope.cos_sin)?;
                 let mut v = proj(&self.v_proj, nkv)?;
                 if let Some(slot) = kv_cache {
                     if let Some((ck, cv)) = slot.as_ref() {
@@ -196,7 +233,7 @@ impl CausalSelfAttention {
                 }
                 // `[b, heads, positions, hd]` views.
                 let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
-                if fused_attention(&q, t, k.dim(2)?) {
+                if fused {
                     // The scores stay on chip; the mask is the causal one the kernel
                     // applies. The strided views go in as they are, and the output's
                     // transpose is contiguous `[b, t, heads, hd]` again.
@@ -209,8 +246,16 @@ impl CausalSelfAttention {
             Pass::Train => {
                 let heads = |p: &Linear, n: usize| proj(p, n)?.transpose(1, 2)?.contiguous();
                 (
-                    candle_nn::rotary_emb::rope_slow(&heads(&self.q_proj, nq)?, cos, sin)?,
-                    candle_nn::rotary_emb::rope_slow(&heads(&self.k_proj, nkv)?, cos, sin)?,
+                    candle_nn::rotary_emb::rope_slow(
+                        &heads(&self.q_proj, nq)?,
+                        &rope.cos,
+                        &rope.sin,
+                    )?,
+                    candle_nn::rotary_emb::rope_slow(
+                        &heads(&self.k_proj, nkv)?,
+                        &rope.cos,
+                        &rope.sin,
+                    )?,
                     heads(&self.v_proj, nkv)?,
                 )
             }
@@ -363,7 +408,7 @@ impl Llama {
         mut cache: Option<&mut Cache>,
         pass: Pass,
     ) -> Result<(Tensor, Vec<Tensor>)> {
-        let (_b, t) = tokens.dims2()?;
+        let (b, t) = tokens.dims2()?;
         if index_pos + t > self.config.max_position_embeddings {
             candle_core::bail!(
                 "sequence reaches position {} but the model supports {}",
@@ -372,31 +417,34 @@ impl Llama {
             );
         }
         let mut x = self.embed_tokens.forward(tokens)?;
-        let (cos, sin, mask) = match cache.as_deref_mut() {
+        let cached = cache.as_deref().is_some_and(|c| c.use_kv_cache);
+        let fused = pass == Pass::Inference
+            && fused_attention(
+                x.device(),
+                x.dtype(),
+                self.config.head_dim(),
+                b * self.config.num_attention_heads,
+                t,
+                if cached { index_pos + t } else { t },
+            );
+        let needs_mask = t > 1 && !fused;
+        let (rope, mask) = match cache.as_deref_mut() {
             Some(c) => {
-                let mask = if t > 1 {
+                let mask = if needs_mask {
                     Some(c.mask(t, index_pos)?)
                 } else {
                     None
                 };
-                (
-                    c.cos.narrow(0, index_pos, t)?,
-                    c.sin.narrow(0, index_pos, t)?,
-                    mask,
-                )
+                (c.rope.narrow(index_pos, t)?, mask)
             }
             None => {
                 let (cos, sin) = rope_tables(&self.config, index_pos + t, x.dtype(), x.device())?;
-                let mask = if t > 1 {
+                let mask = if needs_mask {
                     Some(causal_mask(t, index_pos, x.device())?)
                 } else {
                     None
                 };
-                (
-                    cos.narrow(0, index_pos, t)?,
-                    sin.narrow(0, index_pos, t)?,
-                    mask,
-                )
+                (Rope::new(cos, sin)?.narrow(index_pos, t)?, mask)
             }
         };
         let mut l1 = Vec::new();
@@ -413,7 +461,7 @@ impl Llama {
             };
             let attn = block
                 .self_attn
-                .forward(&h, &cos, &sin, mask.as_ref(), kv, pass)?;
+                .forward(&h, &rope, mask.as_ref(), kv, pass, fused)?;
             // The norm of the next sublayer: this block's MLP, then the next block's
             // attention (or the final norm).
             let next = match self.blocks.get(i + 1) {

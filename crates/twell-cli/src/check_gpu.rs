@@ -276,11 +276,40 @@ fn check_add_rms_norm(dev: &Device, (m, d): (usize, usize), seed: u64) -> Result
 }
 
 #[derive(Serialize, Debug)]
+struct RopeResult {
+    /// `(b, t, heads, hd)`.
+    dims: (usize, usize, usize, usize),
+    /// Against candle's `rope_thd` (bf16 arithmetic there, f32 here).
+    err: f64,
+    pass: bool,
+}
+
+/// Our RoPE kernel against candle's `rope_thd` on the GPU.
+fn check_rope(dev: &Device, dims: (usize, usize, usize, usize), seed: u64) -> Result<RopeResult> {
+    let (b, t, heads, hd) = dims;
+    dev.set_seed(seed)?;
+    let x = Tensor::randn(0f32, 1.0, (b, t, heads, hd), dev)?.to_dtype(DType::BF16)?;
+    let angles = Tensor::rand(0f32, 6.3, (t, hd / 2), dev)?;
+    let (cos, sin) = (
+        angles.cos()?.to_dtype(DType::BF16)?,
+        angles.sin()?.to_dtype(DType::BF16)?,
+    );
+    let got = x.apply_op2_no_bwd(&twell::ops::rope_table(&cos, &sin)?, &twell::ops::Rope)?;
+    let err = rel_l2(&got, &candle_nn::rotary_emb::rope_thd(&x, &cos, &sin)?)?;
+    Ok(RopeResult {
+        dims,
+        err,
+        pass: got.device().is_cuda() && err < TOLERANCE,
+    })
+}
+
+#[derive(Serialize, Debug)]
 struct Report {
     forward: Vec<CaseResult>,
     backward: Vec<BackwardResult>,
     attention: Vec<AttentionResult>,
     add_rms_norm: Vec<NormResult>,
+    rope: Vec<RopeResult>,
     model_attention_err: f64,
 }
 
@@ -404,6 +433,20 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         add_rms_norm.push(r);
     }
+    let mut rope = Vec::new();
+    for (k, &dims) in [(1, 1, 9, 64), (2, 333, 8, 64), (4, 2048, 32, 64)]
+        .iter()
+        .enumerate()
+    {
+        let r = check_rope(&dev, dims, 970 + k as u64)?;
+        println!(
+            "rope (b, t, heads, hd) = {:?}: rel err {:.2e} {}",
+            r.dims,
+            r.err,
+            if r.pass { "ok" } else { "FAIL" }
+        );
+        rope.push(r);
+    }
     let model_attention_err = check_model_attention(&dev)?;
     let model_ok = model_attention_err < TOLERANCE;
     println!(
@@ -415,14 +458,17 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         + backward.iter().filter(|r| !r.pass).count()
         + attention.iter().filter(|r| !r.pass).count()
         + add_rms_norm.iter().filter(|r| !r.pass).count()
+        + rope.iter().filter(|r| !r.pass).count()
         + usize::from(!model_ok);
-    let total = results.len() + backward.len() + attention.len() + add_rms_norm.len() + 1;
+    let total =
+        results.len() + backward.len() + attention.len() + add_rms_norm.len() + rope.len() + 1;
     if let Some(path) = &args.json {
         let report = Report {
             forward: results,
             backward,
             attention,
             add_rms_norm,
+            rope,
             model_attention_err,
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;

@@ -28,7 +28,7 @@ pub fn add_rms_norm(
     eps: f32,
 ) -> Result<CudaStorage> {
     let (m, d) = xl.shape().dims2()?;
-    if d % 8 != 0 || d > MAX_HIDDEN || m > i32::MAX as usize {
+    if !d.is_multiple_of(8) || d > MAX_HIDDEN || m > i32::MAX as usize {
         return err(TwellError::Invalid(format!(
             "add_rms_norm on CUDA takes hidden % 8 == 0 and <= {MAX_HIDDEN}, got [{m}, {d}]"
         )));

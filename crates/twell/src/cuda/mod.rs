@@ -17,8 +17,10 @@ use crate::format::TwellConfig;
 use crate::ops::mlp_result_len;
 
 mod add_rms_norm;
+mod rope;
 mod twell_mlp_decode;
 pub use add_rms_norm::{add_rms_norm, MAX_HIDDEN as ADD_RMS_NORM_MAX_HIDDEN};
+pub use rope::rope;
 use twell_mlp_decode::{twell_mlp_decode, use_fused_decode};
 
 const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));

@@ -132,7 +132,7 @@ pub fn add_rms_norm(x: &Tensor, y: &Tensor, alpha: &Tensor, eps: f64) -> Result<
     }
     let dims = x.dims().to_vec();
     let d = *dims.last().unwrap_or(&0);
-    if !fused_on_device(x) || d % 8 != 0 || d == 0 {
+    if !fused_on_device(x) || !d.is_multiple_of(8) || d == 0 {
         let sum = (x + y)?;
         let normed = candle_nn::ops::rms_norm(&sum, alpha, eps as f32)?;
         return Ok((sum, normed));

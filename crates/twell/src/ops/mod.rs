@@ -4,7 +4,8 @@
 //! * [`gated_t2d`]: the sparse up and down projections of a packed gate;
 //! * [`twell_mlp`]: both fused, the whole ReGLU MLP;
 //! * [`causal_attention`]: fused causal attention for the model around the MLP;
-//! * [`add_rms_norm`]: the residual add and the RMS norm after it, for the same model.
+//! * [`add_rms_norm`]: the residual add and the RMS norm after it, for the same model;
+//! * [`rope`]: rotary position embedding of its queries and keys.
 //!
 //! The ops that produce an MLP output return one flat tensor of
 //! [`mlp_result_len`]`(M, d)` elements: the `[M, d]` output rows, then each token's L1
@@ -18,6 +19,7 @@ mod add_rms_norm;
 mod causal_attention;
 mod gate_pack;
 mod gated_t2d;
+mod rope;
 mod twell_mlp;
 
 pub use add_rms_norm::{add_rms_norm, AddRmsNorm};
@@ -27,6 +29,7 @@ pub use causal_attention::{
 };
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
+pub use rope::{rope, rope_table, Rope};
 pub use twell_mlp::{gate_screen, twell_mlp, twell_mlp_screened, TwellMlp};
 
 use std::sync::Arc;

@@ -1,0 +1,58 @@
+//! Launcher of `kernels/rope.cu`: rotary position embedding of `[b, t, heads, hd]` rows.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaStorage, Layout, Result};
+use half::bf16;
+
+use super::bf16_view;
+use crate::error::{err, TwellError};
+
+const ROPE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"));
+
+/// Threads per block (`ROPE_THREADS` in the .cu).
+const ROPE_THREADS: u32 = 256;
+
+/// `x [b, t, heads, hd]` and `cos_sin [t, hd]` (each position's cos, then its sin; bf16,
+/// contiguous, `hd % 16 == 0`): returns the turned rows, shaped like `x`.
+pub fn rope(x: &CudaStorage, xl: &Layout, cs: &CudaStorage, cl: &Layout) -> Result<CudaStorage> {
+    let (b, t, heads, hd) = xl.shape().dims4()?;
+    if !hd.is_multiple_of(16) {
+        return err(TwellError::Invalid(format!(
+            "rope on CUDA takes head sizes that are multiples of 16, got {hd}"
+        )));
+    }
+    let (xv, cv) = (bf16_view("x", x, xl)?, bf16_view("cos_sin", cs, cl)?);
+    let rows = (b * t * heads) as i64;
+    let threads = rows as usize * (hd / 16);
+    let blocks = threads.div_ceil(ROPE_THREADS as usize);
+    if blocks > i32::MAX as usize {
+        return err(TwellError::Invalid(format!(
+            "rope: {threads} threads exceed one grid"
+        )));
+    }
+    let dev = x.device().clone();
+    // SAFETY: the kernel writes every element.
+    let mut out = unsafe { dev.alloc::<bf16>(rows as usize * hd)? };
+    let func = dev.get_or_load_custom_func("rope_bf16", "rope", ROPE_PTX)?;
+    let (t_i, heads_i, hd_i) = (t as i32, heads as i32, hd as i32);
+    let mut builder = func.builder();
+    builder
+        .arg(&xv)
+        .arg(&cv)
+        .arg(&mut out)
+        .arg(&rows)
+        .arg(&t_i)
+        .arg(&heads_i)
+        .arg(&hd_i);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (ROPE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: one thread per 8 pairs of a row, bounded in the kernel; shapes checked by
+    // the op.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}

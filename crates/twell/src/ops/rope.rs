@@ -1,0 +1,110 @@
+//! `rope`: rotary position embedding of `[b, t, heads, hd]` rows, for the model's
+//! queries and keys.
+//!
+//! candle's `rope_thd` runs one element per thread with 2-byte loads; at prefill sizes
+//! the CUDA kernel (`kernels/rope.cu`, 8 pairs per thread, 16-byte loads) takes a
+//! fraction of its time. The output is a tensor of its own, so a KV cache that keeps
+//! the keys holds nothing else. Forward only: the training path keeps candle's
+//! differentiable `rope_slow`.
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::cpu::float::Rows;
+use crate::error::{err, TwellError};
+
+/// The op behind [`rope`]: inputs `(x [b, t, heads, hd], cos_sin [t, hd])`, output like
+/// `x`. It runs on the CPU too, so tests can hold it against candle's `rope_thd`.
+pub struct Rope;
+
+/// `(t, heads, hd)` of a call, checked.
+fn dims(x: &Layout, cs: &Layout) -> Result<(usize, usize, usize)> {
+    let (_, t, heads, hd) = x.shape().dims4()?;
+    if cs.dims() != [t, hd] || !hd.is_multiple_of(2) {
+        return err(TwellError::ShapeMismatch {
+            what: "rope",
+            detail: format!(
+                "x {:?}, cos_sin {:?}: want x [b, t, heads, hd] and cos_sin [t, hd] with hd even",
+                x.dims(),
+                cs.dims()
+            ),
+        });
+    }
+    Ok((t, heads, hd))
+}
+
+impl CustomOp2 for Rope {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        css: &CpuStorage,
+        csl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (t, heads, hd) = dims(xl, csl)?;
+        let x = Rows::new("x", xs, xl)?;
+        let dtype = x.dtype();
+        let (x, cs) = (x.to_f32_vec(), Rows::new("cos_sin", css, csl)?.to_f32_vec());
+        let half = hd / 2;
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(hd)
+            .zip(x.par_chunks(hd))
+            .enumerate()
+            .for_each(|(row, (o, x))| {
+                let angles = &cs[((row / heads) % t) * hd..][..hd];
+                let (co, sn) = angles.split_at(half);
+                for i in 0..half {
+                    o[i] = x[i] * co[i] - x[i + half] * sn[i];
+                    o[i + half] = x[i] * sn[i] + x[i + half] * co[i];
+                }
+            });
+        Ok((
+            crate::cpu::float::storage_from_f32(out, dtype)?,
+            Shape::from(xl.dims()),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        css: &candle_core::CudaStorage,
+        csl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        dims(xl, csl)?;
+        let out = crate::cuda::rope(xs, xl, css, csl)?;
+        Ok((out, Shape::from(xl.dims())))
+    }
+}
+
+/// `cos_sin [positions, hd]` from candle's `cos, sin [positions, hd / 2]` tables: each
+/// position's cos, then its sin, the table [`rope`] takes.
+pub fn rope_table(cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    Tensor::cat(&[cos, sin], 1)
+}
+
+/// RoPE (rotate-half, as HF Llama) of `x [b, t, heads, hd]` at the positions whose
+/// angles `cos_sin [t, hd]` holds (see [`rope_table`]). On CUDA in bf16 our kernel (head
+/// sizes a multiple of 16); elsewhere candle's `rope_thd`. Returns a contiguous tensor
+/// of its own. Not differentiable.
+pub fn rope(x: &Tensor, cos_sin: &Tensor) -> Result<Tensor> {
+    if x.dtype() != cos_sin.dtype() {
+        return err(TwellError::Invalid(format!(
+            "rope: x and cos_sin must share a dtype, got {:?} and {:?}",
+            x.dtype(),
+            cos_sin.dtype()
+        )));
+    }
+    let (x, cs) = (x.contiguous()?, cos_sin.contiguous()?);
+    let (_, _, hd) = dims(x.layout(), cs.layout())?;
+    if x.device().is_cuda() && x.dtype() == DType::BF16 && hd.is_multiple_of(16) {
+        return x.apply_op2_no_bwd(&cs, &Rope);
+    }
+    let (co, sn) = (cs.narrow(1, 0, hd / 2)?, cs.narrow(1, hd / 2, hd / 2)?);
+    candle_nn::rotary_emb::rope_thd(&x, &co.contiguous()?, &sn.contiguous()?)
+}

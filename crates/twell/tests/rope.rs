@@ -1,0 +1,55 @@
+//! RoPE of `[b, t, heads, hd]` rows against candle's `rope_thd`, and bad input.
+
+use candle_core::{DType, Device, Tensor};
+use twell::ops::{rope, rope_table, Rope};
+
+fn random(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|i| {
+            let x = (i as u64 + 1)
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(seed);
+            ((x >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn op_matches_rope_thd() {
+    // (b, t, heads, hd): one token, several positions and batches, the default model's
+    // 9 query and 3 key heads.
+    for &(b, t, heads, hd) in &[(1, 1, 4, 16), (2, 5, 2, 32), (1, 7, 9, 64), (1, 7, 3, 64)] {
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+            let x = random(&[b, t, heads, hd], 1).to_dtype(dtype).unwrap();
+            // Angles of positions 0..t, in [-1, 1] like cos and sin.
+            let cos = random(&[t, hd / 2], 3).to_dtype(dtype).unwrap();
+            let sin = random(&[t, hd / 2], 4).to_dtype(dtype).unwrap();
+            let cs = rope_table(&cos, &sin).unwrap();
+            let want = candle_nn::rotary_emb::rope_thd(&x, &cos, &sin).unwrap();
+            let got = x.apply_op2_no_bwd(&cs, &Rope).unwrap();
+            assert_eq!(got.dims(), x.dims());
+            let err = twell::compare::rel_l2(&got, &want).unwrap();
+            assert!(err < tol, "{:?} {dtype:?}: rel err {err:.2e}", x.dims());
+            // The public function gives the same (candle's kernel on the CPU).
+            let public = rope(&x, &cs).unwrap();
+            assert!(twell::compare::rel_l2(&public, &want).unwrap() < tol);
+        }
+    }
+}
+
+#[test]
+fn bad_shapes_and_dtypes_are_rejected() {
+    let x = random(&[1, 3, 2, 8], 1);
+    let short = random(&[2, 8], 4);
+    let err = rope(&x, &short).unwrap_err().to_string();
+    assert!(err.contains("cos_sin"), "{err}");
+    let cs = random(&[3, 8], 3);
+    let err = rope(&x, &cs.to_dtype(DType::BF16).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("dtype"), "{err}");
+    let err = rope(&random(&[3, 8], 5), &cs).unwrap_err().to_string();
+    assert!(err.contains("rank") || err.contains("dims"), "{err}");
+}

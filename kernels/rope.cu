@@ -1,0 +1,39 @@
+// rope: rotary position embedding of [b, t, heads, hd] rows (queries or keys).
+//
+// Each (position, head) row turns by its position's angles, rotate-half convention (as
+// HF Llama): for i < hd/2,
+//   out[i]        = x[i] · cos[i] − x[i + hd/2] · sin[i]
+//   out[i + hd/2] = x[i] · sin[i] + x[i + hd/2] · cos[i].
+// candle's rope_thd runs one element per thread with 2-byte loads and bf16 arithmetic;
+// here a thread turns 8 pairs with 16-byte loads, in f32, rounding once.
+#include "twell_common.cuh"
+
+#define ROPE_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_bf16(
+    const __nv_bfloat16* __restrict__ x,   // [b, t, heads, hd]
+    const __nv_bfloat16* __restrict__ cs,  // [t, hd]: each position's cos, then its sin
+    __nv_bfloat16* __restrict__ out,       // like x
+    long long rows, int t, int heads, int hd) {
+    const int half = hd / 2, groups = half / VEC;  // 8-pair groups per row
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= rows * groups) return;
+    const long long row = i / groups;
+    const int c = static_cast<int>(i % groups) * VEC;
+    const int pos = static_cast<int>((row / heads) % t);
+    const __nv_bfloat16* src = x + row * hd;
+    __nv_bfloat16* dst = out + row * hd;
+    const __nv_bfloat16* angles = cs + static_cast<long long>(pos) * hd;
+    float x1[VEC], x2[VEC], co[VEC], sn[VEC], o1[VEC], o2[VEC];
+    load8(src + c, x1);
+    load8(src + half + c, x2);
+    load8(angles + c, co);
+    load8(angles + half + c, sn);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        o1[e] = x1[e] * co[e] - x2[e] * sn[e];
+        o2[e] = x1[e] * sn[e] + x2[e] * co[e];
+    }
+    store8(dst + c, o1);
+    store8(dst + half + c, o2);
+}
