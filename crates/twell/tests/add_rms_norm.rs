@@ -1,23 +1,17 @@
 //! The fused residual add + RMS norm against the two candle ops it replaces, and its
 //! bad-input errors.
 
-use candle_core::{DType, Device, Tensor};
+mod common;
+
+use candle_core::{DType, Tensor};
 use twell::ops::{add_rms_norm, AddRmsNorm};
 
 fn random(shape: (usize, usize), seed: u64) -> Tensor {
-    let values: Vec<f32> = (0..shape.0 * shape.1)
-        .map(|i| {
-            let x = (i as u64 + 1)
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(seed);
-            ((x >> 33) as f32 / (1u64 << 31) as f32) * 4.0 - 2.0
-        })
-        .collect();
-    Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+    common::uniform(&[shape.0, shape.1], seed, 2.0)
 }
 
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    twell::compare::rel_l2(a, b).unwrap()
+    common::rel_l2(a, b).unwrap()
 }
 
 #[test]

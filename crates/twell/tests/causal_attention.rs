@@ -1,6 +1,8 @@
 //! The fused causal attention against the plain ops it replaces (materialised scores,
 //! causal mask, softmax), with KV-cache offsets, grouped-query heads and bad input.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use twell::ops::{causal_attention, causal_attention_reference};
 
@@ -9,23 +11,13 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
 }
 
 fn random(shape: (usize, usize, usize, usize), dtype: DType, seed: u64) -> Tensor {
-    let n = shape.0 * shape.1 * shape.2 * shape.3;
-    let values: Vec<f32> = (0..n)
-        .map(|i| {
-            let x = (i as u64 + 1)
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(seed);
-            ((x >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(values, shape, &Device::Cpu)
-        .unwrap()
+    common::uniform(&[shape.0, shape.1, shape.2, shape.3], seed, 1.0)
         .to_dtype(dtype)
         .unwrap()
 }
 
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    twell::compare::rel_l2(a, b).unwrap()
+    common::rel_l2(a, b).unwrap()
 }
 
 #[test]

@@ -1,19 +1,12 @@
 //! RoPE of `[b, t, heads, hd]` rows against candle's `rope_thd`, and bad input.
 
-use candle_core::{DType, Device, Tensor};
+mod common;
+
+use candle_core::{DType, Tensor};
 use twell::ops::{rope, rope_table, Rope};
 
 fn random(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let values: Vec<f32> = (0..n)
-        .map(|i| {
-            let x = (i as u64 + 1)
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(seed);
-            ((x >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+    common::uniform(shape, seed, 1.0)
 }
 
 #[test]
@@ -30,11 +23,11 @@ fn op_matches_rope_thd() {
             let want = candle_nn::rotary_emb::rope_thd(&x, &cos, &sin).unwrap();
             let got = x.apply_op2_no_bwd(&cs, &Rope).unwrap();
             assert_eq!(got.dims(), x.dims());
-            let err = twell::compare::rel_l2(&got, &want).unwrap();
+            let err = common::rel_l2(&got, &want).unwrap();
             assert!(err < tol, "{:?} {dtype:?}: rel err {err:.2e}", x.dims());
             // The public function gives the same (candle's kernel on the CPU).
             let public = rope(&x, &cs).unwrap();
-            assert!(twell::compare::rel_l2(&public, &want).unwrap() < tol);
+            assert!(common::rel_l2(&public, &want).unwrap() < tol);
         }
     }
 }

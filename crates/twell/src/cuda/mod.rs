@@ -479,33 +479,50 @@ pub fn twell_mlp_forward(
     let mut out = unsafe { dev.alloc::<bf16>(len)? };
     poison(&dev, &mut out)?;
     let decode = m <= decode_max_tokens();
-    match (decode, row_vectors(d)) {
-        (false, Some(v)) => {
-            // Prefill: a warp per row computes h (x in registers), then a warp per
-            // row accumulates the down projection (the output row in registers).
-            // SAFETY: up_rows writes every row's L1 term.
-            let mut l1 = unsafe { dev.alloc::<f32>(m)? };
-            let up = dev.get_or_load_custom_func(
-                &format!("gated_t2d_up_rows_bf16_v{v}"),
-                "gated_t2d",
-                GATED_T2D_PTX,
-            )?;
-            let mut b = up.builder();
-            b.arg(&xv)
-                .arg(&wudv)
-                .arg(&counts)
-                .arg(&indices)
-                .arg(&mut values)
-                .arg(&mut gate)
-                .arg(&mut l1);
-            match kept.as_mut() {
-                Some((_, u_slots)) => b.arg(u_slots),
-                None => b.arg(&no_u),
-            };
-            dims.push(&mut b);
-            // SAFETY: one warp per row, bounds checked in the kernel.
-            unsafe { b.launch(warp_launch(m)?) }.w()?;
-            mark(&mut marks)?;
+    // Prefill rows that fit a warp's registers take the row kernels: a warp per row
+    // computes h (x in registers), then a warp per row accumulates the down projection
+    // (the output row in registers). Decode (or rows too wide for registers) spreads h
+    // over a warp per slot (decode) or per tile, then the down projection, whose partial
+    // sums meet in f32 atomics when rows are few.
+    let row_kernels = if decode { None } else { row_vectors(d) };
+    let slots_per_warp: usize = if decode { 1 } else { cap };
+    let (up_name, up_warps) = match row_kernels {
+        Some(v) => (format!("gated_t2d_up_rows_bf16_v{v}"), m),
+        None => (
+            "gated_t2d_up_bf16".to_string(),
+            m * n_tiles * (cap / slots_per_warp),
+        ),
+    };
+    // The row kernel stores each row's L1 term; the slot kernel adds into it.
+    let mut l1 = match row_kernels {
+        // SAFETY: up_rows writes every row's L1 term.
+        Some(_) => unsafe { dev.alloc::<f32>(m)? },
+        None => dev.alloc_zeros::<f32>(m)?,
+    };
+    let up = dev.get_or_load_custom_func(&up_name, "gated_t2d", GATED_T2D_PTX)?;
+    let spw_i = slots_per_warp as i32;
+    let mut b = up.builder();
+    b.arg(&xv)
+        .arg(&wudv)
+        .arg(&counts)
+        .arg(&indices)
+        .arg(&mut values)
+        .arg(&mut gate)
+        .arg(&mut l1);
+    match kept.as_mut() {
+        Some((_, u_slots)) => b.arg(u_slots),
+        None => b.arg(&no_u),
+    };
+    dims.push(&mut b);
+    if row_kernels.is_none() {
+        b.arg(&spw_i);
+    }
+    // SAFETY: one warp per row (row kernel) or per (row, tile, slot group), bounds
+    // checked in the kernel.
+    unsafe { b.launch(warp_launch(up_warps)?) }.w()?;
+    mark(&mut marks)?;
+    match row_kernels {
+        Some(v) => {
             let down_name = format!("gated_t2d_down_rows_bf16_v{v}");
             let down = dev.get_or_load_custom_func(&down_name, "gated_t2d", GATED_T2D_PTX)?;
             let mut b = down.builder();
@@ -520,38 +537,13 @@ pub fn twell_mlp_forward(
             // SAFETY: one warp per row, bounds checked in the kernel.
             unsafe { b.launch(warp_launch(m)?) }.w()?;
         }
-        _ => {
-            // Decode (or rows too wide for registers): h spread over a warp per slot
-            // (decode) or per tile, then the down projection, whose partial sums
-            // meet in f32 atomics when rows are few.
-            let mut l1 = dev.alloc_zeros::<f32>(m)?;
-            let slots_per_warp: usize = if decode { 1 } else { cap };
-            let spw_i = slots_per_warp as i32;
-            let up =
-                dev.get_or_load_custom_func("gated_t2d_up_bf16", "gated_t2d", GATED_T2D_PTX)?;
-            let mut b = up.builder();
-            b.arg(&xv)
-                .arg(&wudv)
-                .arg(&counts)
-                .arg(&indices)
-                .arg(&mut values)
-                .arg(&mut gate)
-                .arg(&mut l1);
-            match kept.as_mut() {
-                Some((_, u_slots)) => b.arg(u_slots),
-                None => b.arg(&no_u),
-            };
-            dims.push(&mut b);
-            b.arg(&spw_i);
-            // SAFETY: one warp per (row, tile, slot group), bounds checked in the kernel.
-            unsafe { b.launch(warp_launch(m * n_tiles * (cap / slots_per_warp))?) }.w()?;
-            mark(&mut marks)?;
-
+        None => {
             let tile_groups = if decode { n_tiles } else { 1 };
             // The f32 partial sums exist only on the decode path.
             let mut acc = if decode {
                 dev.alloc_zeros::<f32>(m * d)?
             } else {
+                // SAFETY: a placeholder; with one tile group the kernel never reads it.
                 unsafe { dev.alloc::<f32>(1)? }
             };
             let n_chunks = d.div_ceil(WARP_CHUNK);
@@ -833,43 +825,24 @@ pub fn causal_attention(
     // SAFETY: the kernel writes every output row.
     let mut out = unsafe { dev.alloc::<bf16>(b * heads * t * hd)? };
     // One query per (batch, head): a block per (batch, head) over the keys, whose scores
-    // fit in shared memory.
-    if t == 1 && total <= crate::ops::CUDA_DECODE_MAX_KEYS {
-        let func = dev.get_or_load_custom_func(
-            &format!("causal_attention_decode_bf16_hd{hd}"),
-            "causal_attention",
-            CAUSAL_ATTENTION_PTX,
-        )?;
-        let (heads_i, kv_i, total_i) = (heads as i32, kv_heads as i32, total as i32);
-        let mut builder = func.builder();
-        builder
-            .arg(&qv)
-            .arg(&kv)
-            .arg(&vv)
-            .arg(&mut out)
-            .arg(&heads_i)
-            .arg(&kv_i)
-            .arg(&total_i)
-            .arg(&scale)
-            .arg(&qst)
-            .arg(&kst)
-            .arg(&vst);
+    // fit in shared memory. Otherwise ATTENTION_QUERIES queries a block.
+    let one_query = t == 1 && total <= crate::ops::CUDA_DECODE_MAX_KEYS;
+    let (name, cfg) = if one_query {
         let cfg = LaunchConfig {
             grid_dim: (heads as u32, b as u32, 1),
             block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
             shared_mem_bytes: (total * std::mem::size_of::<f32>()) as u32,
         };
-        // SAFETY: a block per (batch, head), keys bounded by `total`, rows addressed
-        // through strides checked above; the dynamic shared memory holds its `total`
-        // scores (at most CUDA_DECODE_MAX_KEYS).
-        unsafe { builder.launch(cfg) }.w()?;
-        return Ok(CudaStorage::wrap_cuda_slice(out, dev));
-    }
-    let func = dev.get_or_load_custom_func(
-        &format!("causal_attention_bf16_hd{hd}"),
-        "causal_attention",
-        CAUSAL_ATTENTION_PTX,
-    )?;
+        (format!("causal_attention_decode_bf16_hd{hd}"), cfg)
+    } else {
+        let cfg = LaunchConfig {
+            grid_dim: (t.div_ceil(ATTENTION_QUERIES) as u32, heads as u32, b as u32),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (format!("causal_attention_bf16_hd{hd}"), cfg)
+    };
+    let func = dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?;
     let (heads_i, kv_i, t_i, total_i) = (heads as i32, kv_heads as i32, t as i32, total as i32);
     let mut builder = func.builder();
     builder
@@ -878,19 +851,21 @@ pub fn causal_attention(
         .arg(&vv)
         .arg(&mut out)
         .arg(&heads_i)
-        .arg(&kv_i)
-        .arg(&t_i)
+        .arg(&kv_i);
+    // The one-query kernel has no query count (it is 1).
+    if !one_query {
+        builder.arg(&t_i);
+    }
+    builder
         .arg(&total_i)
         .arg(&scale)
         .arg(&qst)
         .arg(&kst)
         .arg(&vst);
-    let cfg = LaunchConfig {
-        grid_dim: (t.div_ceil(ATTENTION_QUERIES) as u32, heads as u32, b as u32),
-        block_dim: (ATTENTION_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: ATTENTION_QUERIES query rows per block, rows and keys bounds-checked in the kernel.
+    // SAFETY: the grid covers every (batch, head) and query row, keys are bounded by
+    // `total` and rows addressed through the strides checked above; the one-query
+    // kernel's dynamic shared memory holds its `total` scores (at most
+    // CUDA_DECODE_MAX_KEYS).
     unsafe { builder.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }

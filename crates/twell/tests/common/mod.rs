@@ -19,6 +19,21 @@ pub fn randn(shape: (usize, usize), std: f64, seed: u64, dtype: DType) -> Result
     .to_dtype(dtype)
 }
 
+/// Deterministic values spread evenly over `[-half_width, half_width)` (an LCG, so the
+/// tests need no RNG state), as an f32 tensor on the CPU.
+pub fn uniform(shape: &[usize], seed: u64, half_width: f32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|i| {
+            let x = (i as u64 + 1)
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(seed);
+            ((x >> 33) as f32 / (1u64 << 31) as f32 * 2.0 - 1.0) * half_width
+        })
+        .collect();
+    Tensor::from_vec(values, shape, &Device::Cpu).expect("a shape that holds the values")
+}
+
 /// Dense ReGLU MLP through plain candle ops: `(out [M, d], l1 [M])`.
 pub fn dense_reglu(x: &Tensor, wg: &Tensor, wu: &Tensor, wd: &Tensor) -> Result<(Tensor, Tensor)> {
     let g = x.matmul(&wg.t()?)?.relu()?;
