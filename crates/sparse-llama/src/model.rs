@@ -133,16 +133,19 @@ impl Cache {
     }
 }
 
-/// Whether inference runs the fused causal-attention kernel: on CUDA in bf16 with a
-/// supported head size, unless `TWELL_PLAIN_ATTENTION` is set (to measure both). A
-/// one-token step over up to `CUDA_DECODE_MAX_KEYS` keys runs the kernel that spreads
-/// the keys over a block. Past that the kernel gives each query one thread, so such a
-/// step goes to it only when the batch brings enough (batch, head) rows to fill the GPU:
-/// at batch 1 that kernel measured slower than the plain ops (114 vs 150 tokens/s at
-/// context 512), at batch 16 faster (1166 vs 909).
-/// `rows` is batch × query heads. Decided once per forward pass, before any layer: the
-/// plain path needs the causal mask, which the fused kernels never read, so a fused pass
-/// does not build it.
+/// Whether inference runs the fused causal-attention kernels: on CUDA in bf16 with a
+/// supported head size, unless `TWELL_PLAIN_ATTENTION` is set (to measure both).
+/// `rows` is batch × query heads.
+///
+/// A one-token step over up to `CUDA_DECODE_MAX_KEYS` keys runs the kernel that spreads
+/// the keys over a block. Past that the prefill kernel would take the step with one
+/// query row busy in each warp, so it gets the step only when the batch brings enough
+/// (batch, head) rows. This rule was measured with the prefill kernel's CUDA-core
+/// version: at batch 1 it lost to the plain ops (114 vs 150 tokens/s at context 512),
+/// at batch 16 it won (1166 vs 909).
+///
+/// Decided once per forward pass, before any layer: only the plain path needs the
+/// causal mask (the fused kernels apply it themselves), so a fused pass skips building it.
 fn fused_attention(
     device: &Device,
     dtype: DType,
