@@ -733,4 +733,16 @@ fn bad_model_bench_flags_are_rejected() {
         ],
         "at least 1",
     );
+    fails_with(
+        &[
+            "bench",
+            "model",
+            "--shape",
+            "64x256x2",
+            "--heads",
+            "4",
+            "--energy-secs=-1",
+        ],
+        "--energy-secs",
+    );
 }

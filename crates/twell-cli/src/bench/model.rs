@@ -133,6 +133,12 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
     if args.reps == 0 || args.decode_steps == 0 {
         bail!("--reps and --decode-steps must be at least 1");
     }
+    if !(args.energy_secs.is_finite() && args.energy_secs >= 0.0) {
+        bail!(
+            "--energy-secs {}: want seconds >= 0 (0 reads energy over the timed repetitions)",
+            args.energy_secs
+        );
+    }
     let prefill = args
         .prefill
         .iter()
