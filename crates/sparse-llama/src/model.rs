@@ -14,6 +14,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear_b, Embedding, Linear, RmsNorm, VarBuilder};
+use twell::ops::RopeTable;
 use twell::{FfnMode, MlpStats, SparseMlp};
 
 pub use crate::config::{Config, LlamaConfig, LlamaEosToks};
@@ -25,33 +26,8 @@ pub struct Cache {
     pub use_kv_cache: bool,
     /// Per layer, keys and values as `[b, T, kv_heads, hd]` (the projections' layout).
     kvs: Vec<Option<(Tensor, Tensor)>>,
-    rope: Rope,
+    rope: RopeTable,
     device: Device,
-}
-
-/// RoPE angles: `cos, sin [positions, head_dim / 2]` for candle's ops and `cos_sin
-/// [positions, head_dim]` (both side by side) for [`twell::ops::rope`].
-#[derive(Debug, Clone)]
-struct Rope {
-    cos: Tensor,
-    sin: Tensor,
-    cos_sin: Tensor,
-}
-
-impl Rope {
-    fn new(cos: Tensor, sin: Tensor) -> Result<Self> {
-        let cos_sin = twell::ops::rope_table(&cos, &sin)?;
-        Ok(Self { cos, sin, cos_sin })
-    }
-
-    /// The angles of positions `start..start + len`.
-    fn narrow(&self, start: usize, len: usize) -> Result<Self> {
-        Ok(Self {
-            cos: self.cos.narrow(0, start, len)?,
-            sin: self.sin.narrow(0, start, len)?,
-            cos_sin: self.cos_sin.narrow(0, start, len)?,
-        })
-    }
 }
 
 /// RoPE tables `cos, sin [positions, head_dim / 2]` (rotate-half convention, as HF).
@@ -96,7 +72,7 @@ fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<Tens
 impl Cache {
     pub fn new(use_kv_cache: bool, dtype: DType, config: &Config, device: &Device) -> Result<Self> {
         let (cos, sin) = rope_tables(config, config.max_position_embeddings, dtype, device)?;
-        let rope = Rope::new(cos, sin)?;
+        let rope = RopeTable::new(&cos, &sin)?;
         Ok(Self {
             masks: HashMap::new(),
             use_kv_cache,
@@ -210,7 +186,7 @@ impl CausalSelfAttention {
     fn forward(
         &self,
         x: &Tensor,
-        rope: &Rope,
+        rope: &RopeTable,
         mask: Option<&Tensor>,
         kv_cache: Option<&mut Option<(Tensor, Tensor)>>,
         pass: Pass,
@@ -224,8 +200,8 @@ impl CausalSelfAttention {
             Pass::Inference => {
                 // RoPE on the `[b, t, heads, hd]` rows; the KV cache keeps that layout
                 // (`[b, T, kv_heads, hd]`) and grows along dim 1.
-                let q = twell::ops::rope(&proj(&self.q_proj, nq)?, &rope.cos_sin)?;
-                let mut k = twell::ops::rope(&proj(&self.k_proj, nkv)?, &rope.cos_sin)?;
+                let q = twell::ops::rope(&proj(&self.q_proj, nq)?, rope)?;
+                let mut k = twell::ops::rope(&proj(&self.k_proj, nkv)?, rope)?;
                 let mut v = proj(&self.v_proj, nkv)?;
                 if let Some(slot) = kv_cache {
                     if let Some((ck, cv)) = slot.as_ref() {
@@ -447,7 +423,7 @@ impl Llama {
                 } else {
                     None
                 };
-                (Rope::new(cos, sin)?.narrow(index_pos, t)?, mask)
+                (RopeTable::new(&cos, &sin)?.narrow(index_pos, t)?, mask)
             }
         };
         let mut l1 = Vec::new();

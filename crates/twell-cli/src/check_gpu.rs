@@ -294,7 +294,8 @@ fn check_rope(dev: &Device, dims: (usize, usize, usize, usize), seed: u64) -> Re
         angles.cos()?.to_dtype(DType::BF16)?,
         angles.sin()?.to_dtype(DType::BF16)?,
     );
-    let got = x.apply_op2_no_bwd(&twell::ops::rope_table(&cos, &sin)?, &twell::ops::Rope)?;
+    let table = twell::ops::RopeTable::new(&cos, &sin)?;
+    let got = x.apply_op2_no_bwd(&table.cos_sin, &twell::ops::Rope)?;
     let err = rel_l2(&got, &candle_nn::rotary_emb::rope_thd(&x, &cos, &sin)?)?;
     Ok(RopeResult {
         dims,

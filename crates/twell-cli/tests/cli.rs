@@ -662,87 +662,23 @@ fn model_bench_runs_all_phases_on_a_random_shape() {
 
 #[test]
 fn bad_model_bench_flags_are_rejected() {
-    fails_with(
-        &[
-            "bench",
-            "model",
-            "--shape",
-            "64x256x2",
-            "--ffn-paths",
-            "moe",
-        ],
-        "--ffn-paths 'moe'",
-    );
-    fails_with(
-        &[
-            "bench",
-            "model",
-            "--shape",
-            "64x256x2",
-            "--ffn-paths",
-            "sparse",
-            "--svg",
-            "x.svg",
-        ],
+    // `bench model` on a small random shape, then the flags under test.
+    let model = |flags: &[&str], needle: &str| {
+        let args = [&["bench", "model", "--shape", "64x256x2"], flags].concat();
+        fails_with(&args, needle);
+    };
+    model(&["--ffn-paths", "moe"], "--ffn-paths 'moe'");
+    model(
+        &["--ffn-paths", "sparse", "--svg", "x.svg"],
         "run both --ffn-paths",
     );
     fails_with(
         &["bench", "model", "--shape", "64x256"],
         "HIDDENxFFNxLAYERS",
     );
-    fails_with(
-        &[
-            "bench",
-            "model",
-            "--shape",
-            "64x256x2",
-            "--heads",
-            "4",
-            "--prefill",
-            "1by32",
-        ],
-        "BATCHxSEQ",
-    );
-    fails_with(
-        &[
-            "bench",
-            "model",
-            "--shape",
-            "64x256x2",
-            "--heads",
-            "4",
-            "--density",
-            "2",
-        ],
-        "density",
-    );
-    fails_with(
-        &["bench", "model", "--shape", "64x256x2", "--heads", "3"],
-        "heads",
-    );
-    fails_with(
-        &[
-            "bench",
-            "model",
-            "--shape",
-            "64x256x2",
-            "--heads",
-            "4",
-            "--decode-batch",
-            "0",
-        ],
-        "at least 1",
-    );
-    fails_with(
-        &[
-            "bench",
-            "model",
-            "--shape",
-            "64x256x2",
-            "--heads",
-            "4",
-            "--energy-secs=-1",
-        ],
-        "--energy-secs",
-    );
+    model(&["--heads", "4", "--prefill", "1by32"], "BATCHxSEQ");
+    model(&["--heads", "4", "--density", "2"], "density");
+    model(&["--heads", "3"], "heads");
+    model(&["--heads", "4", "--decode-batch", "0"], "at least 1");
+    model(&["--heads", "4", "--energy-secs=-1"], "--energy-secs");
 }

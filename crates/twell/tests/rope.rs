@@ -3,7 +3,7 @@
 mod common;
 
 use candle_core::{DType, Tensor};
-use twell::ops::{rope, rope_table, Rope};
+use twell::ops::{rope, Rope, RopeTable};
 
 fn random(shape: &[usize], seed: u64) -> Tensor {
     common::uniform(shape, seed, 1.0)
@@ -19,14 +19,14 @@ fn op_matches_rope_thd() {
             // Angles of positions 0..t, in [-1, 1] like cos and sin.
             let cos = random(&[t, hd / 2], 3).to_dtype(dtype).unwrap();
             let sin = random(&[t, hd / 2], 4).to_dtype(dtype).unwrap();
-            let cs = rope_table(&cos, &sin).unwrap();
+            let table = RopeTable::new(&cos, &sin).unwrap();
             let want = candle_nn::rotary_emb::rope_thd(&x, &cos, &sin).unwrap();
-            let got = x.apply_op2_no_bwd(&cs, &Rope).unwrap();
+            let got = x.apply_op2_no_bwd(&table.cos_sin, &Rope).unwrap();
             assert_eq!(got.dims(), x.dims());
             let err = common::rel_l2(&got, &want).unwrap();
             assert!(err < tol, "{:?} {dtype:?}: rel err {err:.2e}", x.dims());
             // The public function gives the same (candle's kernel on the CPU).
-            let public = rope(&x, &cs).unwrap();
+            let public = rope(&x, &table).unwrap();
             assert!(common::rel_l2(&public, &want).unwrap() < tol);
         }
     }
@@ -35,13 +35,19 @@ fn op_matches_rope_thd() {
 #[test]
 fn bad_shapes_and_dtypes_are_rejected() {
     let x = random(&[1, 3, 2, 8], 1);
-    let short = random(&[2, 8], 4);
+    let table = |t: usize, seed: u64| {
+        RopeTable::new(&random(&[t, 4], seed), &random(&[t, 4], seed + 1)).unwrap()
+    };
+    let short = table(2, 4);
     let err = rope(&x, &short).unwrap_err().to_string();
     assert!(err.contains("cos_sin"), "{err}");
-    let cs = random(&[3, 8], 3);
-    let err = rope(&x, &cs.to_dtype(DType::BF16).unwrap())
-        .unwrap_err()
-        .to_string();
+    let cs = table(3, 3);
+    let cs_bf16 = RopeTable::new(
+        &cs.cos.to_dtype(DType::BF16).unwrap(),
+        &cs.sin.to_dtype(DType::BF16).unwrap(),
+    )
+    .unwrap();
+    let err = rope(&x, &cs_bf16).unwrap_err().to_string();
     assert!(err.contains("dtype"), "{err}");
     let err = rope(&random(&[3, 8], 5), &cs).unwrap_err().to_string();
     assert!(err.contains("rank") || err.contains("dims"), "{err}");

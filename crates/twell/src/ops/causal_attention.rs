@@ -4,8 +4,8 @@
 //! The plain-op attention (f32 scores `[b, heads, t, T]`, mask add, softmax) costs
 //! far more than the MLP at prefill sizes on a GPU, so no FFN speed-up could show at
 //! the model level. The CUDA kernel (`kernels/causal_attention.cu`) keeps the scores
-//! in registers with an online softmax and runs both products on tensor cores. Forward only: training keeps the
-//! plain ops, whose backward candle already has.
+//! in registers with an online softmax and runs both products on tensor cores. Forward
+//! only: training keeps the plain ops, whose backward candle already has.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;

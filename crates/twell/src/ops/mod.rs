@@ -29,7 +29,7 @@ pub use causal_attention::{
 };
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
-pub use rope::{rope, rope_table, Rope};
+pub use rope::{rope, Rope, RopeTable};
 pub use twell_mlp::{gate_screen, twell_mlp, twell_mlp_screened, TwellMlp};
 
 use std::sync::Arc;

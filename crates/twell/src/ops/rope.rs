@@ -82,29 +82,52 @@ impl CustomOp2 for Rope {
     }
 }
 
-/// `cos_sin [positions, hd]` from candle's `cos, sin [positions, hd / 2]` tables: each
-/// position's cos, then its sin, the table [`rope`] takes.
-pub fn rope_table(cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    Tensor::cat(&[cos, sin], 1)
+/// The RoPE angles of a run of positions, in both forms: candle's `cos, sin [positions,
+/// hd / 2]`, and side by side as `cos_sin [positions, hd]` (each position's cos, then its
+/// sin) for the CUDA kernel. Built once per table, narrowed per call (views).
+#[derive(Clone, Debug)]
+pub struct RopeTable {
+    pub cos: Tensor,
+    pub sin: Tensor,
+    pub cos_sin: Tensor,
 }
 
-/// RoPE (rotate-half, as HF Llama) of `x [b, t, heads, hd]` at the positions whose
-/// angles `cos_sin [t, hd]` holds (see [`rope_table`]). On CUDA in bf16 our kernel (head
-/// sizes a multiple of 16); elsewhere candle's `rope_thd`. Returns a contiguous tensor
-/// of its own. Not differentiable.
-pub fn rope(x: &Tensor, cos_sin: &Tensor) -> Result<Tensor> {
-    if x.dtype() != cos_sin.dtype() {
+impl RopeTable {
+    pub fn new(cos: &Tensor, sin: &Tensor) -> Result<Self> {
+        Ok(Self {
+            cos: cos.contiguous()?,
+            sin: sin.contiguous()?,
+            cos_sin: Tensor::cat(&[cos, sin], 1)?,
+        })
+    }
+
+    /// The angles of positions `start..start + len`.
+    pub fn narrow(&self, start: usize, len: usize) -> Result<Self> {
+        Ok(Self {
+            cos: self.cos.narrow(0, start, len)?,
+            sin: self.sin.narrow(0, start, len)?,
+            cos_sin: self.cos_sin.narrow(0, start, len)?,
+        })
+    }
+}
+
+/// RoPE (rotate-half, as HF Llama) of `x [b, t, heads, hd]` at the `t` positions whose
+/// angles `angles` holds. On CUDA in bf16 our kernel (head sizes a multiple of 16);
+/// elsewhere candle's `rope_thd`. Returns a contiguous tensor of its own. Not
+/// differentiable.
+pub fn rope(x: &Tensor, angles: &RopeTable) -> Result<Tensor> {
+    let cs = &angles.cos_sin;
+    if x.dtype() != cs.dtype() {
         return err(TwellError::Invalid(format!(
             "rope: x and cos_sin must share a dtype, got {:?} and {:?}",
             x.dtype(),
-            cos_sin.dtype()
+            cs.dtype()
         )));
     }
-    let (x, cs) = (x.contiguous()?, cos_sin.contiguous()?);
+    let x = x.contiguous()?;
     let (_, _, hd) = dims(x.layout(), cs.layout())?;
     if x.device().is_cuda() && x.dtype() == DType::BF16 && hd.is_multiple_of(16) {
-        return x.apply_op2_no_bwd(&cs, &Rope);
+        return x.apply_op2_no_bwd(&cs.contiguous()?, &Rope);
     }
-    let (co, sn) = (cs.narrow(1, 0, hd / 2)?, cs.narrow(1, hd / 2, hd / 2)?);
-    candle_nn::rotary_emb::rope_thd(&x, &co.contiguous()?, &sn.contiguous()?)
+    candle_nn::rotary_emb::rope_thd(&x, &angles.cos, &angles.sin)
 }
