@@ -21,6 +21,7 @@ fn main() {
         "twell_mlp_bwd",
         "twell_mlp_decode",
         "causal_attention",
+        "attention_softmax_grad",
         "add_rms_norm",
         "rope",
     ] {

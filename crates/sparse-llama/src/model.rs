@@ -7,7 +7,8 @@
 //! * each layer's MLP is a [`twell::SparseMlp`]: dense SwiGLU, dense ReGLU or TwELL;
 //! * [`Llama::forward_all`] returns logits at every position (perplexity);
 //! * [`Llama::forward_train`] is differentiable end to end: candle's fused rms-norm,
-//!   softmax and rope have no backward pass, so training uses their plain-op forms;
+//!   softmax and rope have no backward pass, so training uses their plain-op forms,
+//!   except for the attention on CUDA: `twell::ops::causal_attention` has one;
 //! * [`Llama::ffn_stats`] reports each layer's activation density after a forward.
 
 use std::collections::HashMap;
@@ -109,8 +110,10 @@ impl Cache {
     }
 }
 
-/// Whether inference runs the fused causal-attention kernels: on CUDA in bf16 with a
-/// supported head size, unless `TWELL_PLAIN_ATTENTION` is set (to measure both).
+/// Whether a pass runs the fused causal attention: on CUDA in bf16 with a supported
+/// head size, unless `TWELL_PLAIN_ATTENTION` is set (to measure both). Training takes
+/// it too (its backward recomputes the scores); on the CPU both passes keep the plain
+/// ops, whose matrix products are faster there than the op's row loop.
 /// `rows` is batch × query heads.
 ///
 /// A one-token step over up to `CUDA_DECODE_MAX_KEYS` keys runs the kernel that spreads
@@ -180,8 +183,7 @@ impl CausalSelfAttention {
 
     /// `x [b, t, h]` → `[b, t, h]`. `rope` holds the angles of positions
     /// `index_pos..index_pos + t`; `mask` is `[t, kv_len]`, or `None` for one token and
-    /// for the fused kernels (`fused`, inference only), which apply the causal mask
-    /// themselves.
+    /// for the fused kernels (`fused`), which apply the causal mask themselves.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -192,53 +194,61 @@ impl CausalSelfAttention {
         pass: Pass,
         fused: bool,
     ) -> Result<Tensor> {
-        let (b, t, hidden) = x.dims3()?;
+        let (b, t, _) = x.dims3()?;
         // Projections as `[b, t, heads, hd]`: a reshape, no copy.
         let proj = |p: &Linear, n: usize| p.forward(x)?.reshape((b, t, n, self.head_dim));
         let (nq, nkv) = (self.num_attention_heads, self.num_key_value_heads);
-        let (q, k, v) = match pass {
-            Pass::Inference => {
-                // RoPE on the `[b, t, heads, hd]` rows; the KV cache keeps that layout
-                // (`[b, T, kv_heads, hd]`) and grows along dim 1.
-                let q = twell::ops::rope(&proj(&self.q_proj, nq)?, rope)?;
-                let mut k = twell::ops::rope(&proj(&self.k_proj, nkv)?, rope)?;
-                let mut v = proj(&self.v_proj, nkv)?;
-                if let Some(slot) = kv_cache {
-                    if let Some((ck, cv)) = slot.as_ref() {
-                        k = Tensor::cat(&[ck, &k], 1)?;
-                        v = Tensor::cat(&[cv, &v], 1)?;
-                    }
-                    *slot = Some((k.clone(), v.clone()));
-                }
-                // `[b, heads, positions, hd]` views.
-                let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
-                if fused {
-                    // The scores stay on chip; the mask is the causal one the kernel
-                    // applies. The strided views go in as they are, and the output's
-                    // transpose is contiguous `[b, t, heads, hd]` again.
-                    let y = twell::ops::causal_attention(&q, &k, &v)?;
-                    let y = y.transpose(1, 2)?.reshape((b, t, hidden))?;
-                    return self.o_proj.forward(&y);
-                }
-                (q.contiguous()?, k.contiguous()?, v.contiguous()?)
+        // Training on the plain ops: RoPE and attention as differentiable candle ops on
+        // contiguous `[b, heads, t, hd]` copies.
+        if pass == Pass::Train && !fused {
+            let heads = |p: &Linear, n: usize| proj(p, n)?.transpose(1, 2)?.contiguous();
+            let rope = |x: Tensor| candle_nn::rotary_emb::rope_slow(&x, &rope.cos, &rope.sin);
+            let q = rope(heads(&self.q_proj, nq)?)?;
+            let k = rope(heads(&self.k_proj, nkv)?)?;
+            let v = heads(&self.v_proj, nkv)?;
+            return self.plain_attention(q, k, v, mask, pass);
+        }
+        // RoPE on the `[b, t, heads, hd]` rows; the KV cache keeps that layout
+        // (`[b, T, kv_heads, hd]`) and grows along dim 1. Training gets here with the
+        // fused ops only, whose backward passes exist (no cache then).
+        let q = twell::ops::rope(&proj(&self.q_proj, nq)?, rope)?;
+        let mut k = twell::ops::rope(&proj(&self.k_proj, nkv)?, rope)?;
+        let mut v = proj(&self.v_proj, nkv)?;
+        if let Some(slot) = kv_cache {
+            if let Some((ck, cv)) = slot.as_ref() {
+                k = Tensor::cat(&[ck, &k], 1)?;
+                v = Tensor::cat(&[cv, &v], 1)?;
             }
-            Pass::Train => {
-                let heads = |p: &Linear, n: usize| proj(p, n)?.transpose(1, 2)?.contiguous();
-                (
-                    candle_nn::rotary_emb::rope_slow(
-                        &heads(&self.q_proj, nq)?,
-                        &rope.cos,
-                        &rope.sin,
-                    )?,
-                    candle_nn::rotary_emb::rope_slow(
-                        &heads(&self.k_proj, nkv)?,
-                        &rope.cos,
-                        &rope.sin,
-                    )?,
-                    heads(&self.v_proj, nkv)?,
-                )
-            }
-        };
+            *slot = Some((k.clone(), v.clone()));
+        }
+        // `[b, heads, positions, hd]` views.
+        let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
+        if fused {
+            // The scores stay on chip; the mask is the causal one the kernel applies.
+            // The strided views go in as they are, and the output's transpose is
+            // contiguous `[b, t, heads, hd]` again.
+            let y = twell::ops::causal_attention(&q, &k, &v)?;
+            let y = y.transpose(1, 2)?.reshape((b, t, nq * self.head_dim))?;
+            return self.o_proj.forward(&y);
+        }
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        self.plain_attention(q, k, v, mask, pass)
+    }
+
+    /// Attention as plain candle ops: f32 scores `[b, heads, t, T]`, the mask added, a
+    /// softmax, then the output projection. Training takes candle's composite softmax,
+    /// which it can differentiate; inference its fused one.
+    fn plain_attention(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Option<&Tensor>,
+        pass: Pass,
+    ) -> Result<Tensor> {
+        let (b, nq, t, hd) = q.dims4()?;
+        let hidden = nq * hd;
+        let nkv = k.dim(1)?;
         let rep = nq / nkv;
         let k = candle_transformers::utils::repeat_kv(k, rep)?;
         let v = candle_transformers::utils::repeat_kv(v, rep)?;
@@ -397,8 +407,7 @@ impl Llama {
         }
         let mut x = self.embed_tokens.forward(tokens)?;
         let cached = cache.as_deref().is_some_and(|c| c.use_kv_cache);
-        let fused = pass == Pass::Inference
-            && fused_attention(
+        let fused = fused_attention(
                 x.device(),
                 x.dtype(),
                 self.config.head_dim(),

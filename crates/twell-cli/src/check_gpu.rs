@@ -174,11 +174,16 @@ fn check_backward(dev: &Device, case: Case, seed: u64) -> Result<BackwardResult>
 struct AttentionResult {
     /// `(b, heads, t, kv_heads, T, hd)`.
     dims: (usize, usize, usize, usize, usize, usize),
+    /// Standard deviation of the scaled scores `q·k / √hd`.
+    logit_std: f64,
     err: f64,
+    /// dq, dk, dv.
+    grad_err: [f64; 3],
     pass: bool,
 }
 
-/// The fused causal attention (bf16) against the plain-op f32 reference on the GPU.
+/// The fused causal attention (bf16) and its backward against the plain-op f32
+/// reference on the GPU.
 fn check_attention(
     dev: &Device,
     dims: (usize, usize, usize, usize, usize, usize),
@@ -196,8 +201,11 @@ fn check_attention(
             .narrow(0, skew, n)?
             .reshape(shape)?)
     };
+    // Every third case has sharp scores (standard deviation 4 instead of 1), where the
+    // backward's bf16 scores round the most.
+    let logit_std = if seed % 3 == 0 { 4.0 } else { 1.0 };
     let (q, k, v) = (
-        input((b, heads, t, hd))?,
+        (input((b, heads, t, hd))? * logit_std)?,
         input((b, kv, total, hd))?,
         input((b, kv, total, hd))?,
     );
@@ -206,18 +214,46 @@ fn check_attention(
     }
     let out = twell::ops::causal_attention(&q, &k, &v)?;
     let err = rel_l2(&out, &twell::ops::causal_attention_reference(&q, &k, &v)?)?;
+    // The backward: gradients of `Σ out ⊙ probe` against the reference's in f32.
+    let probe = Tensor::randn(0f32, 1.0, (b, heads, t, hd), dev)?;
+    let gradients = |attention: fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+                     dtype: DType|
+     -> Result<Vec<Tensor>> {
+        let vars = [&q, &k, &v]
+            .iter()
+            .map(|x| Var::from_tensor(&x.to_dtype(dtype)?))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let out = attention(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor())?;
+        let grads = (out.to_dtype(DType::F32)? * &probe)?.sum_all()?.backward()?;
+        vars.iter()
+            .map(|x| grads.get(x.as_tensor()).cloned().context("no gradient"))
+            .collect()
+    };
+    let fused = gradients(twell::ops::causal_attention, DType::BF16)?;
+    let plain = gradients(twell::ops::causal_attention_reference, DType::F32)?;
+    let mut grad_err = [0f64; 3];
+    for (e, (a, r)) in grad_err.iter_mut().zip(fused.iter().zip(&plain)) {
+        *e = rel_l2(a, r)?;
+    }
     Ok(AttentionResult {
         dims,
+        logit_std,
         err,
-        pass: err < TOLERANCE,
+        grad_err,
+        pass: err < TOLERANCE && grad_err.iter().all(|&e| e < TOLERANCE),
     })
 }
 
-/// A whole random Llama (hd 64, grouped-query heads) through the inference path
-/// (fused attention, fused residual add + norm, rope, KV cache across two chunks) against its
-/// training path (plain ops) on the same tokens: relative L2 error of the logits.
-fn check_model_attention(dev: &Device) -> Result<f64> {
-    use sparse_llama::{synthetic, Cache, Llama};
+/// The random Llama of the model checks (hd 64, grouped-query heads, 2 layers), in
+/// bf16 on `dev` and in f32 on the CPU from the same weights, each with its weights as
+/// variables (for the training check).
+fn check_models(
+    dev: &Device,
+) -> Result<(
+    [(sparse_llama::Llama, Vec<(String, Var)>); 2],
+    sparse_llama::Config,
+)> {
+    use sparse_llama::{synthetic, Llama};
     let cfg = synthetic::config(512, 1024, 2, 8, 2, 1000)?;
     let mut weights = synthetic::weights(&cfg, 0.1, 11, DType::BF16, dev)?;
     // The random model's attention writes little into the residual stream; make it
@@ -228,18 +264,107 @@ fn check_model_attention(dev: &Device) -> Result<f64> {
             *w = (&*w * 30.0)?;
         }
     }
-    let model = Llama::load(
-        candle_nn::VarBuilder::from_tensors(weights, DType::BF16, dev),
-        &cfg,
-    )?;
-    let ids: Vec<u32> = (0..2 * 96).map(|i| (i * 7919 % 1000) as u32).collect();
-    let ids = Tensor::from_vec(ids, (2, 96), dev)?;
-    let plain = model.forward_train(&ids)?.logits;
-    let mut cache = Cache::new(true, DType::BF16, &cfg, dev)?;
-    let first = model.forward_all(&ids.narrow(1, 0, 40)?, 0, &mut cache)?;
-    let second = model.forward_all(&ids.narrow(1, 40, 56)?, 40, &mut cache)?;
-    rel_l2(&Tensor::cat(&[first, second], 1)?, &plain)
+    let build = |device: &Device, dtype: DType| -> Result<(Llama, Vec<(String, Var)>)> {
+        let varmap = candle_nn::VarMap::new();
+        let mut vars = Vec::new();
+        {
+            let mut data = varmap.data().lock().expect("a fresh varmap");
+            for (name, w) in &weights {
+                let var = Var::from_tensor(&w.to_device(device)?.to_dtype(dtype)?)?;
+                vars.push((name.clone(), var.clone()));
+                data.insert(name.clone(), var);
+            }
+        }
+        let vb = candle_nn::VarBuilder::from_varmap(&varmap, dtype, device);
+        Ok((Llama::load(vb, &cfg)?, vars))
+    };
+    Ok((
+        [build(dev, DType::BF16)?, build(&Device::Cpu, DType::F32)?],
+        cfg,
+    ))
 }
+
+/// The tokens of the model checks: 2 sequences of 96.
+fn check_tokens(device: &Device) -> Result<Tensor> {
+    let ids: Vec<u32> = (0..2 * 96).map(|i| (i * 7919 % 1000) as u32).collect();
+    Ok(Tensor::from_vec(ids, (2, 96), device)?)
+}
+
+/// The model's inference path on the GPU (fused attention, fused residual add + norm,
+/// rope, KV cache across two chunks) against the CPU f32 training path (plain ops) on the
+/// same tokens: relative L2 error of the logits.
+fn check_model_attention(dev: &Device) -> Result<f64> {
+    use sparse_llama::Cache;
+    let ([(gpu, _), (cpu, _)], cfg) = check_models(dev)?;
+    let plain = cpu.forward_train(&check_tokens(&Device::Cpu)?)?.logits;
+    let ids = check_tokens(dev)?;
+    let mut cache = Cache::new(true, DType::BF16, &cfg, dev)?;
+    let first = gpu.forward_all(&ids.narrow(1, 0, 40)?, 0, &mut cache)?;
+    let second = gpu.forward_all(&ids.narrow(1, 40, 56)?, 40, &mut cache)?;
+    rel_l2(&Tensor::cat(&[first, second], 1)?.to_device(&Device::Cpu)?, &plain)
+}
+
+#[derive(Serialize, Debug)]
+struct ModelTrainResult {
+    /// Whether the GPU pass ran the fused attention (with its backward) and RoPE kernel.
+    fused: bool,
+    logits_err: f64,
+    /// Over all parameters' gradients together, and the worst single one.
+    grad_err: f64,
+    worst_grad_err: f64,
+    worst_param: String,
+    pass: bool,
+}
+
+/// Model-level gradients: a training step's backward on the GPU in bf16 (fused
+/// attention and RoPE with their backward passes) against the CPU's f32 plain ops, for
+/// the loss `Σ logits ⊙ probe`.
+fn check_model_training(dev: &Device) -> Result<ModelTrainResult> {
+    let ([(gpu, gpu_vars), (cpu, cpu_vars)], cfg) = check_models(dev)?;
+    let probe = Tensor::randn(0f32, 1.0, (2, 96, cfg.vocab_size), &Device::Cpu)?;
+    let run = |model: &sparse_llama::Llama, device: &Device| -> Result<(Tensor, _)> {
+        let logits = model.forward_train(&check_tokens(device)?)?.logits;
+        let loss = (logits.to_dtype(DType::F32)? * probe.to_device(device)?)?.sum_all()?;
+        Ok((logits.to_device(&Device::Cpu)?, loss.backward()?))
+    };
+    let (gpu_logits, gpu_grads) = run(&gpu, dev)?;
+    let (cpu_logits, cpu_grads) = run(&cpu, &Device::Cpu)?;
+    let logits_err = rel_l2(&gpu_logits, &cpu_logits)?;
+    let (mut diff, mut norm) = (0f64, 0f64);
+    let (mut worst_grad_err, mut worst_param) = (0f64, String::new());
+    for ((name, gv), (_, cv)) in gpu_vars.iter().zip(&cpu_vars) {
+        let get = |grads: &candle_core::backprop::GradStore, v: &Var| -> Result<Tensor> {
+            let g = grads
+                .get(v.as_tensor())
+                .with_context(|| format!("no gradient for {name}"))?;
+            Ok(g.to_device(&Device::Cpu)?.to_dtype(DType::F64)?)
+        };
+        let (g, c) = (get(&gpu_grads, gv)?, get(&cpu_grads, cv)?);
+        let d = (&g - &c)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        let n = c.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        (diff, norm) = (diff + d, norm + n);
+        let err = if n > 0.0 { (d / n).sqrt() } else { d.sqrt() };
+        if err > worst_grad_err {
+            (worst_grad_err, worst_param) = (err, name.clone());
+        }
+    }
+    let grad_err = (diff / norm).sqrt();
+    let probe_q = Tensor::zeros((1, 8, 2, 64), DType::BF16, dev)?;
+    let fused = twell::ops::fused_on_device(&probe_q) && std::env::var_os("TWELL_PLAIN_ATTENTION").is_none();
+    Ok(ModelTrainResult {
+        fused,
+        logits_err,
+        grad_err,
+        worst_grad_err,
+        worst_param,
+        pass: fused && logits_err < TOLERANCE && grad_err < MODEL_GRAD_TOLERANCE,
+    })
+}
+
+/// bf16 against f32 through a 2-layer model's backward, for all gradients together
+/// (single parameters are printed, not judged: a near-zero one has a large relative
+/// error from rounding alone).
+const MODEL_GRAD_TOLERANCE: f64 = 5e-2;
 
 #[derive(Serialize, Debug)]
 struct NormResult {
@@ -281,10 +406,12 @@ struct RopeResult {
     dims: (usize, usize, usize, usize),
     /// Against candle's `rope_thd` (bf16 arithmetic there, f32 here).
     err: f64,
+    /// The gradient against candle's `rope_slow` autograd in f32.
+    grad_err: f64,
     pass: bool,
 }
 
-/// Our RoPE kernel against candle's `rope_thd` on the GPU.
+/// Our RoPE kernel and its backward against candle's on the GPU.
 fn check_rope(dev: &Device, dims: (usize, usize, usize, usize), seed: u64) -> Result<RopeResult> {
     let (b, t, heads, hd) = dims;
     dev.set_seed(seed)?;
@@ -297,10 +424,27 @@ fn check_rope(dev: &Device, dims: (usize, usize, usize, usize), seed: u64) -> Re
     let table = twell::ops::RopeTable::new(&cos, &sin)?;
     let got = x.apply_op2_no_bwd(&table.cos_sin, &twell::ops::Rope)?;
     let err = rel_l2(&got, &candle_nn::rotary_emb::rope_thd(&x, &cos, &sin)?)?;
+    // The backward (the transposed rotation) against candle's differentiable form.
+    let probe = Tensor::randn(0f32, 1.0, (b, t, heads, hd), dev)?;
+    let grad = |rotate: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>| -> Result<Tensor> {
+        let var = Var::from_tensor(&x)?;
+        let out = rotate(var.as_tensor())?.to_dtype(DType::F32)?;
+        let grads = (out * &probe)?.sum_all()?.backward()?;
+        grads.get(var.as_tensor()).cloned().context("no gradient")
+    };
+    let grad_err = rel_l2(
+        &grad(&|x| twell::ops::rope(x, &table))?,
+        &grad(&|x| {
+            let heads_first = x.transpose(1, 2)?.contiguous()?.to_dtype(DType::F32)?;
+            let (c, s) = (cos.to_dtype(DType::F32)?, sin.to_dtype(DType::F32)?);
+            candle_nn::rotary_emb::rope_slow(&heads_first, &c, &s)?.transpose(1, 2)
+        })?,
+    )?;
     Ok(RopeResult {
         dims,
         err,
-        pass: got.device().is_cuda() && err < TOLERANCE,
+        grad_err,
+        pass: got.device().is_cuda() && err < TOLERANCE && grad_err < TOLERANCE,
     })
 }
 
@@ -312,6 +456,7 @@ struct Report {
     add_rms_norm: Vec<NormResult>,
     rope: Vec<RopeResult>,
     model_attention_err: f64,
+    model_training: ModelTrainResult,
 }
 
 pub fn run(args: &CheckGpuArgs) -> Result<()> {
@@ -412,9 +557,14 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
     for (k, &dims) in attention_cases.iter().enumerate() {
         let r = check_attention(&dev, dims, 900 + k as u64)?;
         println!(
-            "attention (b, heads, t, kv_heads, T, hd) = {:?}: rel err {:.2e} {}",
+            "attention (b, heads, t, kv_heads, T, hd) = {:?}, scores' std {}: rel err {:.2e}, \
+             backward dq {:.2e} dk {:.2e} dv {:.2e} {}",
             r.dims,
+            r.logit_std,
             r.err,
+            r.grad_err[0],
+            r.grad_err[1],
+            r.grad_err[2],
             if r.pass { "ok" } else { "FAIL" }
         );
         attention.push(r);
@@ -441,9 +591,10 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
     {
         let r = check_rope(&dev, dims, 970 + k as u64)?;
         println!(
-            "rope (b, t, heads, hd) = {:?}: rel err {:.2e} {}",
+            "rope (b, t, heads, hd) = {:?}: rel err {:.2e}, backward {:.2e} {}",
             r.dims,
             r.err,
+            r.grad_err,
             if r.pass { "ok" } else { "FAIL" }
         );
         rope.push(r);
@@ -452,17 +603,29 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
     let model_ok = model_attention_err < TOLERANCE;
     println!(
         "model (2 layers, hd 64, GQA 8/2, 2 x 96 tokens in two cached chunks): inference vs \
-         training path logits rel err {model_attention_err:.2e} {}",
+         the CPU's f32 training path, logits rel err {model_attention_err:.2e} {}",
         if model_ok { "ok" } else { "FAIL" }
+    );
+    let model_training = check_model_training(&dev)?;
+    println!(
+        "model training (same model, bf16 on the GPU vs f32 on the CPU, fused attention {}): \
+         logits rel err {:.2e}, gradients rel err {:.2e} (worst {:.2e}, {}) {}",
+        model_training.fused,
+        model_training.logits_err,
+        model_training.grad_err,
+        model_training.worst_grad_err,
+        model_training.worst_param,
+        if model_training.pass { "ok" } else { "FAIL" }
     );
     let failed = results.iter().filter(|r| !r.pass).count()
         + backward.iter().filter(|r| !r.pass).count()
         + attention.iter().filter(|r| !r.pass).count()
         + add_rms_norm.iter().filter(|r| !r.pass).count()
         + rope.iter().filter(|r| !r.pass).count()
-        + usize::from(!model_ok);
+        + usize::from(!model_ok)
+        + usize::from(!model_training.pass);
     let total =
-        results.len() + backward.len() + attention.len() + add_rms_norm.len() + rope.len() + 1;
+        results.len() + backward.len() + attention.len() + add_rms_norm.len() + rope.len() + 2;
     if let Some(path) = &args.json {
         let report = Report {
             forward: results,
@@ -471,6 +634,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             add_rms_norm,
             rope,
             model_attention_err,
+            model_training,
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
     }

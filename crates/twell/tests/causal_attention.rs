@@ -72,3 +72,135 @@ fn bad_shapes_and_dtypes_are_rejected() {
     let kb = k.to_dtype(DType::BF16).unwrap();
     assert!(msg(causal_attention(&q, &kb, &kb)).contains("dtype"));
 }
+
+/// `(dq, dk, dv)` of `Σ out ⊙ probe` through `attention`, the inputs as variables.
+fn gradients(
+    attention: fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    probe: &Tensor,
+) -> [Tensor; 3] {
+    let vars = [q, k, v].map(|x| candle_core::Var::from_tensor(x).unwrap());
+    let out = attention(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor()).unwrap();
+    let loss = (out.to_dtype(DType::F32).unwrap() * probe)
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    vars.map(|x| {
+        grads
+            .get(x.as_tensor())
+            .unwrap_or_else(|| panic!("no gradient for {:?}", x.dims()))
+            .clone()
+    })
+}
+
+#[test]
+fn backward_matches_plain_attention_autograd() {
+    // (b, heads, t, kv_heads, T, hd): training shapes (T = t), grouped heads, one
+    // token, and queries after a KV cache.
+    let cases = [
+        (1, 1, 1, 1, 1, 4),
+        (2, 4, 7, 2, 7, 8),
+        (1, 6, 33, 2, 33, 16),
+        (2, 3, 5, 3, 12, 8),
+        (1, 9, 64, 3, 64, 64),
+    ];
+    for (n, &(b, heads, t, kv, total, hd)) in cases.iter().enumerate() {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+            let seed = 10 * n as u64;
+            let q = random((b, heads, t, hd), dtype, seed);
+            let k = random((b, kv, total, hd), dtype, seed + 1);
+            let v = random((b, kv, total, hd), dtype, seed + 2);
+            let probe = common::uniform(&[b, heads, t, hd], seed + 3, 1.0);
+            let fused = gradients(causal_attention, (&q, &k, &v), &probe);
+            // The reference in f32 from the same (rounded) inputs.
+            let f32_inputs = [&q, &k, &v].map(|x| x.to_dtype(DType::F32).unwrap());
+            let plain = gradients(
+                causal_attention_reference,
+                (&f32_inputs[0], &f32_inputs[1], &f32_inputs[2]),
+                &probe,
+            );
+            for (name, (a, r)) in ["dq", "dk", "dv"].iter().zip(fused.iter().zip(&plain)) {
+                assert_eq!(a.dims(), r.dims(), "case {n} {name}");
+                assert_eq!(a.dtype(), dtype, "case {n} {name}");
+                let err = rel_err(&a.to_dtype(DType::F32).unwrap(), r);
+                assert!(err < tol, "case {n} {dtype:?} {name}: rel err {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn backward_flows_through_strided_views() {
+    // The model passes `[b, t, heads, hd]` projections seen as `[b, heads, t, hd]`.
+    let (b, t, heads, hd) = (2, 9, 4, 8);
+    let q = random((b, t, heads, hd), DType::F32, 40);
+    let k = random((b, t, heads, hd), DType::F32, 41);
+    let v = random((b, t, heads, hd), DType::F32, 42);
+    let probe = common::uniform(&[b, heads, t, hd], 43, 1.0);
+    let transposed = |a: &Tensor, b: &Tensor, c: &Tensor| {
+        causal_attention(&a.transpose(1, 2)?, &b.transpose(1, 2)?, &c.transpose(1, 2)?)
+    };
+    let reference = |a: &Tensor, b: &Tensor, c: &Tensor| {
+        let heads = |x: &Tensor| x.transpose(1, 2)?.contiguous();
+        causal_attention_reference(&heads(a)?, &heads(b)?, &heads(c)?)
+    };
+    let fused = gradients(transposed, (&q, &k, &v), &probe);
+    let plain = gradients(reference, (&q, &k, &v), &probe);
+    for (a, r) in fused.iter().zip(&plain) {
+        assert_eq!(a.dims(), &[b, t, heads, hd]);
+        assert!(rel_err(a, r) < 1e-4);
+    }
+}
+
+#[test]
+fn softmax_grad_op_matches_candle_ops() {
+    use twell::ops::attention_softmax_grad;
+    // (rows before t, t, T): training rows, and queries after a cache.
+    for &(lead, t, total) in &[(3, 1, 1), (2, 5, 5), (4, 3, 11), (1, 40, 40)] {
+        let scale = 0.37f32;
+        let s = common::uniform(&[lead, t, total], 50, 4.0);
+        let dp = common::uniform(&[lead, t, total], 51, 1.0);
+        let d = common::uniform(&[lead, t, 1], 52, 1.0);
+        let past = total - t;
+        let mask: Vec<f32> = (0..t)
+            .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, total), &Device::Cpu).unwrap();
+        let p_want = candle_nn::ops::softmax_last_dim(
+            &(&s * scale as f64).unwrap().broadcast_add(&mask).unwrap(),
+        )
+        .unwrap();
+        let ds_want = ((dp.broadcast_sub(&d).unwrap() * &p_want).unwrap() * scale as f64).unwrap();
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+            let (p, ds) = attention_softmax_grad(
+                &s.to_dtype(dtype).unwrap(),
+                &dp.to_dtype(dtype).unwrap(),
+                &d,
+                scale,
+            )
+            .unwrap();
+            assert_eq!(p.dims(), s.dims());
+            assert_eq!(ds.dtype(), dtype);
+            let ep = rel_err(&p.to_dtype(DType::F32).unwrap(), &p_want);
+            let eg = rel_err(&ds.to_dtype(DType::F32).unwrap(), &ds_want);
+            assert!(ep < tol && eg < tol, "{lead}x{t}x{total} {dtype:?}: p {ep}, ds {eg}");
+        }
+    }
+}
+
+#[test]
+fn softmax_grad_op_rejects_bad_input() {
+    use twell::ops::attention_softmax_grad;
+    let s = common::uniform(&[2, 3, 4], 60, 1.0);
+    let d = common::uniform(&[2, 3, 1], 61, 1.0);
+    let msg = |r: candle_core::Result<(Tensor, Tensor)>| r.expect_err("expected an error").to_string();
+    // dp unlike s; d of the wrong shape; d not f32; fewer keys than queries.
+    assert!(msg(attention_softmax_grad(&s, &s.narrow(2, 0, 3).unwrap(), &d, 1.0)).contains("want dp like s"));
+    assert!(msg(attention_softmax_grad(&s, &s, &s, 1.0)).contains("d [.., t, 1]"));
+    let d16 = d.to_dtype(DType::BF16).unwrap();
+    assert!(msg(attention_softmax_grad(&s, &s, &d16, 1.0)).contains("f32"));
+    let wide = common::uniform(&[2, 5, 4], 62, 1.0);
+    let dw = common::uniform(&[2, 5, 1], 63, 1.0);
+    assert!(msg(attention_softmax_grad(&wide, &wide, &dw, 1.0)).contains("T >= t"));
+}

@@ -52,3 +52,33 @@ fn bad_shapes_and_dtypes_are_rejected() {
     let err = rope(&random(&[3, 8], 5), &cs).unwrap_err().to_string();
     assert!(err.contains("rank") || err.contains("dims"), "{err}");
 }
+
+#[test]
+fn op_backward_matches_rope_slow_autograd() {
+    let (b, t, heads, hd) = (2, 5, 3, 16);
+    for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+        let x = random(&[b, t, heads, hd], 7).to_dtype(dtype).unwrap();
+        let cos = random(&[t, hd / 2], 8).to_dtype(dtype).unwrap();
+        let sin = random(&[t, hd / 2], 9).to_dtype(dtype).unwrap();
+        let table = RopeTable::new(&cos, &sin).unwrap();
+        let probe = random(&[b, t, heads, hd], 10);
+        let grad_through = |f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>| {
+            let var = candle_core::Var::from_tensor(&x).unwrap();
+            let out = f(var.as_tensor()).unwrap();
+            let loss = (out.to_dtype(DType::F32).unwrap() * &probe)
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            let grads = loss.backward().unwrap();
+            grads.get(var.as_tensor()).expect("a gradient for x").clone()
+        };
+        let got = grad_through(&|x| x.apply_op2(&table.cos_sin, Rope));
+        let want = grad_through(&|x| {
+            let heads_first = x.transpose(1, 2)?.contiguous()?;
+            candle_nn::rotary_emb::rope_slow(&heads_first, &cos, &sin)?.transpose(1, 2)
+        });
+        assert_eq!(got.dims(), x.dims());
+        let err = common::rel_l2(&got.to_dtype(DType::F32).unwrap(), &want.to_dtype(DType::F32).unwrap()).unwrap();
+        assert!(err < tol, "{dtype:?}: rel err {err:.2e}");
+    }
+}

@@ -17,9 +17,11 @@ use crate::format::TwellConfig;
 use crate::ops::mlp_result_len;
 
 mod add_rms_norm;
+mod attention_softmax_grad;
 mod rope;
 mod twell_mlp_decode;
 pub use add_rms_norm::{add_rms_norm, MAX_HIDDEN as ADD_RMS_NORM_MAX_HIDDEN};
+pub use attention_softmax_grad::attention_softmax_grad;
 pub use rope::rope;
 use twell_mlp_decode::{twell_mlp_decode, use_fused_decode};
 

@@ -4,8 +4,12 @@
 //! The plain-op attention (f32 scores `[b, heads, t, T]`, mask add, softmax) costs
 //! far more than the MLP at prefill sizes on a GPU, so no FFN speed-up could show at
 //! the model level. The CUDA kernel (`kernels/causal_attention.cu`) keeps the scores
-//! in registers with an online softmax and runs both products on tensor cores. Forward
-//! only: training keeps the plain ops, whose backward candle already has.
+//! in registers with an online softmax and runs both products on tensor cores.
+//!
+//! The backward recomputes the scores from q and k (nothing but the output is kept from
+//! the forward) and runs as matrix products in the inputs' dtype, so training drops the
+//! plain ops' f32 chain of some twenty passes over `[b, heads, t, T]` per layer
+//! (mask add, max, exp, sum, division and each one's backward).
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -21,9 +25,65 @@ pub const CUDA_HEAD_DIMS: [usize; 1] = [64];
 /// it, the prefill kernel takes it (one of a warp's 16 query rows busy).
 pub const CUDA_DECODE_MAX_KEYS: usize = 8192;
 
-/// The op behind [`causal_attention`]: inputs `(q, k, v)`, output shaped like `q`.
+/// The op behind [`causal_attention`]: inputs `(q, k, v)`, output `[b, t, heads, hd]`.
 pub struct CausalAttention {
     scale: f32,
+}
+
+impl CausalAttention {
+    /// `(dq, dk, dv)` of `o = softmax(q·kᵀ·scale + causal mask)·v`, with `o` and its
+    /// gradient as the op wrote them (`[b, t, heads, hd]`). With `p` the probabilities,
+    /// `dp = do·vᵀ` and `D = rowsum(do ⊙ o)`: `ds = p ⊙ (dp − D)`, `dq = ds·k·scale`,
+    /// `dk = dsᵀ·q·scale`, `dv = pᵀ·do`; the key heads' gradients are summed over the
+    /// query heads that share them. The scores are recomputed in the inputs' dtype (bf16
+    /// on the GPU, as cuBLAS writes them), where the forward kept them in f32.
+    fn gradients(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, heads, _, hd) = q.dims4()?;
+        let (_, kv_heads, total, _) = k.dims4()?;
+        let group = heads / kv_heads;
+        let dtype = q.dtype();
+        // Key heads repeated for their query heads: `[b, heads, T, hd]`.
+        let repeat = |x: &Tensor| -> Result<Tensor> {
+            if group == 1 {
+                return x.contiguous();
+            }
+            x.unsqueeze(2)?
+                .expand((b, kv_heads, group, total, hd))?
+                .reshape((b, heads, total, hd))
+        };
+        let (kx, vx) = (repeat(k)?, repeat(v)?);
+        let q = q.contiguous()?;
+        // `[b, heads, t, hd]`, as q.
+        let grad_out = grad_out.transpose(1, 2)?.contiguous()?;
+        let out = out.transpose(1, 2)?;
+        // Unscaled scores and `dp`, then one row-wise op for `p` and `ds · scale`.
+        let scores = q.matmul(&kx.t()?)?;
+        let dp = grad_out.matmul(&vx.t()?)?;
+        let row_dot = (grad_out.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?
+            .sum_keepdim(3)?;
+        let (p, ds) = super::attention_softmax_grad(&scores, &dp, &row_dot, self.scale)?;
+        let dq = ds.matmul(&kx)?;
+        let dk = ds.t()?.matmul(&q)?;
+        let dv = p.t()?.matmul(&grad_out)?;
+        // Sum over each key head's query heads.
+        let fold = |x: Tensor| -> Result<Tensor> {
+            if group == 1 {
+                return Ok(x);
+            }
+            x.reshape((b, kv_heads, group, total, hd))?
+                .to_dtype(DType::F32)?
+                .sum(2)?
+                .to_dtype(dtype)
+        };
+        Ok((dq, fold(dk)?, fold(dv)?))
+    }
 }
 
 /// `(b, heads, t, kv_heads, T, hd)` of a call, checked.
@@ -129,6 +189,18 @@ impl CustomOp3 for CausalAttention {
         let out = crate::cuda::causal_attention(qs, ql, ks, kl, vs, vl, dims, self.scale)?;
         Ok((out, Shape::from((b, t, heads, hd))))
     }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dq, dk, dv) = self.gradients(q, k, v, out, grad_out)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
 }
 
 /// Causal attention of `q [b, heads, t, hd]` over `k, v [b, kv_heads, T, hd]` with
@@ -136,7 +208,7 @@ impl CustomOp3 for CausalAttention {
 /// and sees keys `0 ..= T - t + i`. Grouped-query attention when `kv_heads < heads`.
 /// Returns `[b, heads, t, hd]` in q's dtype, as a transposed view of a contiguous
 /// `[b, t, heads, hd]`: `.transpose(1, 2)` gives the rows the output projection reads
-/// without a copy. Not differentiable.
+/// without a copy. Differentiable in q, k and v.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
         return err(TwellError::Invalid(format!(
@@ -152,7 +224,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     };
     let (q, k, v) = (readable(q)?, readable(k)?, readable(v)?);
     // The op writes [b, t, heads, hd]; this view of it is [b, heads, t, hd].
-    q.apply_op3_no_bwd(&k, &v, &op)?.transpose(1, 2)
+    q.apply_op3(&k, &v, op)?.transpose(1, 2)
 }
 
 /// An input as the op reads it. The CUDA kernels take strided views as they are (a
@@ -186,7 +258,7 @@ pub fn fused_on_device(q: &Tensor) -> bool {
 
 /// The plain-op form of [`causal_attention`] in f32: materialised scores, an explicit
 /// causal mask and softmax, the KV heads repeated for grouped-query attention. The
-/// reference the fused op is tested and checked against.
+/// reference the fused op and its backward are tested and checked against.
 pub fn causal_attention_reference(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let (b, heads, t, hd) = q.dims4()?;
     let (_, kv_heads, total, _) = k.dims4()?;
@@ -210,5 +282,6 @@ pub fn causal_attention_reference(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<
     let mask = Tensor::from_vec(mask, (t, total), q.device())?;
     let scores =
         (q.to_dtype(DType::F32)?.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(&mask)?;
-    candle_nn::ops::softmax_last_dim(&scores)?.matmul(&v)
+    // The composite softmax, which candle can differentiate (its fused one cannot).
+    candle_nn::ops::softmax(&scores, candle_core::D::Minus1)?.matmul(&v)
 }

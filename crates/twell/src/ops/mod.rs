@@ -3,7 +3,8 @@
 //! * [`gate_pack`]: `relu(x · Wgᵀ)` packed to TwELL (the D2T step);
 //! * [`gated_t2d`]: the sparse up and down projections of a packed gate;
 //! * [`twell_mlp`]: both fused, the whole ReGLU MLP;
-//! * [`causal_attention`]: fused causal attention for the model around the MLP;
+//! * [`causal_attention`]: fused causal attention for the model around the MLP, and
+//!   [`attention_softmax_grad`], the row-wise middle of its backward;
 //! * [`add_rms_norm`]: the residual add and the RMS norm after it, for the same model;
 //! * [`rope`]: rotary position embedding of its queries and keys.
 //!
@@ -16,6 +17,7 @@
 //! row `j` is `[Wu_j | Wd_j]`: an active neuron's weights are one contiguous read.
 
 mod add_rms_norm;
+mod attention_softmax_grad;
 mod causal_attention;
 mod gate_pack;
 mod gated_t2d;
@@ -23,6 +25,7 @@ mod rope;
 mod twell_mlp;
 
 pub use add_rms_norm::{add_rms_norm, AddRmsNorm};
+pub use attention_softmax_grad::{attention_softmax_grad, AttentionSoftmaxGrad};
 pub use causal_attention::{
     causal_attention, causal_attention_reference, fused_on_device, CausalAttention,
     CUDA_DECODE_MAX_KEYS, CUDA_HEAD_DIMS,

@@ -80,6 +80,26 @@ impl CustomOp2 for Rope {
         let out = crate::cuda::rope(xs, xl, css, csl)?;
         Ok((out, Shape::from(xl.dims())))
     }
+
+    /// The transposed map: the same rotation with the sines negated.
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos_sin: &Tensor,
+        _out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let half = cos_sin.dim(1)? / 2;
+        let inverse = Tensor::cat(
+            &[
+                cos_sin.narrow(1, 0, half)?,
+                cos_sin.narrow(1, half, half)?.neg()?,
+            ],
+            1,
+        )?;
+        let grad = grad_out.contiguous()?.apply_op2_no_bwd(&inverse, &Rope)?;
+        Ok((Some(grad), None))
+    }
 }
 
 /// The RoPE angles of a run of positions, in both forms: candle's `cos, sin [positions,
@@ -113,8 +133,8 @@ impl RopeTable {
 
 /// RoPE (rotate-half, as HF Llama) of `x [b, t, heads, hd]` at the `t` positions whose
 /// angles `angles` holds. On CUDA in bf16 our kernel (head sizes a multiple of 16);
-/// elsewhere candle's `rope_thd`. Returns a contiguous tensor of its own. Not
-/// differentiable.
+/// elsewhere candle's `rope_thd`. Returns a contiguous tensor of its own.
+/// Differentiable in `x` on the CUDA kernel's path; candle's `rope_thd` is not.
 pub fn rope(x: &Tensor, angles: &RopeTable) -> Result<Tensor> {
     let cs = &angles.cos_sin;
     if x.dtype() != cs.dtype() {
@@ -127,7 +147,7 @@ pub fn rope(x: &Tensor, angles: &RopeTable) -> Result<Tensor> {
     let x = x.contiguous()?;
     let (_, _, hd) = dims(x.layout(), cs.layout())?;
     if x.device().is_cuda() && x.dtype() == DType::BF16 && hd.is_multiple_of(16) {
-        return x.apply_op2_no_bwd(&cs.contiguous()?, &Rope);
+        return x.apply_op2(&cs.contiguous()?, Rope);
     }
     candle_nn::rotary_emb::rope_thd(&x, &angles.cos, &angles.sin)
 }

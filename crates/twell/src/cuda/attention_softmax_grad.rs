@@ -1,0 +1,77 @@
+//! Launcher of `kernels/attention_softmax_grad.cu`: the row-wise middle of causal
+//! attention's backward (probabilities and score gradients from recomputed scores).
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaStorage, DType, Layout, Result};
+use half::bf16;
+
+use super::bf16_view;
+use crate::error::{err, TwellError};
+
+const SOFTMAX_GRAD_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention_softmax_grad.ptx"));
+
+/// Threads per block (`SOFTMAX_GRAD_THREADS` in the .cu); one warp per row.
+const THREADS: u32 = 256;
+const ROWS_PER_BLOCK: usize = THREADS as usize / 32;
+
+/// `s, dp [rows, total]` (bf16, contiguous), `d [rows]` (f32): returns `[2, rows, total]`
+/// bf16, the probabilities then the score gradients (times `scale`). Row `r` is query
+/// `r % t` of its (batch, head), at position `total − t + r % t`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_softmax_grad(
+    s: &CudaStorage,
+    sl: &Layout,
+    dp: &CudaStorage,
+    dpl: &Layout,
+    d: &CudaStorage,
+    dl: &Layout,
+    (rows, t, total): (usize, usize, usize),
+    scale: f32,
+) -> Result<CudaStorage> {
+    let (sv, dpv) = (bf16_view("scores", s, sl)?, bf16_view("dp", dp, dpl)?);
+    if d.dtype() != DType::F32 {
+        return err(TwellError::Invalid(format!(
+            "attention_softmax_grad: d must be f32, got {:?}",
+            d.dtype()
+        )));
+    }
+    let dv = match dl.contiguous_offsets() {
+        Some((a, b)) => d.as_cuda_slice::<f32>()?.slice(a..b),
+        None => return err(TwellError::Invalid("attention_softmax_grad: d must be contiguous".into())),
+    };
+    let blocks = rows.div_ceil(ROWS_PER_BLOCK);
+    if blocks > i32::MAX as usize || total > i32::MAX as usize {
+        return err(TwellError::Invalid(format!(
+            "attention_softmax_grad: {rows} rows of {total} exceed one grid"
+        )));
+    }
+    let dev = s.device().clone();
+    // SAFETY: the kernel writes every element of both halves.
+    let mut out = unsafe { dev.alloc::<bf16>(2 * rows * total)? };
+    let func = dev.get_or_load_custom_func(
+        "attention_softmax_grad_bf16",
+        "attention_softmax_grad",
+        SOFTMAX_GRAD_PTX,
+    )?;
+    let (rows_i, t_i, total_i) = (rows as i64, t as i32, total as i32);
+    let mut builder = func.builder();
+    builder
+        .arg(&sv)
+        .arg(&dpv)
+        .arg(&dv)
+        .arg(&mut out)
+        .arg(&rows_i)
+        .arg(&t_i)
+        .arg(&total_i)
+        .arg(&scale);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: one warp per row, bounded in the kernel; shapes checked by the op.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}

@@ -1,0 +1,70 @@
+// attention_softmax_grad: the row-wise middle of causal attention's backward.
+//
+// Given a row's raw scores s_j = q·k_j (bf16, from cuBLAS), dp_j = dO·v_j and
+// D = rowsum(dO ⊙ O) (f32), one warp rebuilds the probabilities of the visible keys
+// (j <= past + i, the causal mask) with an online max and sum, then writes
+//   p_j  = exp(s_j·scale − max) / sum,
+//   ds_j = p_j · (dp_j − D) · scale          (the scale of dq and dk folded in),
+// and zeros past the mask. One pass over s for the statistics, one for the outputs:
+// this replaces a mask add, a softmax and four f32 elementwise passes with their casts.
+#include "twell_common.cuh"
+
+#define SOFTMAX_GRAD_THREADS 256
+#define SOFTMAX_GRAD_ROWS (SOFTMAX_GRAD_THREADS / 32)
+
+// Merges another lane's (max, sum) into this one's; a lane that saw no key holds
+// (-inf, 0) and changes nothing.
+__device__ __forceinline__ void merge_max_sum(float& m, float& l, float m2, float l2) {
+    if (m2 == -INFINITY) return;
+    if (m == -INFINITY) {
+        m = m2;
+        l = l2;
+        return;
+    }
+    const float mx = fmaxf(m, m2);
+    l = l * __expf(m - mx) + l2 * __expf(m2 - mx);
+    m = mx;
+}
+
+extern "C" __global__ void __launch_bounds__(SOFTMAX_GRAD_THREADS) attention_softmax_grad_bf16(
+    const __nv_bfloat16* __restrict__ s,   // [rows, total]
+    const __nv_bfloat16* __restrict__ dp,  // [rows, total]
+    const float* __restrict__ d,           // [rows]
+    __nv_bfloat16* __restrict__ out,       // [2, rows, total]: p, then ds
+    long long rows, int t, int total, float scale) {
+    const int lane = threadIdx.x & 31;
+    const long long row = static_cast<long long>(blockIdx.x) * SOFTMAX_GRAD_ROWS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int visible = total - t + static_cast<int>(row % t) + 1;
+    const long long base = row * total;
+    const __nv_bfloat16* sr = s + base;
+    float m = -INFINITY, l = 0.f;
+    for (int j = lane; j < visible; j += 32) {
+        const float x = __bfloat162float(sr[j]) * scale;
+        if (x > m) {
+            l = l * __expf(m - x) + 1.f;
+            m = x;
+        } else {
+            l += __expf(x - m);
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(FULL_MASK, m, o);
+        const float l2 = __shfl_xor_sync(FULL_MASK, l, o);
+        merge_max_sum(m, l, m2, l2);
+    }
+    const float inv = 1.f / l, dd = d[row];
+    const __nv_bfloat16* dr = dp + base;
+    __nv_bfloat16* pr = out + base;
+    __nv_bfloat16* gr = out + rows * total + base;
+    for (int j = lane; j < total; j += 32) {
+        float p = 0.f, g = 0.f;
+        if (j < visible) {
+            p = __expf(__bfloat162float(sr[j]) * scale - m) * inv;
+            g = p * (__bfloat162float(dr[j]) - dd) * scale;
+        }
+        pr[j] = __float2bfloat16(p);
+        gr[j] = __float2bfloat16(g);
+    }
+}
