@@ -22,6 +22,8 @@ fn main() {
         "twell_mlp_decode",
         "causal_attention",
         "attention_softmax_grad",
+        "cross_entropy",
+        "adamw",
         "add_rms_norm",
         "rope",
     ] {

@@ -8,7 +8,7 @@
 //! * [`Llama::forward_all`] returns logits at every position (perplexity);
 //! * [`Llama::forward_train`] is differentiable end to end: candle's fused rms-norm,
 //!   softmax and rope have no backward pass, so training uses their plain-op forms,
-//!   except for the attention on CUDA: `twell::ops::causal_attention` has one;
+//!   except on CUDA, where our attention, RoPE and residual add + norm ops have one;
 //! * [`Llama::ffn_stats`] reports each layer's activation density after a forward.
 
 use std::collections::HashMap;
@@ -298,7 +298,8 @@ impl Norm {
         }
     }
 
-    /// Inference: `(x + y, norm(x + y))`, one kernel on CUDA.
+    /// `(x + y, norm(x + y))`: one kernel on CUDA (with a backward kernel), candle's
+    /// ops elsewhere.
     fn add_forward(&self, x: &Tensor, y: &Tensor) -> Result<(Tensor, Tensor)> {
         twell::ops::add_rms_norm(x, y, &self.weight, self.eps)
     }
@@ -354,7 +355,7 @@ pub type SparseLlama = Llama;
 
 /// What a differentiable forward pass returns.
 pub struct TrainOutput {
-    /// `[b, t, vocab]`, f32.
+    /// `[b, t, vocab]`, in the model's dtype.
     pub logits: Tensor,
     /// Mean over layers of (mean over tokens of `Σ_j |h_j|`): the L1 penalty term.
     pub l1: Tensor,
@@ -408,13 +409,13 @@ impl Llama {
         let mut x = self.embed_tokens.forward(tokens)?;
         let cached = cache.as_deref().is_some_and(|c| c.use_kv_cache);
         let fused = fused_attention(
-                x.device(),
-                x.dtype(),
-                self.config.head_dim(),
-                b * self.config.num_attention_heads,
-                t,
-                if cached { index_pos + t } else { t },
-            );
+            x.device(),
+            x.dtype(),
+            self.config.head_dim(),
+            b * self.config.num_attention_heads,
+            t,
+            if cached { index_pos + t } else { t },
+        );
         let needs_mask = t > 1 && !fused;
         let (rope, mask) = match cache.as_deref_mut() {
             Some(c) => {
@@ -456,8 +457,8 @@ impl Llama {
                 Some(b) => &b.input_layernorm,
                 None => &self.norm,
             };
-            match pass {
-                Pass::Train => {
+            match (pass, fused) {
+                (Pass::Train, false) => {
                     x = (attn + &x)?;
                     let hm = block.post_attention_layernorm.forward(&x, pass)?;
                     let (out, l1_tokens) = block.mlp.forward_with_l1(&hm)?;
@@ -465,7 +466,15 @@ impl Llama {
                     x = (out + &x)?;
                     h = next.forward(&x, pass)?;
                 }
-                Pass::Inference => {
+                // The fused add + norm has a backward, so training on the GPU takes it
+                // as inference does.
+                (Pass::Train, true) => {
+                    let (sum, hm) = block.post_attention_layernorm.add_forward(&x, &attn)?;
+                    let (out, l1_tokens) = block.mlp.forward_with_l1(&hm)?;
+                    l1.push(l1_tokens.to_dtype(DType::F32)?.mean_all()?);
+                    (x, h) = next.add_forward(&sum, &out)?;
+                }
+                (Pass::Inference, _) => {
                     let (sum, hm) = block.post_attention_layernorm.add_forward(&x, &attn)?;
                     let out = block.mlp.forward(&hm)?;
                     (x, h) = next.add_forward(&sum, &out)?;
@@ -493,7 +502,9 @@ impl Llama {
     /// L1 term averaged over layers.
     pub fn forward_train(&self, x: &Tensor) -> Result<TrainOutput> {
         let (h, l1) = self.run(x, 0, None, Pass::Train)?;
-        let logits = self.lm_head.forward(&h)?.to_dtype(DType::F32)?;
+        // In the model's dtype: the loss reads bf16 logits itself (`twell::ops::
+        // cross_entropy`), where an f32 copy would be the largest tensor of the step.
+        let logits = self.lm_head.forward(&h)?;
         let l1 = Tensor::stack(&l1, 0)?.mean_all()?;
         Ok(TrainOutput { logits, l1 })
     }

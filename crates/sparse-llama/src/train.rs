@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::save_hf;
 use crate::config::Config;
 use crate::model::{Cache, Llama};
-use crate::optim::{clip_grad_norm, lr_at, AdamW, AdamWConfig};
+use crate::optim::{clip_scale, grad_norm, lr_at, AdamW, AdamWConfig};
 
 /// The L1 term of the loss, per token and layer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,6 +78,11 @@ pub struct TrainConfig {
     /// them, so it costs a little speed.
     #[serde(default)]
     pub profile: bool,
+    /// Skip the per-step activity statistics (L0 per layer, dead neurons): a benchmark
+    /// of the step alone, whose dense FFN would otherwise count its fired neurons over
+    /// `[tokens, d_ff]` every step. The logged L0 is 0 then.
+    #[serde(default)]
+    pub no_activity_stats: bool,
 }
 
 impl Default for TrainConfig {
@@ -99,6 +104,7 @@ impl Default for TrainConfig {
             dead_window_steps: 50,
             bf16: false,
             profile: false,
+            no_activity_stats: false,
         }
     }
 }
@@ -210,10 +216,11 @@ impl PackedData {
     }
 }
 
-/// Mean next-token cross-entropy of `logits [b, t, V]` against `targets [b, t]`.
+/// Mean next-token cross-entropy of `logits [b, t, V]` against `targets [b, t]`, in
+/// f32 whatever the logits' dtype.
 fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
-    candle_nn::loss::cross_entropy(&logits.reshape((b * t, v))?, &targets.reshape(b * t)?)
+    twell::ops::cross_entropy(&logits.reshape((b * t, v))?, &targets.reshape(b * t)?)
 }
 
 /// One step's record (a line of the JSON log).
@@ -380,7 +387,7 @@ impl Trainer {
             VarBuilder::from_varmap(varmap, DType::F32, device)
         };
         let mut model = Llama::load(vb, model_cfg)?;
-        model.record_ffn_stats(true);
+        model.record_ffn_stats(!cfg.no_activity_stats);
         model.set_l1_down_norm(cfg.l1_penalty == L1Penalty::DownNorm);
         Ok(model)
     }
@@ -392,6 +399,13 @@ impl Trainer {
     /// Turns per-phase timing of the following steps on or off (see `TrainConfig::profile`).
     pub fn set_profile(&mut self, on: bool) {
         self.cfg.profile = on;
+    }
+
+    /// Turns the per-step activity statistics off or on (see
+    /// [`TrainConfig::no_activity_stats`]).
+    pub fn set_activity_stats(&mut self, on: bool) {
+        self.cfg.no_activity_stats = !on;
+        self.model.record_ffn_stats(on);
     }
 
     /// Switches the feed-forward path (dense or TwELL) for the following steps.
@@ -451,16 +465,20 @@ impl Trainer {
             phases.backward += clock.lap()?;
             ce_sum += ce.to_scalar::<f32>()? as f64;
             l1_sum += out.l1.to_scalar::<f32>()? as f64;
-            self.observe_activity(&mut l0)?;
+            if !self.cfg.no_activity_stats {
+                self.observe_activity(&mut l0)?;
+            }
             phases.stats += clock.lap()?;
         }
-        let mut grads: Vec<Tensor> = grads
+        let grads: Vec<Tensor> = grads
             .into_iter()
             .zip(self.opt.params())
             .map(|(g, (_, v))| g.map_or_else(|| v.zeros_like(), Ok))
             .collect::<Result<_>>()?;
-        let grad_norm = clip_grad_norm(&mut grads, self.cfg.clip_norm)?;
-        self.opt.step(&grads, lr)?;
+        let grad_norm = grad_norm(&grads)?;
+        // Clipping rides along in the update: the scaled gradients are never written.
+        self.opt
+            .step_scaled(&grads, lr, clip_scale(grad_norm, self.cfg.clip_norm))?;
         phases.optimizer += clock.lap()?;
         self.step += 1;
 

@@ -223,8 +223,14 @@ fn check_attention(
             .iter()
             .map(|x| Var::from_tensor(&x.to_dtype(dtype)?))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let out = attention(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor())?;
-        let grads = (out.to_dtype(DType::F32)? * &probe)?.sum_all()?.backward()?;
+        let out = attention(
+            vars[0].as_tensor(),
+            vars[1].as_tensor(),
+            vars[2].as_tensor(),
+        )?;
+        let grads = (out.to_dtype(DType::F32)? * &probe)?
+            .sum_all()?
+            .backward()?;
         vars.iter()
             .map(|x| grads.get(x.as_tensor()).cloned().context("no gradient"))
             .collect()
@@ -301,7 +307,10 @@ fn check_model_attention(dev: &Device) -> Result<f64> {
     let mut cache = Cache::new(true, DType::BF16, &cfg, dev)?;
     let first = gpu.forward_all(&ids.narrow(1, 0, 40)?, 0, &mut cache)?;
     let second = gpu.forward_all(&ids.narrow(1, 40, 56)?, 40, &mut cache)?;
-    rel_l2(&Tensor::cat(&[first, second], 1)?.to_device(&Device::Cpu)?, &plain)
+    rel_l2(
+        &Tensor::cat(&[first, second], 1)?.to_device(&Device::Cpu)?,
+        &plain,
+    )
 }
 
 #[derive(Serialize, Debug)]
@@ -350,7 +359,8 @@ fn check_model_training(dev: &Device) -> Result<ModelTrainResult> {
     }
     let grad_err = (diff / norm).sqrt();
     let probe_q = Tensor::zeros((1, 8, 2, 64), DType::BF16, dev)?;
-    let fused = twell::ops::fused_on_device(&probe_q) && std::env::var_os("TWELL_PLAIN_ATTENTION").is_none();
+    let fused = twell::ops::fused_on_device(&probe_q)
+        && std::env::var_os("TWELL_PLAIN_ATTENTION").is_none();
     Ok(ModelTrainResult {
         fused,
         logits_err,
@@ -374,11 +384,14 @@ struct NormResult {
     /// against candle's `rms_norm` of them.
     sum_err: f64,
     norm_err: f64,
+    /// The backward kernel's dx, dy and dalpha against candle's autograd in f32.
+    grad_err: [f64; 3],
     on_device: bool,
     pass: bool,
 }
 
-/// The fused residual add + RMS norm (bf16) against candle's two ops on the GPU.
+/// The fused residual add + RMS norm (bf16) and its backward against candle's ops on
+/// the GPU.
 fn check_add_rms_norm(dev: &Device, (m, d): (usize, usize), seed: u64) -> Result<NormResult> {
     dev.set_seed(seed)?;
     let x = Tensor::randn(0f32, 1.0, (m, d), dev)?.to_dtype(DType::BF16)?;
@@ -391,12 +404,52 @@ fn check_add_rms_norm(dev: &Device, (m, d): (usize, usize), seed: u64) -> Result
     let normed = candle_nn::ops::rms_norm(&sum, &alpha, eps as f32)?;
     let sum_err = rel_l2(&both.get(0)?, &sum)?;
     let norm_err = rel_l2(&both.get(1)?, &normed)?;
+    // The backward kernel against candle's differentiable ops in f32, for the loss
+    // `Σ sum ⊙ p0 + Σ normed ⊙ p1`.
+    let probes = [
+        Tensor::randn(0f32, 1.0, (m, d), dev)?,
+        Tensor::randn(0f32, 1.0, (m, d), dev)?,
+    ];
+    let gradients = |fused: bool| -> Result<Vec<Tensor>> {
+        let dtype = if fused { DType::BF16 } else { DType::F32 };
+        let vars = [&x, &y, &alpha]
+            .iter()
+            .map(|t| Var::from_tensor(&t.to_dtype(dtype)?))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let (a, b, c) = (
+            vars[0].as_tensor(),
+            vars[1].as_tensor(),
+            vars[2].as_tensor(),
+        );
+        let (sum, normed) = if fused {
+            twell::ops::add_rms_norm(a, b, c, eps)?
+        } else {
+            let sum = (a + b)?;
+            let normed = candle_nn::ops::rms_norm_slow(&sum, c, eps as f32)?;
+            (sum, normed)
+        };
+        let loss = ((sum.to_dtype(DType::F32)? * &probes[0])?.sum_all()?
+            + (normed.to_dtype(DType::F32)? * &probes[1])?.sum_all()?)?;
+        let grads = loss.backward()?;
+        vars.iter()
+            .map(|v| grads.get(v.as_tensor()).cloned().context("no gradient"))
+            .collect()
+    };
+    let (fused, plain) = (gradients(true)?, gradients(false)?);
+    let mut grad_err = [0f64; 3];
+    for (e, (a, r)) in grad_err.iter_mut().zip(fused.iter().zip(&plain)) {
+        *e = rel_l2(a, r)?;
+    }
     Ok(NormResult {
         dims: (m, d),
         sum_err,
         norm_err,
+        grad_err,
         on_device,
-        pass: on_device && sum_err == 0.0 && norm_err < TOLERANCE,
+        pass: on_device
+            && sum_err == 0.0
+            && norm_err < TOLERANCE
+            && grad_err.iter().all(|&e| e < TOLERANCE),
     })
 }
 
@@ -449,12 +502,100 @@ fn check_rope(dev: &Device, dims: (usize, usize, usize, usize), seed: u64) -> Re
 }
 
 #[derive(Serialize, Debug)]
+struct CrossEntropyResult {
+    /// `(N, V)`.
+    dims: (usize, usize),
+    loss_err: f64,
+    grad_err: f64,
+    pass: bool,
+}
+
+/// The fused cross-entropy (bf16 logits) and its backward against candle's
+/// `loss::cross_entropy` on f32 logits, on the GPU.
+fn check_cross_entropy(
+    dev: &Device,
+    (n, v): (usize, usize),
+    seed: u64,
+) -> Result<CrossEntropyResult> {
+    dev.set_seed(seed)?;
+    let logits = (Tensor::randn(0f32, 1.0, (n, v), dev)? * 3.0)?;
+    let targets = Tensor::rand(0f32, v as f32, n, dev)?
+        .floor()?
+        .clamp(0f32, (v - 1) as f32)?
+        .to_dtype(DType::U32)?;
+    let run = |fused: bool| -> Result<(f64, Tensor)> {
+        let var =
+            Var::from_tensor(&logits.to_dtype(if fused { DType::BF16 } else { DType::F32 })?)?;
+        let loss = if fused {
+            twell::ops::cross_entropy(var.as_tensor(), &targets)?
+        } else {
+            candle_nn::loss::cross_entropy(var.as_tensor(), &targets)?
+        };
+        let value = loss.to_scalar::<f32>()? as f64;
+        let grads = loss.backward()?;
+        Ok((
+            value,
+            grads.get(var.as_tensor()).cloned().context("no gradient")?,
+        ))
+    };
+    let ((got, g), (want, w)) = (run(true)?, run(false)?);
+    let loss_err = ((got - want) / want).abs();
+    let grad_err = rel_l2(&g, &w)?;
+    Ok(CrossEntropyResult {
+        dims: (n, v),
+        loss_err,
+        grad_err,
+        pass: loss_err < TOLERANCE && grad_err < TOLERANCE,
+    })
+}
+
+/// The in-place AdamW kernels against the same op on the CPU: three steps on one
+/// parameter of `n` elements (odd, past one grid of blocks); relative error of the
+/// parameter and both moments.
+fn check_adamw(dev: &Device, n: usize, seed: u64) -> Result<[f64; 3]> {
+    dev.set_seed(seed)?;
+    let init = Tensor::randn(0f32, 1.0, n, dev)?;
+    let grads = (0..3)
+        .map(|_| Tensor::randn(0f32, 1.0, n, dev))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let run = |device: &Device| -> Result<Vec<Tensor>> {
+        let p = Var::from_tensor(&init.to_device(device)?)?;
+        let (m, v) = (p.zeros_like()?, p.zeros_like()?);
+        for (k, g) in grads.iter().enumerate() {
+            let hp = twell::ops::AdamwStep {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                step: k + 1,
+                grad_scale: 0.7,
+            };
+            twell::ops::adamw_step(p.as_tensor(), &g.to_device(device)?, &m, &v, hp)?;
+        }
+        [p.as_tensor(), &m, &v]
+            .iter()
+            .map(|t| Ok(t.to_device(&Device::Cpu)?))
+            .collect()
+    };
+    let (gpu, cpu) = (run(dev)?, run(&Device::Cpu)?);
+    let mut err = [0f64; 3];
+    for (e, (a, b)) in err.iter_mut().zip(gpu.iter().zip(&cpu)) {
+        *e = rel_l2(a, b)?;
+    }
+    Ok(err)
+}
+
+#[derive(Serialize, Debug)]
 struct Report {
     forward: Vec<CaseResult>,
     backward: Vec<BackwardResult>,
     attention: Vec<AttentionResult>,
     add_rms_norm: Vec<NormResult>,
     rope: Vec<RopeResult>,
+    cross_entropy: Vec<CrossEntropyResult>,
+    /// Parameter, m and v after three steps, GPU against CPU.
+    adamw_err: [f64; 3],
     model_attention_err: f64,
     model_training: ModelTrainResult,
 }
@@ -570,16 +711,20 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         attention.push(r);
     }
     let mut add_rms_norm = Vec::new();
-    for (k, &dims) in [(1, 576), (7, 2048), (4096, 2048), (3, 8192)]
+    for (k, &dims) in [(1, 576), (7, 2048), (4096, 2048), (5, 4096), (3, 8192)]
         .iter()
         .enumerate()
     {
         let r = check_add_rms_norm(&dev, dims, 950 + k as u64)?;
         println!(
-            "add_rms_norm (M, d) = {:?}: sum rel err {:.2e}, norm rel err {:.2e} {}",
+            "add_rms_norm (M, d) = {:?}: sum rel err {:.2e}, norm rel err {:.2e}, backward dx \
+             {:.2e} dy {:.2e} dalpha {:.2e} {}",
             r.dims,
             r.sum_err,
             r.norm_err,
+            r.grad_err[0],
+            r.grad_err[1],
+            r.grad_err[2],
             if r.pass { "ok" } else { "FAIL" }
         );
         add_rms_norm.push(r);
@@ -599,6 +744,27 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         rope.push(r);
     }
+    let mut cross_entropy = Vec::new();
+    for (k, &dims) in [(1, 49152), (333, 1000), (8192, 49152)].iter().enumerate() {
+        let r = check_cross_entropy(&dev, dims, 990 + k as u64)?;
+        println!(
+            "cross_entropy (N, V) = {:?}: loss rel err {:.2e}, gradient rel err {:.2e} {}",
+            r.dims,
+            r.loss_err,
+            r.grad_err,
+            if r.pass { "ok" } else { "FAIL" }
+        );
+        cross_entropy.push(r);
+    }
+    let adamw_err = check_adamw(&dev, 5_000_001, 995)?;
+    let adamw_ok = adamw_err.iter().all(|&e| e < 1e-5);
+    println!(
+        "adamw (5,000,001 parameters, 3 steps) GPU vs CPU: param {:.2e}, m {:.2e}, v {:.2e} {}",
+        adamw_err[0],
+        adamw_err[1],
+        adamw_err[2],
+        if adamw_ok { "ok" } else { "FAIL" }
+    );
     let model_attention_err = check_model_attention(&dev)?;
     let model_ok = model_attention_err < TOLERANCE;
     println!(
@@ -622,10 +788,17 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         + attention.iter().filter(|r| !r.pass).count()
         + add_rms_norm.iter().filter(|r| !r.pass).count()
         + rope.iter().filter(|r| !r.pass).count()
+        + cross_entropy.iter().filter(|r| !r.pass).count()
+        + usize::from(!adamw_ok)
         + usize::from(!model_ok)
         + usize::from(!model_training.pass);
-    let total =
-        results.len() + backward.len() + attention.len() + add_rms_norm.len() + rope.len() + 2;
+    let total = results.len()
+        + backward.len()
+        + attention.len()
+        + add_rms_norm.len()
+        + rope.len()
+        + cross_entropy.len()
+        + 3;
     if let Some(path) = &args.json {
         let report = Report {
             forward: results,
@@ -633,6 +806,8 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             attention,
             add_rms_norm,
             rope,
+            cross_entropy,
+            adamw_err,
             model_attention_err,
             model_training,
         };

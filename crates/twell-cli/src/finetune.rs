@@ -111,6 +111,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         dead_window_steps: 50,
         bf16: dtype == DType::BF16,
         profile: args.profile,
+        no_activity_stats: false,
     };
     cfg.validate()?;
     // Resuming reads the weights from the checkpoint being resumed.

@@ -76,3 +76,70 @@ fn bad_shapes_and_dtypes_are_rejected() {
         .to_string();
     assert!(err.contains("alpha"), "{err}");
 }
+
+/// `[dx, dy, dalpha]` of `Σ sum ⊙ p0 + Σ normed ⊙ p1` through `f`.
+fn norm_gradients(
+    f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<(Tensor, Tensor)>,
+    inputs: [&Tensor; 3],
+    probes: &[Tensor; 2],
+) -> [Tensor; 3] {
+    let vars = inputs.map(|t| candle_core::Var::from_tensor(t).unwrap());
+    let (sum, normed) = f(
+        vars[0].as_tensor(),
+        vars[1].as_tensor(),
+        vars[2].as_tensor(),
+    )
+    .unwrap();
+    let probe = |t: &Tensor, p: &Tensor| {
+        (t.to_dtype(DType::F32).unwrap() * p)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+    };
+    let loss = (probe(&sum, &probes[0]) + probe(&normed, &probes[1])).unwrap();
+    let grads = loss.backward().unwrap();
+    vars.map(|v| grads.get(v.as_tensor()).expect("a gradient").clone())
+}
+
+#[test]
+fn op_backward_matches_candle_autograd() {
+    for (k, &(m, d)) in [(1, 8), (7, 64), (33, 576)].iter().enumerate() {
+        let seed = 100 + 10 * k as u64;
+        let x = random((m, d), seed);
+        let y = random((m, d), seed + 1);
+        let alpha = random((1, d), seed + 2).squeeze(0).unwrap();
+        let probes = [random((m, d), seed + 3), random((m, d), seed + 4)];
+        let eps = 1e-5;
+        let fused = norm_gradients(
+            &|x, y, a| {
+                let both = x.apply_op3(y, a, AddRmsNorm::new(eps))?;
+                Ok((both.get(0)?, both.get(1)?))
+            },
+            [&x, &y, &alpha],
+            &probes,
+        );
+        let plain = norm_gradients(
+            &|x, y, a| {
+                let sum = (x + y)?;
+                let normed = candle_nn::ops::rms_norm_slow(&sum, a, eps as f32)?;
+                Ok((sum, normed))
+            },
+            [&x, &y, &alpha],
+            &probes,
+        );
+        for (name, (a, b)) in ["dx", "dy", "dalpha"].iter().zip(fused.iter().zip(&plain)) {
+            assert_eq!(a.dims(), b.dims(), "{name}");
+            let err = rel_err(a, b);
+            assert!(err < 1e-5, "({m}, {d}) {name}: rel err {err}");
+        }
+        // The public function on the CPU falls back to candle's differentiable ops.
+        let public = norm_gradients(
+            &|x, y, a| add_rms_norm(x, y, a, eps),
+            [&x, &y, &alpha],
+            &probes,
+        );
+        for (a, b) in public.iter().zip(&plain) {
+            assert!(rel_err(a, b) < 1e-6);
+        }
+    }
+}

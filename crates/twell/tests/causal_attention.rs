@@ -80,7 +80,12 @@ fn gradients(
     probe: &Tensor,
 ) -> [Tensor; 3] {
     let vars = [q, k, v].map(|x| candle_core::Var::from_tensor(x).unwrap());
-    let out = attention(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor()).unwrap();
+    let out = attention(
+        vars[0].as_tensor(),
+        vars[1].as_tensor(),
+        vars[2].as_tensor(),
+    )
+    .unwrap();
     let loss = (out.to_dtype(DType::F32).unwrap() * probe)
         .unwrap()
         .sum_all()
@@ -139,7 +144,11 @@ fn backward_flows_through_strided_views() {
     let v = random((b, t, heads, hd), DType::F32, 42);
     let probe = common::uniform(&[b, heads, t, hd], 43, 1.0);
     let transposed = |a: &Tensor, b: &Tensor, c: &Tensor| {
-        causal_attention(&a.transpose(1, 2)?, &b.transpose(1, 2)?, &c.transpose(1, 2)?)
+        causal_attention(
+            &a.transpose(1, 2)?,
+            &b.transpose(1, 2)?,
+            &c.transpose(1, 2)?,
+        )
     };
     let reference = |a: &Tensor, b: &Tensor, c: &Tensor| {
         let heads = |x: &Tensor| x.transpose(1, 2)?.contiguous();
@@ -164,7 +173,9 @@ fn softmax_grad_op_matches_candle_ops() {
         let d = common::uniform(&[lead, t, 1], 52, 1.0);
         let past = total - t;
         let mask: Vec<f32> = (0..t)
-            .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
+            .flat_map(|i| {
+                (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 })
+            })
             .collect();
         let mask = Tensor::from_vec(mask, (t, total), &Device::Cpu).unwrap();
         let p_want = candle_nn::ops::softmax_last_dim(
@@ -184,7 +195,10 @@ fn softmax_grad_op_matches_candle_ops() {
             assert_eq!(ds.dtype(), dtype);
             let ep = rel_err(&p.to_dtype(DType::F32).unwrap(), &p_want);
             let eg = rel_err(&ds.to_dtype(DType::F32).unwrap(), &ds_want);
-            assert!(ep < tol && eg < tol, "{lead}x{t}x{total} {dtype:?}: p {ep}, ds {eg}");
+            assert!(
+                ep < tol && eg < tol,
+                "{lead}x{t}x{total} {dtype:?}: p {ep}, ds {eg}"
+            );
         }
     }
 }
@@ -194,9 +208,16 @@ fn softmax_grad_op_rejects_bad_input() {
     use twell::ops::attention_softmax_grad;
     let s = common::uniform(&[2, 3, 4], 60, 1.0);
     let d = common::uniform(&[2, 3, 1], 61, 1.0);
-    let msg = |r: candle_core::Result<(Tensor, Tensor)>| r.expect_err("expected an error").to_string();
+    let msg =
+        |r: candle_core::Result<(Tensor, Tensor)>| r.expect_err("expected an error").to_string();
     // dp unlike s; d of the wrong shape; d not f32; fewer keys than queries.
-    assert!(msg(attention_softmax_grad(&s, &s.narrow(2, 0, 3).unwrap(), &d, 1.0)).contains("want dp like s"));
+    assert!(msg(attention_softmax_grad(
+        &s,
+        &s.narrow(2, 0, 3).unwrap(),
+        &d,
+        1.0
+    ))
+    .contains("want dp like s"));
     assert!(msg(attention_softmax_grad(&s, &s, &s, 1.0)).contains("d [.., t, 1]"));
     let d16 = d.to_dtype(DType::BF16).unwrap();
     assert!(msg(attention_softmax_grad(&s, &s, &d16, 1.0)).contains("f32"));

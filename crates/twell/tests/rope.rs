@@ -70,7 +70,10 @@ fn op_backward_matches_rope_slow_autograd() {
                 .sum_all()
                 .unwrap();
             let grads = loss.backward().unwrap();
-            grads.get(var.as_tensor()).expect("a gradient for x").clone()
+            grads
+                .get(var.as_tensor())
+                .expect("a gradient for x")
+                .clone()
         };
         let got = grad_through(&|x| x.apply_op2(&table.cos_sin, Rope));
         let want = grad_through(&|x| {
@@ -78,7 +81,11 @@ fn op_backward_matches_rope_slow_autograd() {
             candle_nn::rotary_emb::rope_slow(&heads_first, &cos, &sin)?.transpose(1, 2)
         });
         assert_eq!(got.dims(), x.dims());
-        let err = common::rel_l2(&got.to_dtype(DType::F32).unwrap(), &want.to_dtype(DType::F32).unwrap()).unwrap();
+        let err = common::rel_l2(
+            &got.to_dtype(DType::F32).unwrap(),
+            &want.to_dtype(DType::F32).unwrap(),
+        )
+        .unwrap();
         assert!(err < tol, "{dtype:?}: rel err {err:.2e}");
     }
 }

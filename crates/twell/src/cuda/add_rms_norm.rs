@@ -61,3 +61,77 @@ pub fn add_rms_norm(
     unsafe { b.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
+
+/// Rows each block of the backward walks: enough that dalpha's atomics (one per column
+/// per block) stay few, few enough that a prefill's rows still fill the GPU.
+const BWD_ROWS_PER_BLOCK: usize = 16;
+
+/// The backward of [`add_rms_norm`]: `sum [m, d]` (the forward's sums), `grad [2, m, d]`
+/// (the gradients of the sums and of the normalised rows) and `alpha [d]`, all bf16 and
+/// contiguous. Returns `[m · d + d]` bf16: the gradient of x (and of y) as `m` rows,
+/// then alpha's.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_bwd(
+    sum: &CudaStorage,
+    sl: &Layout,
+    grad: &CudaStorage,
+    gl: &Layout,
+    alpha: &CudaStorage,
+    al: &Layout,
+    eps: f32,
+) -> Result<CudaStorage> {
+    let (m, d) = sl.shape().dims2()?;
+    if !d.is_multiple_of(8) || d > MAX_HIDDEN || m > i32::MAX as usize || gl.dims() != [2, m, d] {
+        return err(TwellError::Invalid(format!(
+            "add_rms_norm backward on CUDA takes hidden % 8 == 0 and <= {MAX_HIDDEN} and a \
+             gradient [2, {m}, {d}], got sums [{m}, {d}] and gradient {:?}",
+            gl.dims()
+        )));
+    }
+    let (sv, gv, av) = (
+        bf16_view("sum", sum, sl)?,
+        bf16_view("grad", grad, gl)?,
+        bf16_view("alpha", alpha, al)?,
+    );
+    let dev = sum.device().clone();
+    // SAFETY: the two kernels write every row and the tail.
+    let mut out = unsafe { dev.alloc::<bf16>(m * d + d)? };
+    let mut dalpha = dev.alloc_zeros::<f32>(d)?;
+    let (m_i, d_i, rows_i) = (m as i32, d as i32, BWD_ROWS_PER_BLOCK as i32);
+    let vectors = [1, 2, 4]
+        .into_iter()
+        .find(|&v| v * NORM_THREADS as usize * 8 >= d)
+        .unwrap_or(4);
+    let name = format!("add_rms_norm_bwd_v{vectors}_bf16");
+    let func = dev.get_or_load_custom_func(&name, "add_rms_norm", ADD_RMS_NORM_PTX)?;
+    let mut b = func.builder();
+    b.arg(&sv)
+        .arg(&gv)
+        .arg(&av)
+        .arg(&mut out)
+        .arg(&mut dalpha)
+        .arg(&m_i)
+        .arg(&d_i)
+        .arg(&eps)
+        .arg(&rows_i);
+    let cfg = LaunchConfig {
+        grid_dim: (m.div_ceil(BWD_ROWS_PER_BLOCK) as u32, 1, 1),
+        block_dim: (NORM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: each block's rows bounded by m, columns by d; shapes checked above.
+    unsafe { b.launch(cfg) }.w()?;
+    let func =
+        dev.get_or_load_custom_func("add_rms_norm_alpha_bf16", "add_rms_norm", ADD_RMS_NORM_PTX)?;
+    let mut tail = out.slice_mut(m * d..);
+    let mut b = func.builder();
+    b.arg(&dalpha).arg(&mut tail).arg(&d_i);
+    let cfg = LaunchConfig {
+        grid_dim: (d.div_ceil(NORM_THREADS as usize) as u32, 1, 1),
+        block_dim: (NORM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: one thread per column, bounded by d.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}

@@ -10,7 +10,8 @@ use half::bf16;
 use super::bf16_view;
 use crate::error::{err, TwellError};
 
-const SOFTMAX_GRAD_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention_softmax_grad.ptx"));
+const SOFTMAX_GRAD_PTX: &str =
+    include_str!(concat!(env!("OUT_DIR"), "/attention_softmax_grad.ptx"));
 
 /// Threads per block (`SOFTMAX_GRAD_THREADS` in the .cu); one warp per row.
 const THREADS: u32 = 256;
@@ -39,7 +40,11 @@ pub fn attention_softmax_grad(
     }
     let dv = match dl.contiguous_offsets() {
         Some((a, b)) => d.as_cuda_slice::<f32>()?.slice(a..b),
-        None => return err(TwellError::Invalid("attention_softmax_grad: d must be contiguous".into())),
+        None => {
+            return err(TwellError::Invalid(
+                "attention_softmax_grad: d must be contiguous".into(),
+            ))
+        }
     };
     let blocks = rows.div_ceil(ROWS_PER_BLOCK);
     if blocks > i32::MAX as usize || total > i32::MAX as usize {

@@ -16,12 +16,16 @@ use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
 use crate::ops::mlp_result_len;
 
+mod adamw;
 mod add_rms_norm;
 mod attention_softmax_grad;
+mod cross_entropy;
 mod rope;
 mod twell_mlp_decode;
-pub use add_rms_norm::{add_rms_norm, MAX_HIDDEN as ADD_RMS_NORM_MAX_HIDDEN};
+pub use adamw::{adamw_moment, adamw_update};
+pub use add_rms_norm::{add_rms_norm, add_rms_norm_bwd, MAX_HIDDEN as ADD_RMS_NORM_MAX_HIDDEN};
 pub use attention_softmax_grad::attention_softmax_grad;
+pub use cross_entropy::{cross_entropy, cross_entropy_bwd};
 pub use rope::rope;
 use twell_mlp_decode::{twell_mlp_decode, use_fused_decode};
 

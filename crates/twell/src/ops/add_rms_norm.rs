@@ -3,8 +3,10 @@
 //! Each sublayer of a Llama block ends in `x = x + y` and the next begins with
 //! `rms_norm(x)`. As two candle ops that is two launches and two passes over `[M, d]`; at
 //! one token per step (decode) the launches are the cost, at prefill sizes the passes.
-//! The CUDA kernel (`kernels/add_rms_norm.cu`) does both in one pass. Forward only: the
-//! training path keeps candle's differentiable ops.
+//! The CUDA kernel (`kernels/add_rms_norm.cu`) does both in one pass, and its backward
+//! in one more: as differentiable candle ops the norm alone is some eight f32 passes
+//! forward and twice that backward, the largest share of a training step's elementwise
+//! work after the attention scores.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -109,12 +111,107 @@ impl CustomOp3 for AddRmsNorm {
         let out = crate::cuda::add_rms_norm(xs, xl, ys, yl, als, al, self.eps)?;
         Ok((out, Shape::from((2, m, d))))
     }
+
+    /// The same gradient flows to x and y: that of the sum, plus the norm's.
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _y: &Tensor,
+        alpha: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let sum = res.get(0)?;
+        let (m, d) = sum.dims2()?;
+        let (ds, dalpha) = if sum.device().is_cuda() {
+            let flat = sum.apply_op3_no_bwd(
+                &grad_res.contiguous()?,
+                alpha,
+                &AddRmsNormBackward { eps: self.eps },
+            )?;
+            (
+                flat.narrow(0, 0, m * d)?.reshape((m, d))?,
+                flat.narrow(0, m * d, d)?,
+            )
+        } else {
+            self.backward_with_candle_ops(&sum, &grad_res.get(0)?, &grad_res.get(1)?, alpha)?
+        };
+        Ok((Some(ds.clone()), Some(ds), Some(dalpha)))
+    }
+}
+
+impl AddRmsNorm {
+    /// `(ds, dalpha)` as candle ops in f32, where no kernel runs (the CPU). With
+    /// `r = rsqrt(mean(s²) + eps)`: `ds = g_s + r·alpha⊙g_n − s·r³·mean(alpha⊙g_n⊙s)`,
+    /// `dalpha = Σ_rows g_n ⊙ s·r`.
+    fn backward_with_candle_ops(
+        &self,
+        sum: &Tensor,
+        grad_sum: &Tensor,
+        grad_normed: &Tensor,
+        alpha: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let dtype = sum.dtype();
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        let (s, gs, gn, a) = (f32(sum)?, f32(grad_sum)?, f32(grad_normed)?, f32(alpha)?);
+        let r = (s.sqr()?.mean_keepdim(1)? + self.eps as f64)?
+            .sqrt()?
+            .recip()?;
+        let a_gn = gn.broadcast_mul(&a)?;
+        let c = (&a_gn * &s)?.mean_keepdim(1)?;
+        let ds = ((gs + a_gn.broadcast_mul(&r)?)? - s.broadcast_mul(&(r.powf(3.0)? * c)?)?)?;
+        let dalpha = (gn * s.broadcast_mul(&r)?)?.sum(0)?;
+        Ok((ds.to_dtype(dtype)?, dalpha.to_dtype(dtype)?))
+    }
+}
+
+/// The CUDA backward of [`AddRmsNorm`]: inputs `(sum [M, d], grad [2, M, d], alpha
+/// [d])`, output `[M · d + d]`: the rows of `ds`, then `dalpha`.
+struct AddRmsNormBackward {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    eps: f32,
+}
+
+impl CustomOp3 for AddRmsNormBackward {
+    fn name(&self) -> &'static str {
+        "add-rms-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        err(TwellError::Invalid(
+            "add_rms_norm's backward kernel is CUDA-only; the CPU takes candle's ops".into(),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+        als: &candle_core::CudaStorage,
+        al: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (m, d) = dims(sl, sl, al)?;
+        let out = crate::cuda::add_rms_norm_bwd(ss, sl, gs, gl, als, al, self.eps)?;
+        Ok((out, Shape::from(m * d + d)))
+    }
 }
 
 /// `(x + y, rms_norm(x + y) · alpha)` for `x, y [.., d]` and `alpha [d]`, as a Llama
 /// block's residual add and the norm after it compute them (the sum rounded to the
 /// dtype before it is normalised). On CUDA in bf16 one kernel does both (hidden sizes
-/// up to 8,192, a multiple of 8); elsewhere candle's ops. Not differentiable.
+/// up to 8,192, a multiple of 8), with a backward kernel; elsewhere candle's ops (their
+/// differentiable forms when an input tracks gradients).
 pub fn add_rms_norm(x: &Tensor, y: &Tensor, alpha: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     if x.dtype() != y.dtype() || x.dtype() != alpha.dtype() {
         return err(TwellError::Invalid(format!(
@@ -134,14 +231,18 @@ pub fn add_rms_norm(x: &Tensor, y: &Tensor, alpha: &Tensor, eps: f64) -> Result<
     let d = *dims.last().unwrap_or(&0);
     if !fused_on_device(x) || !d.is_multiple_of(8) || d == 0 {
         let sum = (x + y)?;
-        let normed = candle_nn::ops::rms_norm(&sum, alpha, eps as f32)?;
+        // candle's fused norm has no backward; its plain-op form has.
+        let normed = if [x, y, alpha].iter().any(|t| t.track_op()) {
+            candle_nn::ops::rms_norm_slow(&sum, alpha, eps as f32)?
+        } else {
+            candle_nn::ops::rms_norm(&sum, alpha, eps as f32)?
+        };
         return Ok((sum, normed));
     }
-    let op = AddRmsNorm::new(eps);
-    let both = x.reshape(((), d))?.contiguous()?.apply_op3_no_bwd(
+    let both = x.reshape(((), d))?.contiguous()?.apply_op3(
         &y.reshape(((), d))?.contiguous()?,
         &alpha.contiguous()?,
-        &op,
+        AddRmsNorm::new(eps),
     )?;
     Ok((
         both.get(0)?.reshape(dims.clone())?,

@@ -78,7 +78,9 @@ impl CustomOp3 for AttentionSoftmaxGrad {
                 let visible = total - t + row % t + 1;
                 let sr = &s[row * total..][..visible];
                 let dr = &dp[row * total..][..visible];
-                let max = sr.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * self.scale));
+                let max = sr
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |m, &x| m.max(x * self.scale));
                 let sum: f32 = sr.iter().map(|&x| (x * self.scale - max).exp()).sum();
                 for j in 0..visible {
                     p[j] = (sr[j] * self.scale - max).exp() / sum;

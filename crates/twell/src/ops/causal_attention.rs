@@ -66,8 +66,8 @@ impl CausalAttention {
         // Unscaled scores and `dp`, then one row-wise op for `p` and `ds · scale`.
         let scores = q.matmul(&kx.t()?)?;
         let dp = grad_out.matmul(&vx.t()?)?;
-        let row_dot = (grad_out.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?
-            .sum_keepdim(3)?;
+        let row_dot =
+            (grad_out.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum_keepdim(3)?;
         let (p, ds) = super::attention_softmax_grad(&scores, &dp, &row_dot, self.scale)?;
         let dq = ds.matmul(&kx)?;
         let dk = ds.t()?.matmul(&q)?;

@@ -6,7 +6,9 @@
 //! * [`causal_attention`]: fused causal attention for the model around the MLP, and
 //!   [`attention_softmax_grad`], the row-wise middle of its backward;
 //! * [`add_rms_norm`]: the residual add and the RMS norm after it, for the same model;
-//! * [`rope`]: rotary position embedding of its queries and keys.
+//! * [`rope`]: rotary position embedding of its queries and keys;
+//! * [`cross_entropy`]: the language-model loss over its logits;
+//! * [`adamw_step`]: the optimizer's update of one parameter, in place.
 //!
 //! The ops that produce an MLP output return one flat tensor of
 //! [`mlp_result_len`]`(M, d)` elements: the `[M, d]` output rows, then each token's L1
@@ -16,20 +18,24 @@
 //! Weights for up and down travel as one neuron-major matrix `w_ud [f, 2d]` whose
 //! row `j` is `[Wu_j | Wd_j]`: an active neuron's weights are one contiguous read.
 
+mod adamw;
 mod add_rms_norm;
 mod attention_softmax_grad;
 mod causal_attention;
+mod cross_entropy;
 mod gate_pack;
 mod gated_t2d;
 mod rope;
 mod twell_mlp;
 
+pub use adamw::{adamw_step, AdamwStep};
 pub use add_rms_norm::{add_rms_norm, AddRmsNorm};
 pub use attention_softmax_grad::{attention_softmax_grad, AttentionSoftmaxGrad};
 pub use causal_attention::{
     causal_attention, causal_attention_reference, fused_on_device, CausalAttention,
     CUDA_DECODE_MAX_KEYS, CUDA_HEAD_DIMS,
 };
+pub use cross_entropy::{cross_entropy, CrossEntropy};
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
 pub use rope::{rope, Rope, RopeTable};

@@ -1,0 +1,105 @@
+//! Launchers of `kernels/cross_entropy.cu`: per-row softmax cross-entropy and its
+//! backward.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaStorage, DType, Layout, Result};
+use half::bf16;
+
+use super::bf16_view;
+use crate::error::{err, TwellError};
+
+const CROSS_ENTROPY_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cross_entropy.ptx"));
+
+/// Threads per row (`CE_THREADS` in the .cu).
+const THREADS: u32 = 256;
+
+/// A contiguous view of a `T` storage, or a clear error.
+fn view<'a, T: candle_core::cuda_backend::CudaDType>(
+    what: &'static str,
+    s: &'a CudaStorage,
+    l: &Layout,
+    dtype: DType,
+) -> Result<CudaView<'a, T>> {
+    if s.dtype() != dtype {
+        return err(TwellError::Invalid(format!(
+            "cross_entropy: {what} must be {dtype:?}, got {:?}",
+            s.dtype()
+        )));
+    }
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(s.as_cuda_slice::<T>()?.slice(a..b)),
+        None => err(TwellError::Invalid(format!(
+            "cross_entropy: {what} must be contiguous"
+        ))),
+    }
+}
+
+fn row_launch(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `logits [n, v]` bf16 and `targets [n]` u32 (every one below v, checked by the op):
+/// returns `[2, n]` f32, the losses then each row's log-sum-exp.
+pub fn cross_entropy(
+    logits: &CudaStorage,
+    ll: &Layout,
+    targets: &CudaStorage,
+    tl: &Layout,
+    (n, v): (usize, usize),
+) -> Result<CudaStorage> {
+    let xv = bf16_view("logits", logits, ll)?;
+    let tv = view::<u32>("targets", targets, tl, DType::U32)?;
+    let dev = logits.device().clone();
+    // SAFETY: the kernel writes both floats of every row.
+    let mut out = unsafe { dev.alloc::<f32>(2 * n)? };
+    let func =
+        dev.get_or_load_custom_func("cross_entropy_fwd_bf16", "cross_entropy", CROSS_ENTROPY_PTX)?;
+    let (n_i, v_i) = (n as i32, v as i32);
+    let mut b = func.builder();
+    b.arg(&xv).arg(&tv).arg(&mut out).arg(&n_i).arg(&v_i);
+    // SAFETY: a block per row, columns bounded by v; shapes checked by the op.
+    unsafe { b.launch(row_launch(n)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// The backward: `logits [n, v]` bf16, `targets [n]` u32, `lse [n]` and `grad [n]` f32
+/// (the gradient of each row's loss): returns `grad · (softmax − onehot)` as `[n, v]`
+/// bf16.
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_bwd(
+    logits: &CudaStorage,
+    ll: &Layout,
+    targets: &CudaStorage,
+    tl: &Layout,
+    lse_grad: &CudaStorage,
+    gl: &Layout,
+    (n, v): (usize, usize),
+) -> Result<CudaStorage> {
+    let xv = bf16_view("logits", logits, ll)?;
+    let tv = view::<u32>("targets", targets, tl, DType::U32)?;
+    let lg = view::<f32>("lse and grad", lse_grad, gl, DType::F32)?;
+    let (lse, grad) = (lg.slice(0..n), lg.slice(n..2 * n));
+    let dev = logits.device().clone();
+    // SAFETY: the kernel writes every element.
+    let mut out = unsafe { dev.alloc::<bf16>(n * v)? };
+    let func =
+        dev.get_or_load_custom_func("cross_entropy_bwd_bf16", "cross_entropy", CROSS_ENTROPY_PTX)?;
+    let (n_i, v_i) = (n as i32, v as i32);
+    let mut b = func.builder();
+    b.arg(&xv)
+        .arg(&tv)
+        .arg(&lse)
+        .arg(&grad)
+        .arg(&mut out)
+        .arg(&n_i)
+        .arg(&v_i);
+    // SAFETY: a block per row, columns bounded by v; shapes checked by the op.
+    unsafe { b.launch(row_launch(n)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
