@@ -227,7 +227,8 @@ mod tests {
             )
             .unwrap();
             let (lr, scale) = (0.01, 0.5);
-            opt.step_scaled(&[g.clone()], lr, scale).unwrap();
+            opt.step_scaled(std::slice::from_ref(&g), lr, scale)
+                .unwrap();
             // The formula as candle ops.
             let gs = (&g * scale).unwrap();
             m = ((&m * cfg.beta1).unwrap() + (&gs * (1.0 - cfg.beta1)).unwrap()).unwrap();

@@ -203,7 +203,7 @@ fn check_attention(
     };
     // Every third case has sharp scores (standard deviation 4 instead of 1), where the
     // backward's bf16 scores round the most.
-    let logit_std = if seed % 3 == 0 { 4.0 } else { 1.0 };
+    let logit_std = if seed.is_multiple_of(3) { 4.0 } else { 1.0 };
     let (q, k, v) = (
         (input((b, heads, t, hd))? * logit_std)?,
         input((b, kv, total, hd))?,
@@ -250,15 +250,13 @@ fn check_attention(
     })
 }
 
+/// A model of the checks with its weights as variables, by name.
+type CheckModel = (sparse_llama::Llama, Vec<(String, Var)>);
+
 /// The random Llama of the model checks (hd 64, grouped-query heads, 2 layers), in
 /// bf16 on `dev` and in f32 on the CPU from the same weights, each with its weights as
 /// variables (for the training check).
-fn check_models(
-    dev: &Device,
-) -> Result<(
-    [(sparse_llama::Llama, Vec<(String, Var)>); 2],
-    sparse_llama::Config,
-)> {
+fn check_models(dev: &Device) -> Result<([CheckModel; 2], sparse_llama::Config)> {
     use sparse_llama::{synthetic, Llama};
     let cfg = synthetic::config(512, 1024, 2, 8, 2, 1000)?;
     let mut weights = synthetic::weights(&cfg, 0.1, 11, DType::BF16, dev)?;

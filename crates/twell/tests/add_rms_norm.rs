@@ -77,12 +77,11 @@ fn bad_shapes_and_dtypes_are_rejected() {
     assert!(err.contains("alpha"), "{err}");
 }
 
+/// `(x, y, alpha)` → `(x + y, normed)`.
+type AddNorm = dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<(Tensor, Tensor)>;
+
 /// `[dx, dy, dalpha]` of `Σ sum ⊙ p0 + Σ normed ⊙ p1` through `f`.
-fn norm_gradients(
-    f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<(Tensor, Tensor)>,
-    inputs: [&Tensor; 3],
-    probes: &[Tensor; 2],
-) -> [Tensor; 3] {
+fn norm_gradients(f: &AddNorm, inputs: [&Tensor; 3], probes: &[Tensor; 2]) -> [Tensor; 3] {
     let vars = inputs.map(|t| candle_core::Var::from_tensor(t).unwrap());
     let (sum, normed) = f(
         vars[0].as_tensor(),
@@ -111,7 +110,7 @@ fn op_backward_matches_candle_autograd() {
         let probes = [random((m, d), seed + 3), random((m, d), seed + 4)];
         let eps = 1e-5;
         let fused = norm_gradients(
-            &|x, y, a| {
+            &move |x, y, a| {
                 let both = x.apply_op3(y, a, AddRmsNorm::new(eps))?;
                 Ok((both.get(0)?, both.get(1)?))
             },
@@ -119,7 +118,7 @@ fn op_backward_matches_candle_autograd() {
             &probes,
         );
         let plain = norm_gradients(
-            &|x, y, a| {
+            &move |x, y, a| {
                 let sum = (x + y)?;
                 let normed = candle_nn::ops::rms_norm_slow(&sum, a, eps as f32)?;
                 Ok((sum, normed))
@@ -134,7 +133,7 @@ fn op_backward_matches_candle_autograd() {
         }
         // The public function on the CPU falls back to candle's differentiable ops.
         let public = norm_gradients(
-            &|x, y, a| add_rms_norm(x, y, a, eps),
+            &move |x, y, a| add_rms_norm(x, y, a, eps),
             [&x, &y, &alpha],
             &probes,
         );
