@@ -12,20 +12,6 @@
 #define SOFTMAX_GRAD_THREADS 256
 #define SOFTMAX_GRAD_ROWS (SOFTMAX_GRAD_THREADS / 32)
 
-// Merges another lane's (max, sum) into this one's; a lane that saw no key holds
-// (-inf, 0) and changes nothing.
-__device__ __forceinline__ void merge_max_sum(float& m, float& l, float m2, float l2) {
-    if (m2 == -INFINITY) return;
-    if (m == -INFINITY) {
-        m = m2;
-        l = l2;
-        return;
-    }
-    const float mx = fmaxf(m, m2);
-    l = l * __expf(m - mx) + l2 * __expf(m2 - mx);
-    m = mx;
-}
-
 extern "C" __global__ void __launch_bounds__(SOFTMAX_GRAD_THREADS) attention_softmax_grad_bf16(
     const __nv_bfloat16* __restrict__ s,   // [rows, total]
     const __nv_bfloat16* __restrict__ dp,  // [rows, total]
@@ -40,13 +26,7 @@ extern "C" __global__ void __launch_bounds__(SOFTMAX_GRAD_THREADS) attention_sof
     const __nv_bfloat16* sr = s + base;
     float m = -INFINITY, l = 0.f;
     for (int j = lane; j < visible; j += 32) {
-        const float x = __bfloat162float(sr[j]) * scale;
-        if (x > m) {
-            l = l * __expf(m - x) + 1.f;
-            m = x;
-        } else {
-            l += __expf(x - m);
-        }
+        online_max_sum(m, l, __bfloat162float(sr[j]) * scale);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {

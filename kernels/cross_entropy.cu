@@ -10,18 +10,6 @@
 
 #define CE_THREADS 256
 
-__device__ __forceinline__ void ce_merge(float& m, float& l, float m2, float l2) {
-    if (m2 == -INFINITY) return;
-    if (m == -INFINITY) {
-        m = m2;
-        l = l2;
-        return;
-    }
-    const float mx = fmaxf(m, m2);
-    l = l * __expf(m - mx) + l2 * __expf(m2 - mx);
-    m = mx;
-}
-
 extern "C" __global__ void __launch_bounds__(CE_THREADS) cross_entropy_fwd_bf16(
     const __nv_bfloat16* __restrict__ logits,  // [N, V]
     const unsigned int* __restrict__ targets,  // [N]
@@ -32,26 +20,20 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS) cross_entropy_fwd_bf16(
     const __nv_bfloat16* x = logits + row * V;
     float m = -INFINITY, l = 0.f;
     for (int j = threadIdx.x; j < V; j += CE_THREADS) {
-        const float v = __bfloat162float(x[j]);
-        if (v > m) {
-            l = l * __expf(m - v) + 1.f;
-            m = v;
-        } else {
-            l += __expf(v - m);
-        }
+        online_max_sum(m, l, __bfloat162float(x[j]));
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float m2 = __shfl_xor_sync(FULL_MASK, m, o);
         const float l2 = __shfl_xor_sync(FULL_MASK, l, o);
-        ce_merge(m, l, m2, l2);
+        merge_max_sum(m, l, m2, l2);
     }
     __shared__ float2 partial[CE_THREADS / 32];
     if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = make_float2(m, l);
     __syncthreads();
     if (threadIdx.x == 0) {
         float mm = -INFINITY, ll = 0.f;
-        for (int w = 0; w < CE_THREADS / 32; ++w) ce_merge(mm, ll, partial[w].x, partial[w].y);
+        for (int w = 0; w < CE_THREADS / 32; ++w) merge_max_sum(mm, ll, partial[w].x, partial[w].y);
         const float lse = mm + __logf(ll);
         const unsigned int target = targets[row];
         // A target outside the vocabulary is caught on the host before the launch.

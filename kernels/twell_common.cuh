@@ -98,6 +98,30 @@ __device__ __forceinline__ float registers_dot(const uint4* r, const __nv_bfloat
     return warp_sum(part);
 }
 
+// Adds x to this lane's online-softmax state: m the running max, l the sum of exp(· - m).
+__device__ __forceinline__ void online_max_sum(float& m, float& l, float x) {
+    if (x > m) {
+        l = l * __expf(m - x) + 1.f;
+        m = x;
+    } else {
+        l += __expf(x - m);
+    }
+}
+
+// Merges another lane's online-softmax state (running max m2, sum l2 of exp(x - m2)) into
+// this one's; a lane that saw nothing holds (-inf, 0) and changes nothing.
+__device__ __forceinline__ void merge_max_sum(float& m, float& l, float m2, float l2) {
+    if (m2 == -INFINITY) return;
+    if (m == -INFINITY) {
+        m = m2;
+        l = l2;
+        return;
+    }
+    const float mx = fmaxf(m, m2);
+    l = l * __expf(m - mx) + l2 * __expf(m2 - mx);
+    m = mx;
+}
+
 __device__ __forceinline__ long long global_warp() {
     return (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
 }

@@ -2,7 +2,7 @@
 //! in place in one pass.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, DType, Layout, Result};
 
@@ -14,31 +14,12 @@ const THREADS: u32 = 256;
 /// Enough blocks to fill the GPU several times; each thread strides over the rest.
 const MAX_BLOCKS: usize = 132 * 16;
 
-fn f32_view<'a>(what: &'static str, s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, f32>> {
-    if s.dtype() != DType::F32 {
-        return err(TwellError::Invalid(format!(
-            "adamw: {what} must be f32, got {:?}",
-            s.dtype()
-        )));
-    }
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(s.as_cuda_slice::<f32>()?.slice(a..b)),
-        None => err(TwellError::Invalid(format!(
-            "adamw: {what} must be contiguous"
-        ))),
-    }
-}
-
+/// The updated tensor's f32 slice and its `[a, b)` range, checked contiguous.
 fn f32_target<'a>(
     s: &'a mut CudaStorage,
     l: &Layout,
 ) -> Result<(&'a mut CudaSlice<f32>, usize, usize)> {
-    if s.dtype() != DType::F32 {
-        return err(TwellError::Invalid(format!(
-            "adamw: the updated tensor must be f32, got {:?}",
-            s.dtype()
-        )));
-    }
+    super::check_dtype("adamw: the updated tensor", s, DType::F32)?;
     match l.contiguous_offsets() {
         Some((a, b)) => Ok((s.as_cuda_slice_mut::<f32>()?, a, b)),
         None => err(TwellError::Invalid(
@@ -68,7 +49,7 @@ pub fn adamw_moment(
     (beta, scale, square): (f32, f32, bool),
 ) -> Result<()> {
     let dev = grad.device().clone();
-    let gv = f32_view("grad", grad, gl)?;
+    let gv = super::typed_view::<f32>("adamw: grad", grad, gl, DType::F32)?;
     let (slice, a, b) = f32_target(moment, ml)?;
     let mut target = slice.slice_mut(a..b);
     let n = (b - a) as i64;
@@ -100,7 +81,10 @@ pub fn adamw_update(
     (lr, decay, inv_c1, inv_c2, eps): (f32, f32, f32, f32, f32),
 ) -> Result<()> {
     let dev = m.device().clone();
-    let (mv, vv) = (f32_view("m", m, ml)?, f32_view("v", v, vl)?);
+    let (mv, vv) = (
+        super::typed_view::<f32>("adamw: m", m, ml, DType::F32)?,
+        super::typed_view::<f32>("adamw: v", v, vl, DType::F32)?,
+    );
     let (slice, a, b) = f32_target(param, pl)?;
     let mut target = slice.slice_mut(a..b);
     let n = (b - a) as i64;

@@ -1,7 +1,7 @@
 //! Launcher of `kernels/add_rms_norm.cu`: the residual add and the RMS norm after it.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Layout, Result};
 use half::bf16;
@@ -52,11 +52,7 @@ pub fn add_rms_norm(
         .arg(&m_i)
         .arg(&d_i)
         .arg(&eps);
-    let cfg = LaunchConfig {
-        grid_dim: (m as u32, 1, 1),
-        block_dim: (NORM_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = super::grid_1d(m, NORM_THREADS);
     // SAFETY: a block per row, columns bounded by d; shapes checked above.
     unsafe { b.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
@@ -114,11 +110,7 @@ pub fn add_rms_norm_bwd(
         .arg(&d_i)
         .arg(&eps)
         .arg(&rows_i);
-    let cfg = LaunchConfig {
-        grid_dim: (m.div_ceil(BWD_ROWS_PER_BLOCK) as u32, 1, 1),
-        block_dim: (NORM_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = super::grid_1d(m.div_ceil(BWD_ROWS_PER_BLOCK), NORM_THREADS);
     // SAFETY: each block's rows bounded by m, columns by d; shapes checked above.
     unsafe { b.launch(cfg) }.w()?;
     let func =
@@ -126,11 +118,7 @@ pub fn add_rms_norm_bwd(
     let mut tail = out.slice_mut(m * d..);
     let mut b = func.builder();
     b.arg(&dalpha).arg(&mut tail).arg(&d_i);
-    let cfg = LaunchConfig {
-        grid_dim: (d.div_ceil(NORM_THREADS as usize) as u32, 1, 1),
-        block_dim: (NORM_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = super::grid_1d(d.div_ceil(NORM_THREADS as usize), NORM_THREADS);
     // SAFETY: one thread per column, bounded by d.
     unsafe { b.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))

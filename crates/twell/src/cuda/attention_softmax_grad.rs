@@ -2,7 +2,7 @@
 //! attention's backward (probabilities and score gradients from recomputed scores).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, DType, Layout, Result};
 use half::bf16;
@@ -71,11 +71,7 @@ pub fn attention_softmax_grad(
         .arg(&t_i)
         .arg(&total_i)
         .arg(&scale);
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = super::grid_1d(blocks, THREADS);
     // SAFETY: one warp per row, bounded in the kernel; shapes checked by the op.
     unsafe { builder.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))

@@ -2,46 +2,20 @@
 //! backward.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, DType, Layout, Result};
 use half::bf16;
 
 use super::bf16_view;
-use crate::error::{err, TwellError};
 
 const CROSS_ENTROPY_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cross_entropy.ptx"));
 
 /// Threads per row (`CE_THREADS` in the .cu).
 const THREADS: u32 = 256;
 
-/// A contiguous view of a `T` storage, or a clear error.
-fn view<'a, T: candle_core::cuda_backend::CudaDType>(
-    what: &'static str,
-    s: &'a CudaStorage,
-    l: &Layout,
-    dtype: DType,
-) -> Result<CudaView<'a, T>> {
-    if s.dtype() != dtype {
-        return err(TwellError::Invalid(format!(
-            "cross_entropy: {what} must be {dtype:?}, got {:?}",
-            s.dtype()
-        )));
-    }
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(s.as_cuda_slice::<T>()?.slice(a..b)),
-        None => err(TwellError::Invalid(format!(
-            "cross_entropy: {what} must be contiguous"
-        ))),
-    }
-}
-
-fn row_launch(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (n as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
+fn row_launch(n: usize) -> candle_core::cuda_backend::cudarc::driver::LaunchConfig {
+    super::grid_1d(n, THREADS)
 }
 
 /// `logits [n, v]` bf16 and `targets [n]` u32 (every one below v, checked by the op):
@@ -54,7 +28,7 @@ pub fn cross_entropy(
     (n, v): (usize, usize),
 ) -> Result<CudaStorage> {
     let xv = bf16_view("logits", logits, ll)?;
-    let tv = view::<u32>("targets", targets, tl, DType::U32)?;
+    let tv = super::typed_view::<u32>("cross_entropy: targets", targets, tl, DType::U32)?;
     let dev = logits.device().clone();
     // SAFETY: the kernel writes both floats of every row.
     let mut out = unsafe { dev.alloc::<f32>(2 * n)? };
@@ -82,8 +56,8 @@ pub fn cross_entropy_bwd(
     (n, v): (usize, usize),
 ) -> Result<CudaStorage> {
     let xv = bf16_view("logits", logits, ll)?;
-    let tv = view::<u32>("targets", targets, tl, DType::U32)?;
-    let lg = view::<f32>("lse and grad", lse_grad, gl, DType::F32)?;
+    let tv = super::typed_view::<u32>("cross_entropy: targets", targets, tl, DType::U32)?;
+    let lg = super::typed_view::<f32>("cross_entropy: lse and grad", lse_grad, gl, DType::F32)?;
     let (lse, grad) = (lg.slice(0..n), lg.slice(n..2 * n));
     let dev = logits.device().clone();
     // SAFETY: the kernel writes every element.

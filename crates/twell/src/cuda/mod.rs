@@ -90,27 +90,53 @@ fn warp_launch(warps: usize) -> Result<LaunchConfig> {
             "{warps} warps exceed one CUDA grid"
         )));
     }
-    Ok(LaunchConfig {
-        grid_dim: (blocks.max(1) as u32, 1, 1),
-        block_dim: (BLOCK_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    })
+    Ok(grid_1d(blocks, BLOCK_THREADS))
 }
 
-/// A contiguous bf16 view of a CUDA storage.
-fn bf16_view<'a>(what: &'static str, s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, bf16>> {
-    if s.dtype() != DType::BF16 {
+/// A 1-D grid of `blocks` blocks of `threads` threads, no dynamic shared memory.
+fn grid_1d(blocks: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.max(1) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `Ok` when the storage holds `dtype`, else an error that names the input.
+fn check_dtype(what: &str, s: &CudaStorage, dtype: DType) -> Result<()> {
+    if s.dtype() != dtype {
         return err(TwellError::Invalid(format!(
-            "{what}: the CUDA TwELL kernels take bf16, got {:?} (load the model in bf16)",
-            s.dtype()
+            "{what}: the CUDA kernels take {dtype:?}, got {:?}{}",
+            s.dtype(),
+            if dtype == DType::BF16 {
+                " (load the model in bf16)"
+            } else {
+                ""
+            }
         )));
     }
+    Ok(())
+}
+
+/// A contiguous view of a CUDA storage holding `dtype` (whose element type is `T`).
+fn typed_view<'a, T: candle_core::cuda_backend::CudaDType>(
+    what: &str,
+    s: &'a CudaStorage,
+    l: &Layout,
+    dtype: DType,
+) -> Result<CudaView<'a, T>> {
+    check_dtype(what, s, dtype)?;
     match l.contiguous_offsets() {
-        Some((a, b)) => Ok(s.as_cuda_slice::<bf16>()?.slice(a..b)),
+        Some((a, b)) => Ok(s.as_cuda_slice::<T>()?.slice(a..b)),
         None => err(TwellError::Invalid(format!(
             "{what}: input must be contiguous"
         ))),
     }
+}
+
+/// A contiguous bf16 view of a CUDA storage.
+fn bf16_view<'a>(what: &'static str, s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, bf16>> {
+    typed_view(what, s, l, DType::BF16)
 }
 
 /// A bf16 view of a CUDA storage from a layout's start to its last element, for
@@ -120,12 +146,7 @@ fn strided_bf16_view<'a>(
     s: &'a CudaStorage,
     l: &Layout,
 ) -> Result<CudaView<'a, bf16>> {
-    if s.dtype() != DType::BF16 {
-        return err(TwellError::Invalid(format!(
-            "{what}: the CUDA kernels take bf16, got {:?}",
-            s.dtype()
-        )));
-    }
+    check_dtype(what, s, DType::BF16)?;
     let dims = l.dims();
     if dims.contains(&0) {
         return err(TwellError::Invalid(format!(
@@ -577,12 +598,8 @@ pub fn twell_mlp_forward(
                 )?;
                 let mut b = finish.builder();
                 b.arg(&acc).arg(&l1).arg(&mut out).arg(&m_i).arg(&d_i);
-                let blocks = len.div_ceil(BLOCK_THREADS as usize).min(4096) as u32;
-                let cfg = LaunchConfig {
-                    grid_dim: (blocks.max(1), 1, 1),
-                    block_dim: (BLOCK_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                };
+                let blocks = len.div_ceil(BLOCK_THREADS as usize).min(4096);
+                let cfg = grid_1d(blocks, BLOCK_THREADS);
                 // SAFETY: grid-stride loop over the `len` elements of `out`.
                 unsafe { b.launch(cfg) }.w()?;
             }

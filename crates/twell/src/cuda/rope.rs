@@ -1,7 +1,7 @@
 //! Launcher of `kernels/rope.cu`: rotary position embedding of `[b, t, heads, hd]` rows.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Layout, Result};
 use half::bf16;
@@ -46,11 +46,7 @@ pub fn rope(x: &CudaStorage, xl: &Layout, cs: &CudaStorage, cl: &Layout) -> Resu
         .arg(&t_i)
         .arg(&heads_i)
         .arg(&hd_i);
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (ROPE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = super::grid_1d(blocks, ROPE_THREADS);
     // SAFETY: one thread per 8 pairs of a row, bounded in the kernel; shapes checked by
     // the op.
     unsafe { builder.launch(cfg) }.w()?;

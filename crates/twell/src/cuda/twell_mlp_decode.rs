@@ -6,9 +6,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
 use half::bf16;
@@ -128,11 +126,10 @@ pub fn twell_mlp_decode(
         .arg(&dims.tile)
         .arg(&dims.n_tiles);
     let warps_per_block = (BLOCK_THREADS / 32) as usize;
-    let cfg = LaunchConfig {
-        grid_dim: ((f.div_ceil(warps_per_block) as u32).clamp(1, wave), 1, 1),
-        block_dim: (BLOCK_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = super::grid_1d(
+        f.div_ceil(warps_per_block).min(wave as usize),
+        BLOCK_THREADS,
+    );
     // SAFETY: a warp per neuron (grid-stride), every index bounded by d, f and n_tiles;
     // the scratch is at least as large as they need; a block's neuron list is bounded
     // by DECODE_LIST in the kernel.

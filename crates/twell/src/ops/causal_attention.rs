@@ -49,16 +49,7 @@ impl CausalAttention {
         let (_, kv_heads, total, _) = k.dims4()?;
         let group = heads / kv_heads;
         let dtype = q.dtype();
-        // Key heads repeated for their query heads: `[b, heads, T, hd]`.
-        let repeat = |x: &Tensor| -> Result<Tensor> {
-            if group == 1 {
-                return x.contiguous();
-            }
-            x.unsqueeze(2)?
-                .expand((b, kv_heads, group, total, hd))?
-                .reshape((b, heads, total, hd))
-        };
-        let (kx, vx) = (repeat(k)?, repeat(v)?);
+        let (kx, vx) = (repeat_heads(k, heads)?, repeat_heads(v, heads)?);
         let q = q.contiguous()?;
         // `[b, heads, t, hd]`, as q.
         let grad_out = grad_out.transpose(1, 2)?.contiguous()?;
@@ -84,6 +75,18 @@ impl CausalAttention {
         };
         Ok((dq, fold(dk)?, fold(dv)?))
     }
+}
+
+/// Keys or values `[b, kv_heads, T, hd]` with each head repeated for the query heads
+/// that share it: `[b, heads, T, hd]`, contiguous.
+fn repeat_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
+    let (b, kv_heads, total, hd) = x.dims4()?;
+    if kv_heads == heads {
+        return x.contiguous();
+    }
+    x.unsqueeze(2)?
+        .expand((b, kv_heads, heads / kv_heads, total, hd))?
+        .reshape((b, heads, total, hd))
 }
 
 /// `(b, heads, t, kv_heads, T, hd)` of a call, checked.
@@ -260,7 +263,7 @@ pub fn fused_on_device(q: &Tensor) -> bool {
 /// causal mask and softmax, the KV heads repeated for grouped-query attention. The
 /// reference the fused op and its backward are tested and checked against.
 pub fn causal_attention_reference(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let (b, heads, t, hd) = q.dims4()?;
+    let (_, heads, t, hd) = q.dims4()?;
     let (_, kv_heads, total, _) = k.dims4()?;
     if kv_heads == 0 || heads % kv_heads != 0 || total < t {
         return err(TwellError::ShapeMismatch {
@@ -269,13 +272,11 @@ pub fn causal_attention_reference(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<
         });
     }
     let past = total - t;
-    let repeat = |x: &Tensor| -> Result<Tensor> {
-        x.to_dtype(DType::F32)?
-            .unsqueeze(2)?
-            .expand((b, kv_heads, heads / kv_heads, total, hd))?
-            .reshape((b, heads, total, hd))
-    };
-    let (k, v) = (repeat(k)?, repeat(v)?);
+    let f32 = |x: &Tensor| x.to_dtype(DType::F32);
+    let (k, v) = (
+        repeat_heads(&f32(k)?, heads)?,
+        repeat_heads(&f32(v)?, heads)?,
+    );
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
         .collect();

@@ -54,6 +54,30 @@ fn cpu_targets(s: &CpuStorage, l: &Layout, v: usize) -> Result<Vec<u32>> {
     Ok(targets)
 }
 
+/// The logits (as f32) and checked targets of a CPU call.
+struct CpuInputs {
+    n: usize,
+    v: usize,
+    targets: Vec<u32>,
+    x: Vec<f32>,
+    dtype: DType,
+}
+
+impl CpuInputs {
+    fn read(xs: &CpuStorage, xl: &Layout, ts: &CpuStorage, tl: &Layout) -> Result<Self> {
+        let (n, v) = dims(xl, tl)?;
+        let targets = cpu_targets(ts, tl, v)?;
+        let x = Rows::new("logits", xs, xl)?;
+        Ok(Self {
+            n,
+            v,
+            targets,
+            dtype: x.dtype(),
+            x: x.to_f32_vec(),
+        })
+    }
+}
+
 fn check_targets(max: Option<u32>, v: usize) -> Result<()> {
     match max {
         Some(t) if t as usize >= v => err(TwellError::Invalid(format!(
@@ -75,9 +99,9 @@ impl CustomOp2 for CrossEntropy {
         ts: &CpuStorage,
         tl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, v) = dims(xl, tl)?;
-        let targets = cpu_targets(ts, tl, v)?;
-        let x = Rows::new("logits", xs, xl)?.to_f32_vec();
+        let CpuInputs {
+            n, v, targets, x, ..
+        } = CpuInputs::read(xs, xl, ts, tl)?;
         let mut out = vec![0f32; 2 * n];
         let rows: Vec<(f32, f32)> = x
             .par_chunks(v)
@@ -141,11 +165,13 @@ impl CustomOp3 for CrossEntropyBackward {
         gs: &CpuStorage,
         gl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, v) = dims(xl, tl)?;
-        let targets = cpu_targets(ts, tl, v)?;
-        let x = Rows::new("logits", xs, xl)?;
-        let dtype = x.dtype();
-        let x = x.to_f32_vec();
+        let CpuInputs {
+            n,
+            v,
+            targets,
+            x,
+            dtype,
+        } = CpuInputs::read(xs, xl, ts, tl)?;
         let lg = Rows::new("lse and grad", gs, gl)?.to_f32_vec();
         let mut out = vec![0f32; n * v];
         out.par_chunks_mut(v)
