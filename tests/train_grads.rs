@@ -134,3 +134,29 @@ fn cached_chunks_equal_one_training_pass() {
     let infer = candle_core::Tensor::cat(&[first, second], 1).unwrap();
     assert!(rel_l2(&train, &infer) < 1e-5, "{}", rel_l2(&train, &infer));
 }
+
+#[test]
+fn fused_training_path_equals_plain_path() {
+    // The GPU's training path (fused attention, RoPE and residual add + norm with their
+    // backward passes) run on the CPU's reference implementations, against plain ops.
+    for mode in [FfnMode::Dense, FfnMode::Sparse] {
+        let (plain, vm_p) = model_with_vars(mode);
+        let (mut fused, vm_f) = model_with_vars(mode);
+        fused.set_attention_path(sparse_llama::AttentionPath::Fused);
+        let (lp, logits_p) = loss(&plain);
+        let (lf, logits_f) = loss(&fused);
+        assert!(rel_l2(&logits_f, &logits_p) < 1e-5, "{mode:?}: logits");
+        assert!(rel_l2(&lf, &lp) < 1e-5, "{mode:?}: loss");
+        let (gp, gf) = (lp.backward().unwrap(), lf.backward().unwrap());
+        let (dp, df) = (vm_p.data().lock().unwrap(), vm_f.data().lock().unwrap());
+        for (name, vp) in dp.iter() {
+            let e = rel_l2(
+                gf.get(df[name].as_tensor()).unwrap_or_else(|| {
+                    panic!("{mode:?}: no gradient for {name} on the fused path")
+                }),
+                gp.get(vp.as_tensor()).unwrap(),
+            );
+            assert!(e < 1e-4, "{mode:?} {name}: gradient rel err {e}");
+        }
+    }
+}

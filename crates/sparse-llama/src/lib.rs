@@ -20,4 +20,4 @@ pub mod train;
 
 pub use config::{Config, LlamaConfig, LlamaEosToks, SparseSettings};
 pub use error::LlamaError;
-pub use model::{Cache, Llama, SparseLlama, TrainOutput};
+pub use model::{AttentionPath, Cache, Llama, SparseLlama, TrainOutput};

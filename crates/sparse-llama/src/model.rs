@@ -348,6 +348,23 @@ pub struct Llama {
     norm: Norm,
     lm_head: Linear,
     config: Config,
+    attention_path: AttentionPath,
+}
+
+/// Which implementation a forward pass takes for the attention (and, in training, for
+/// RoPE and the residual add + norm around it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionPath {
+    /// Our fused ops where their kernels run (CUDA, bf16, a head size they are built
+    /// for), plain candle ops elsewhere.
+    #[default]
+    Auto,
+    /// Our fused ops on every device. On the CPU they run their reference
+    /// implementations, so tests can hold the GPU's training path against the plain one
+    /// without a GPU. On CUDA the kernels need bf16 and a supported head size.
+    Fused,
+    /// Plain candle ops on every device.
+    Plain,
 }
 
 /// The name a program uses when it means the sparse-capable model.
@@ -378,7 +395,14 @@ impl Llama {
             norm: Norm::load(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("model.norm"))?,
             lm_head,
             config: cfg.clone(),
+            attention_path: AttentionPath::Auto,
         })
+    }
+
+    /// Chooses the attention implementation of the following passes (see
+    /// [`AttentionPath`]).
+    pub fn set_attention_path(&mut self, path: AttentionPath) {
+        self.attention_path = path;
     }
 
     pub fn config(&self) -> &Config {
@@ -408,14 +432,18 @@ impl Llama {
         }
         let mut x = self.embed_tokens.forward(tokens)?;
         let cached = cache.as_deref().is_some_and(|c| c.use_kv_cache);
-        let fused = fused_attention(
-            x.device(),
-            x.dtype(),
-            self.config.head_dim(),
-            b * self.config.num_attention_heads,
-            t,
-            if cached { index_pos + t } else { t },
-        );
+        let fused = match self.attention_path {
+            AttentionPath::Auto => fused_attention(
+                x.device(),
+                x.dtype(),
+                self.config.head_dim(),
+                b * self.config.num_attention_heads,
+                t,
+                if cached { index_pos + t } else { t },
+            ),
+            AttentionPath::Fused => true,
+            AttentionPath::Plain => false,
+        };
         let needs_mask = t > 1 && !fused;
         let (rope, mask) = match cache.as_deref_mut() {
             Some(c) => {

@@ -80,6 +80,26 @@ fn op_backward_matches_rope_slow_autograd() {
             let heads_first = x.transpose(1, 2)?.contiguous()?;
             candle_nn::rotary_emb::rope_slow(&heads_first, &cos, &sin)?.transpose(1, 2)
         });
+        // The public function takes the op (and so its backward) when x tracks gradients.
+        let public = grad_through(&|x| rope(x, &table));
+        assert_eq!(
+            common::rel_l2(
+                &public.to_dtype(DType::F32).unwrap(),
+                &got.to_dtype(DType::F32).unwrap()
+            )
+            .unwrap(),
+            0.0
+        );
+        // The public function takes the op (and so its backward) when x tracks gradients.
+        let public = grad_through(&|x| rope(x, &table));
+        assert_eq!(
+            common::rel_l2(
+                &public.to_dtype(DType::F32).unwrap(),
+                &got.to_dtype(DType::F32).unwrap()
+            )
+            .unwrap(),
+            0.0
+        );
         assert_eq!(got.dims(), x.dims());
         let err = common::rel_l2(
             &got.to_dtype(DType::F32).unwrap(),

@@ -133,8 +133,9 @@ impl RopeTable {
 
 /// RoPE (rotate-half, as HF Llama) of `x [b, t, heads, hd]` at the `t` positions whose
 /// angles `angles` holds. On CUDA in bf16 our kernel (head sizes a multiple of 16);
-/// elsewhere candle's `rope_thd`. Returns a contiguous tensor of its own.
-/// Differentiable in `x` on the CUDA kernel's path; candle's `rope_thd` is not.
+/// elsewhere candle's `rope_thd`, or on the CPU, when `x` tracks gradients, the op's
+/// own implementation. Returns a contiguous tensor of its own. Differentiable in `x`
+/// except on CUDA outside the kernel's cases (candle's `rope_thd` has no backward).
 pub fn rope(x: &Tensor, angles: &RopeTable) -> Result<Tensor> {
     let cs = &angles.cos_sin;
     if x.dtype() != cs.dtype() {
@@ -146,7 +147,10 @@ pub fn rope(x: &Tensor, angles: &RopeTable) -> Result<Tensor> {
     }
     let x = x.contiguous()?;
     let (_, _, hd) = dims(x.layout(), cs.layout())?;
-    if x.device().is_cuda() && x.dtype() == DType::BF16 && hd.is_multiple_of(16) {
+    let kernel = x.device().is_cuda() && x.dtype() == DType::BF16 && hd.is_multiple_of(16);
+    // candle's `rope_thd` has no backward: on the CPU a pass that tracks gradients takes
+    // the op's own implementation.
+    if kernel || (x.device().is_cpu() && x.track_op()) {
         return x.apply_op2(&cs.contiguous()?, Rope);
     }
     candle_nn::rotary_emb::rope_thd(&x, &angles.cos, &angles.sin)
