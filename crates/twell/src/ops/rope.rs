@@ -4,8 +4,8 @@
 //! candle's `rope_thd` runs one element per thread with 2-byte loads; at prefill sizes
 //! the CUDA kernel (`kernels/rope.cu`, 8 pairs per thread, 16-byte loads) takes a
 //! fraction of its time. The output is a tensor of its own, so a KV cache that keeps
-//! the keys holds nothing else. Forward only: the training path keeps candle's
-//! differentiable `rope_slow`.
+//! the keys holds nothing else. Its backward is the transposed rotation (the same kernel
+//! with the sines negated), so training on the GPU takes it too.
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
