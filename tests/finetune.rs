@@ -233,3 +233,29 @@ fn down_norm_penalty_lowers_l0_on_the_dense_ffn() {
 }
 
 const L1_DOWN_NORM: f64 = 0.5;
+
+#[test]
+fn activity_statistics_can_be_switched_off_and_on() {
+    // The benchmark times steps without the per-step L0 and fired-neuron bookkeeping; the
+    // steps themselves must be the same.
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let mut with = trainer(1e-2, 3);
+    let mut without = trainer(1e-2, 3);
+    without.set_activity_stats(false);
+    for _ in 0..2 {
+        let (a, b) = (
+            with.train_step(&data).unwrap(),
+            without.train_step(&data).unwrap(),
+        );
+        assert!(
+            (a.ce - b.ce).abs() < 1e-6 * a.ce.abs().max(1.0),
+            "{} vs {}",
+            a.ce,
+            b.ce
+        );
+        assert!(a.mean_l0 > 0.0);
+        assert_eq!(b.mean_l0, 0.0);
+    }
+    without.set_activity_stats(true);
+    assert!(without.train_step(&data).unwrap().mean_l0 > 0.0);
+}
