@@ -202,9 +202,9 @@ impl CausalSelfAttention {
         // contiguous `[b, heads, t, hd]` copies.
         if pass == Pass::Train && !fused {
             let heads = |p: &Linear, n: usize| proj(p, n)?.transpose(1, 2)?.contiguous();
-            let rope = |x: Tensor| candle_nn::rotary_emb::rope_slow(&x, &rope.cos, &rope.sin);
-            let q = rope(heads(&self.q_proj, nq)?)?;
-            let k = rope(heads(&self.k_proj, nkv)?)?;
+            let turn = |x: Tensor| candle_nn::rotary_emb::rope_slow(&x, &rope.cos, &rope.sin);
+            let q = turn(heads(&self.q_proj, nq)?)?;
+            let k = turn(heads(&self.k_proj, nkv)?)?;
             let v = heads(&self.v_proj, nkv)?;
             return self.plain_attention(q, k, v, mask, pass);
         }
@@ -494,17 +494,18 @@ impl Llama {
                     x = (out + &x)?;
                     h = next.forward(&x, pass)?;
                 }
-                // The fused add + norm has a backward, so training on the GPU takes it
-                // as inference does.
-                (Pass::Train, true) => {
+                // The fused add + norm has a backward, so training with the fused ops
+                // takes it as inference does.
+                _ => {
                     let (sum, hm) = block.post_attention_layernorm.add_forward(&x, &attn)?;
-                    let (out, l1_tokens) = block.mlp.forward_with_l1(&hm)?;
-                    l1.push(l1_tokens.to_dtype(DType::F32)?.mean_all()?);
-                    (x, h) = next.add_forward(&sum, &out)?;
-                }
-                (Pass::Inference, _) => {
-                    let (sum, hm) = block.post_attention_layernorm.add_forward(&x, &attn)?;
-                    let out = block.mlp.forward(&hm)?;
+                    let out = match pass {
+                        Pass::Train => {
+                            let (out, l1_tokens) = block.mlp.forward_with_l1(&hm)?;
+                            l1.push(l1_tokens.to_dtype(DType::F32)?.mean_all()?);
+                            out
+                        }
+                        Pass::Inference => block.mlp.forward(&hm)?,
+                    };
                     (x, h) = next.add_forward(&sum, &out)?;
                 }
             }

@@ -30,53 +30,6 @@ pub struct CausalAttention {
     scale: f32,
 }
 
-impl CausalAttention {
-    /// `(dq, dk, dv)` of `o = softmax(q·kᵀ·scale + causal mask)·v`, with `o` and its
-    /// gradient as the op wrote them (`[b, t, heads, hd]`). With `p` the probabilities,
-    /// `dp = do·vᵀ` and `D = rowsum(do ⊙ o)`: `ds = p ⊙ (dp − D)`, `dq = ds·k·scale`,
-    /// `dk = dsᵀ·q·scale`, `dv = pᵀ·do`; the key heads' gradients are summed over the
-    /// query heads that share them. The scores are recomputed in the inputs' dtype (bf16
-    /// on the GPU, as cuBLAS writes them), where the forward kept them in f32.
-    fn gradients(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        grad_out: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (b, heads, _, hd) = q.dims4()?;
-        let (_, kv_heads, total, _) = k.dims4()?;
-        let group = heads / kv_heads;
-        let dtype = q.dtype();
-        let (kx, vx) = (repeat_heads(k, heads)?, repeat_heads(v, heads)?);
-        let q = q.contiguous()?;
-        // `[b, heads, t, hd]`, as q.
-        let grad_out = grad_out.transpose(1, 2)?.contiguous()?;
-        let out = out.transpose(1, 2)?;
-        // Unscaled scores and `dp`, then one row-wise op for `p` and `ds · scale`.
-        let scores = q.matmul(&kx.t()?)?;
-        let dp = grad_out.matmul(&vx.t()?)?;
-        let row_dot =
-            (grad_out.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum_keepdim(3)?;
-        let (p, ds) = super::attention_softmax_grad(&scores, &dp, &row_dot, self.scale)?;
-        let dq = ds.matmul(&kx)?;
-        let dk = ds.t()?.matmul(&q)?;
-        let dv = p.t()?.matmul(&grad_out)?;
-        // Sum over each key head's query heads.
-        let fold = |x: Tensor| -> Result<Tensor> {
-            if group == 1 {
-                return Ok(x);
-            }
-            x.reshape((b, kv_heads, group, total, hd))?
-                .to_dtype(DType::F32)?
-                .sum(2)?
-                .to_dtype(dtype)
-        };
-        Ok((dq, fold(dk)?, fold(dv)?))
-    }
-}
-
 /// Keys or values `[b, kv_heads, T, hd]` with each head repeated for the query heads
 /// that share it: `[b, heads, T, hd]`, contiguous.
 fn repeat_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
@@ -193,6 +146,12 @@ impl CustomOp3 for CausalAttention {
         Ok((out, Shape::from((b, t, heads, hd))))
     }
 
+    /// `(dq, dk, dv)` of `o = softmax(q·kᵀ·scale + causal mask)·v`, with `o` and its
+    /// gradient as the op wrote them (`[b, t, heads, hd]`). With `p` the probabilities,
+    /// `dp = do·vᵀ` and `D = rowsum(do ⊙ o)`: `ds = p ⊙ (dp − D)`, `dq = ds·k·scale`,
+    /// `dk = dsᵀ·q·scale`, `dv = pᵀ·do`; the key heads' gradients are summed over the
+    /// query heads that share them. The scores are recomputed in the inputs' dtype (bf16
+    /// on the GPU, as cuBLAS writes them), where the forward kept them in f32.
     fn bwd(
         &self,
         q: &Tensor,
@@ -201,8 +160,35 @@ impl CustomOp3 for CausalAttention {
         out: &Tensor,
         grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dq, dk, dv) = self.gradients(q, k, v, out, grad_out)?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        let (b, heads, _, hd) = q.dims4()?;
+        let (_, kv_heads, total, _) = k.dims4()?;
+        let group = heads / kv_heads;
+        let dtype = q.dtype();
+        let (kx, vx) = (repeat_heads(k, heads)?, repeat_heads(v, heads)?);
+        let q = q.contiguous()?;
+        // `[b, heads, t, hd]`, as q.
+        let grad_out = grad_out.transpose(1, 2)?.contiguous()?;
+        let out = out.transpose(1, 2)?;
+        // Unscaled scores and `dp`, then one row-wise op for `p` and `ds · scale`.
+        let scores = q.matmul(&kx.t()?)?;
+        let dp = grad_out.matmul(&vx.t()?)?;
+        let row_dot =
+            (grad_out.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum_keepdim(3)?;
+        let (p, ds) = super::attention_softmax_grad(&scores, &dp, &row_dot, self.scale)?;
+        let dq = ds.matmul(&kx)?;
+        let dk = ds.t()?.matmul(&q)?;
+        let dv = p.t()?.matmul(&grad_out)?;
+        // Sum over each key head's query heads.
+        let fold = |x: Tensor| -> Result<Tensor> {
+            if group == 1 {
+                return Ok(x);
+            }
+            x.reshape((b, kv_heads, group, total, hd))?
+                .to_dtype(DType::F32)?
+                .sum(2)?
+                .to_dtype(dtype)
+        };
+        Ok((Some(dq), Some(fold(dk)?), Some(fold(dv)?)))
     }
 }
 
