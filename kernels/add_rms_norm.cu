@@ -16,7 +16,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rms_norm_bf16(
     const __nv_bfloat16* __restrict__ x,      // [M, d]
     const __nv_bfloat16* __restrict__ y,      // [M, d]
     const __nv_bfloat16* __restrict__ alpha,  // [d]
-    __nv_bfloat16* __restrict__ out,          // [2, M, d]: the sums, then the normalised rows
+    __nv_bfloat16* __restrict__ out,          // [2M, d]: the sums, then the normalised rows
     int M, int d, float eps) {
     const long long row = blockIdx.x;
     if (row >= M) return;
@@ -71,7 +71,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rms_norm_bf16(
 template <int MAXV>
 __device__ __forceinline__ void add_rms_norm_bwd(
     const __nv_bfloat16* __restrict__ sum,    // [M, d]
-    const __nv_bfloat16* __restrict__ grad,   // [2, M, d]: g_s, then g_n
+    const __nv_bfloat16* __restrict__ grad,   // [2M, d]: g_s, then g_n
     const __nv_bfloat16* __restrict__ alpha,  // [d]
     __nv_bfloat16* __restrict__ out,          // [M * d + d]: ds rows (dalpha by the next kernel)
     float* __restrict__ dalpha,               // [d], zeroed

@@ -181,20 +181,21 @@ impl CausalSelfAttention {
         })
     }
 
-    /// `x [b, t, h]` → `[b, t, h]`. `rope` holds the angles of positions
-    /// `index_pos..index_pos + t`; `mask` is `[t, kv_len]`, or `None` for one token and
-    /// for the fused kernels (`fused`), which apply the causal mask themselves.
+    /// `x [b · t, h]` rows of `batch = (b, t)` → `[b · t, h]`. `rope` holds the angles of
+    /// positions `index_pos..index_pos + t`; `mask` is `[t, kv_len]`, or `None` for one
+    /// token and for the fused kernels (`fused`), which apply the causal mask themselves.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Tensor,
+        batch: (usize, usize),
         rope: &RopeTable,
         mask: Option<&Tensor>,
         kv_cache: Option<&mut Option<(Tensor, Tensor)>>,
         pass: Pass,
         fused: bool,
     ) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
+        let (b, t) = batch;
         // Projections as `[b, t, heads, hd]`: a reshape, no copy.
         let proj = |p: &Linear, n: usize| p.forward(x)?.reshape((b, t, n, self.head_dim));
         let (nq, nkv) = (self.num_attention_heads, self.num_key_value_heads);
@@ -228,7 +229,7 @@ impl CausalSelfAttention {
             // The strided views go in as they are, and the output's transpose is
             // contiguous `[b, t, heads, hd]` again.
             let y = twell::ops::causal_attention(&q, &k, &v)?;
-            let y = y.transpose(1, 2)?.reshape((b, t, nq * self.head_dim))?;
+            let y = y.transpose(1, 2)?.reshape((b * t, nq * self.head_dim))?;
             return self.o_proj.forward(&y);
         }
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
@@ -268,7 +269,7 @@ impl CausalSelfAttention {
             Pass::Train => candle_nn::ops::softmax(&att, D::Minus1)?,
         };
         let y = att.matmul(&v.contiguous()?)?.to_dtype(in_dtype)?;
-        let y = y.transpose(1, 2)?.reshape((b, t, hidden))?;
+        let y = y.transpose(1, 2)?.reshape((b * t, hidden))?;
         self.o_proj.forward(&y)
     }
 }
@@ -430,7 +431,11 @@ impl Llama {
                 self.config.max_position_embeddings
             );
         }
-        let mut x = self.embed_tokens.forward(tokens)?;
+        // The residual stream is `[b · t, hidden]` rows from here to the last norm: a
+        // reshape is an autograd node, and the backward pays each node a zeros tensor and
+        // an add over its size, so the block keeps the shape its matmuls and norms take.
+        let mut x = self.embed_tokens.forward(&tokens.flatten_all()?)?;
+        let rows_to_batch = |h: Tensor| h.reshape((b, t, self.config.hidden_size));
         let cached = cache.as_deref().is_some_and(|c| c.use_kv_cache);
         let fused = match self.attention_path {
             AttentionPath::Auto => fused_attention(
@@ -469,16 +474,17 @@ impl Llama {
         // `h` (the next sublayer's normalised input) is carried from one step to the next.
         let mut h = match self.blocks.first() {
             Some(block) => block.input_layernorm.forward(&x, pass)?,
-            None => return Ok((self.norm.forward(&x, pass)?, l1)),
+            None => return Ok((rows_to_batch(self.norm.forward(&x, pass)?)?, l1)),
         };
         for (i, block) in self.blocks.iter().enumerate() {
             let kv = match cache.as_deref_mut() {
                 Some(c) if c.use_kv_cache => Some(&mut c.kvs[i]),
                 _ => None,
             };
-            let attn = block
-                .self_attn
-                .forward(&h, &rope, mask.as_ref(), kv, pass, fused)?;
+            let attn =
+                block
+                    .self_attn
+                    .forward(&h, (b, t), &rope, mask.as_ref(), kv, pass, fused)?;
             // The norm of the next sublayer: this block's MLP, then the next block's
             // attention (or the final norm).
             let next = match self.blocks.get(i + 1) {
@@ -510,7 +516,7 @@ impl Llama {
                 }
             }
         }
-        Ok((h, l1))
+        Ok((rows_to_batch(h)?, l1))
     }
 
     /// Logits of the last position, `[b, vocab]` in f32 (as candle-transformers).

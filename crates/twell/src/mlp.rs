@@ -431,7 +431,8 @@ impl SparseMlp {
             });
         }
         let lead = &dims[..dims.len() - 1];
-        let x2 = x.reshape(((), d))?;
+        let rows = x.elem_count() / d.max(1);
+        let x2 = crate::ops::reshaped(x, &[rows, d])?;
         let measure = self.measure_now(x.device());
         let sparse = self.use_sparse(x2.dim(0)?, x.device());
         if sparse && want_l1 && self.l1_down_norm {
@@ -459,7 +460,7 @@ impl SparseMlp {
             // Views, so that neither costs a copy kernel.
             let out = res.out_with_lead(lead)?;
             let l1 = if want_l1 {
-                Some(res.l1.reshape(lead)?)
+                Some(crate::ops::reshaped(&res.l1, lead)?)
             } else {
                 None
             };
@@ -488,10 +489,10 @@ impl SparseMlp {
         let mut out_dims = lead.to_vec();
         out_dims.push(d);
         let l1 = match l1 {
-            Some(l1) => Some(l1.reshape(lead)?),
+            Some(l1) => Some(crate::ops::reshaped(&l1, lead)?),
             None => None,
         };
-        Ok((out.reshape(out_dims)?, l1))
+        Ok((crate::ops::reshaped(&out, &out_dims)?, l1))
     }
 
     /// Statistics of the last forward (needs [`SparseMlp::with_stats`]).

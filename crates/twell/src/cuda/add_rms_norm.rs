@@ -17,7 +17,7 @@ const NORM_THREADS: u32 = 256;
 pub const MAX_HIDDEN: usize = 256 * 4 * 8;
 
 /// `x, y [m, d]` and `alpha [d]` (bf16, contiguous, `d % 8 == 0`, `d <= MAX_HIDDEN`):
-/// returns `[2, m, d]`, the sums `x + y` then the normalised sums.
+/// returns `[2m, d]`, the sums `x + y` then the normalised sums.
 pub fn add_rms_norm(
     x: &CudaStorage,
     xl: &Layout,
@@ -62,7 +62,7 @@ pub fn add_rms_norm(
 /// per block) stay few, few enough that a prefill's rows still fill the GPU.
 const BWD_ROWS_PER_BLOCK: usize = 16;
 
-/// The backward of [`add_rms_norm`]: `sum [m, d]` (the forward's sums), `grad [2, m, d]`
+/// The backward of [`add_rms_norm`]: `sum [m, d]` (the forward's sums), `grad [2m, d]`
 /// (the gradients of the sums and of the normalised rows) and `alpha [d]`, all bf16 and
 /// contiguous. Returns `[m · d + d]` bf16: the gradient of x (and of y) as `m` rows,
 /// then alpha's.
@@ -77,10 +77,10 @@ pub fn add_rms_norm_bwd(
     eps: f32,
 ) -> Result<CudaStorage> {
     let (m, d) = sl.shape().dims2()?;
-    if !d.is_multiple_of(8) || d > MAX_HIDDEN || m > i32::MAX as usize || gl.dims() != [2, m, d] {
+    if !d.is_multiple_of(8) || d > MAX_HIDDEN || m > i32::MAX as usize || gl.dims() != [2 * m, d] {
         return err(TwellError::Invalid(format!(
             "add_rms_norm backward on CUDA takes hidden % 8 == 0 and <= {MAX_HIDDEN} and a \
-             gradient [2, {m}, {d}], got sums [{m}, {d}] and gradient {:?}",
+             gradient [2 * {m}, {d}], got sums [{m}, {d}] and gradient {:?}",
             gl.dims()
         )));
     }

@@ -15,7 +15,7 @@ use crate::cpu::float::Rows;
 use crate::error::{err, TwellError};
 
 /// The op behind [`add_rms_norm`]: inputs `(x [M, d], y [M, d], alpha [d])`, output
-/// `[2, M, d]` (the sums, then the normalised sums). It runs on the CPU too, so tests can
+/// `[2M, d]` (the sums, then the normalised sums: each half one contiguous `narrow`). It runs on the CPU too, so tests can
 /// hold it against candle's ops.
 pub struct AddRmsNorm {
     eps: f32,
@@ -93,7 +93,7 @@ impl CustomOp3 for AddRmsNorm {
             });
         Ok((
             crate::cpu::float::storage_from_f32(out, dtype)?,
-            Shape::from((2, m, d)),
+            Shape::from((2 * m, d)),
         ))
     }
 
@@ -109,7 +109,7 @@ impl CustomOp3 for AddRmsNorm {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (m, d) = dims(xl, yl, al)?;
         let out = crate::cuda::add_rms_norm(xs, xl, ys, yl, als, al, self.eps)?;
-        Ok((out, Shape::from((2, m, d))))
+        Ok((out, Shape::from((2 * m, d))))
     }
 
     /// The same gradient flows to x and y: that of the sum, plus the norm's.
@@ -121,8 +121,9 @@ impl CustomOp3 for AddRmsNorm {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let sum = res.get(0)?;
-        let (m, d) = sum.dims2()?;
+        let m = res.dim(0)? / 2;
+        let sum = res.narrow(0, 0, m)?;
+        let d = sum.dim(1)?;
         let (ds, dalpha) = if sum.device().is_cuda() {
             let flat = sum.apply_op3_no_bwd(
                 &grad_res.contiguous()?,
@@ -134,7 +135,8 @@ impl CustomOp3 for AddRmsNorm {
                 flat.narrow(0, m * d, d)?,
             )
         } else {
-            self.backward_with_candle_ops(&sum, &grad_res.get(0)?, &grad_res.get(1)?, alpha)?
+            let (grad_sum, grad_normed) = (grad_res.narrow(0, 0, m)?, grad_res.narrow(0, m, m)?);
+            self.backward_with_candle_ops(&sum, &grad_sum, &grad_normed, alpha)?
         };
         Ok((Some(ds.clone()), Some(ds), Some(dalpha)))
     }
@@ -165,7 +167,7 @@ impl AddRmsNorm {
     }
 }
 
-/// The CUDA backward of [`AddRmsNorm`]: inputs `(sum [M, d], grad [2, M, d], alpha
+/// The CUDA backward of [`AddRmsNorm`]: inputs `(sum [M, d], grad [2M, d], alpha
 /// [d])`, output `[M · d + d]`: the rows of `ds`, then `dalpha`.
 struct AddRmsNormBackward {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -239,14 +241,13 @@ pub fn add_rms_norm(x: &Tensor, y: &Tensor, alpha: &Tensor, eps: f64) -> Result<
         };
         return Ok((sum, normed));
     }
-    let both = x.reshape(((), d))?.contiguous()?.apply_op3(
-        &y.reshape(((), d))?.contiguous()?,
-        &alpha.contiguous()?,
-        AddRmsNorm::new(eps),
-    )?;
+    // Rows as they come when they are rows already: every reshape is an autograd node.
+    let m = x.elem_count() / d;
+    let rows = |t: &Tensor| super::reshaped(t, &[m, d])?.contiguous();
+    let both = rows(x)?.apply_op3(&rows(y)?, &alpha.contiguous()?, AddRmsNorm::new(eps))?;
     Ok((
-        both.get(0)?.reshape(dims.clone())?,
-        both.get(1)?.reshape(dims)?,
+        super::reshaped(&both.narrow(0, 0, m)?, &dims)?,
+        super::reshaped(&both.narrow(0, m, m)?, &dims)?,
     ))
 }
 
