@@ -6,6 +6,11 @@
 // block per row reads x and y once (16-byte loads), writes the sum s = x + y rounded to
 // bf16 (what candle's add would store) and the normalised row
 // s · rsqrt(mean(s²) + eps) · alpha, in candle's order of operations.
+//
+// With y null the kernel is the norm alone (out [M, d]): training takes the sum as an
+// autograd node of its own, so that the norm's input gets its gradient without the
+// halves of a joined [2M, d] result (each half a narrow, whose backward pads its
+// gradient with zeros to the whole).
 #include "twell_common.cuh"
 
 #define NORM_THREADS 256
@@ -14,31 +19,31 @@
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rms_norm_bf16(
     const __nv_bfloat16* __restrict__ x,      // [M, d]
-    const __nv_bfloat16* __restrict__ y,      // [M, d]
+    const __nv_bfloat16* __restrict__ y,      // [M, d], or null: the norm of x alone
     const __nv_bfloat16* __restrict__ alpha,  // [d]
-    __nv_bfloat16* __restrict__ out,          // [2M, d]: the sums, then the normalised rows
+    __nv_bfloat16* __restrict__ out,          // [2M, d]: the sums, then the normalised rows ([M, d] without y)
     int M, int d, float eps) {
     const long long row = blockIdx.x;
     if (row >= M) return;
     const int vecs = d / VEC;
     const long long base = row * d;
     __nv_bfloat16* sum = out + base;
-    __nv_bfloat16* normed = out + static_cast<long long>(M) * d + base;
+    __nv_bfloat16* normed = out + (y ? static_cast<long long>(M) * d : 0LL) + base;
     float s[NORM_MAX_VECS][VEC];
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < NORM_MAX_VECS; ++i) {
         const int v = threadIdx.x + i * NORM_THREADS;
         if (v < vecs) {
-            float a[VEC], b[VEC];
+            float a[VEC], b[VEC] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             load8(x + base + v * VEC, a);
-            load8(y + base + v * VEC, b);
+            if (y) load8(y + base + v * VEC, b);
 #pragma unroll
             for (int k = 0; k < VEC; ++k) {
                 s[i][k] = round_bf16(a[k] + b[k]);
                 ss = fmaf(s[i][k], s[i][k], ss);
             }
-            store8(sum + v * VEC, s[i]);
+            if (y) store8(sum + v * VEC, s[i]);
         }
     }
     __shared__ float partial[NORM_THREADS / 32];
@@ -62,16 +67,17 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rms_norm_bf16(
     }
 }
 
-// The backward of add_rms_norm. With s the stored sum, r = rsqrt(mean(s²) + eps), and the
-// gradients g_s of the sum and g_n of the normalised row:
-//   ds     = g_s + r · alpha ⊙ g_n − s · r³ · mean(alpha ⊙ g_n ⊙ s)   (for x and for y)
+// The backward of the norm. With s its input (the sum), r = rsqrt(mean(s²) + eps), and the
+// gradient g_n of the normalised row:
+//   ds     = r · alpha ⊙ g_n − s · r³ · mean(alpha ⊙ g_n ⊙ s)
 //   dalpha = Σ_rows g_n ⊙ s · r.
+// (The sum's own gradient meets ds in candle's autograd, which gives x and y both.)
 // A block walks `rows_per_block` rows, keeping its share of dalpha in registers, and
 // adds it to the f32 accumulator once: one atomic per column per block.
 template <int MAXV>
 __device__ __forceinline__ void add_rms_norm_bwd(
     const __nv_bfloat16* __restrict__ sum,    // [M, d]
-    const __nv_bfloat16* __restrict__ grad,   // [2M, d]: g_s, then g_n
+    const __nv_bfloat16* __restrict__ grad,   // [M, d]: g_n
     const __nv_bfloat16* __restrict__ alpha,  // [d]
     __nv_bfloat16* __restrict__ out,          // [M * d + d]: ds rows (dalpha by the next kernel)
     float* __restrict__ dalpha,               // [d], zeroed
@@ -96,7 +102,7 @@ __device__ __forceinline__ void add_rms_norm_bwd(
             const int v = threadIdx.x + i * NORM_THREADS;
             if (v < vecs) {
                 load8(sum + base + v * VEC, s[i]);
-                load8(grad + static_cast<long long>(M) * d + base + v * VEC, gn[i]);
+                load8(grad + base + v * VEC, gn[i]);
 #pragma unroll
                 for (int k = 0; k < VEC; ++k) {
                     ss = fmaf(s[i][k], s[i][k], ss);
@@ -121,11 +127,10 @@ __device__ __forceinline__ void add_rms_norm_bwd(
         for (int i = 0; i < MAXV; ++i) {
             const int v = threadIdx.x + i * NORM_THREADS;
             if (v < vecs) {
-                float gs[VEC], o[VEC];
-                load8(grad + base + v * VEC, gs);
+                float o[VEC];
 #pragma unroll
                 for (int k = 0; k < VEC; ++k) {
-                    o[k] = gs[k] + r * a[i][k] * gn[i][k] - s[i][k] * k3;
+                    o[k] = r * a[i][k] * gn[i][k] - s[i][k] * k3;
                     acc[i][k] = fmaf(gn[i][k], s[i][k] * r, acc[i][k]);
                 }
                 store8(out + base + v * VEC, o);

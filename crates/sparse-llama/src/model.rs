@@ -196,44 +196,55 @@ impl CausalSelfAttention {
         fused: bool,
     ) -> Result<Tensor> {
         let (b, t) = batch;
-        // Projections as `[b, t, heads, hd]`: a reshape, no copy.
-        let proj = |p: &Linear, n: usize| p.forward(x)?.reshape((b, t, n, self.head_dim));
         let (nq, nkv) = (self.num_attention_heads, self.num_key_value_heads);
         // Training on the plain ops: RoPE and attention as differentiable candle ops on
         // contiguous `[b, heads, t, hd]` copies.
         if pass == Pass::Train && !fused {
-            let heads = |p: &Linear, n: usize| proj(p, n)?.transpose(1, 2)?.contiguous();
+            let heads = |p: &Linear, n: usize| {
+                p.forward(x)?
+                    .reshape((b, t, n, self.head_dim))?
+                    .transpose(1, 2)?
+                    .contiguous()
+            };
             let turn = |x: Tensor| candle_nn::rotary_emb::rope_slow(&x, &rope.cos, &rope.sin);
             let q = turn(heads(&self.q_proj, nq)?)?;
             let k = turn(heads(&self.k_proj, nkv)?)?;
             let v = heads(&self.v_proj, nkv)?;
             return self.plain_attention(q, k, v, mask, pass);
         }
-        // RoPE on the `[b, t, heads, hd]` rows; the KV cache keeps that layout
-        // (`[b, T, kv_heads, hd]`) and grows along dim 1. Training gets here with the
-        // fused ops only, whose backward passes exist (no cache then).
-        let q = twell::ops::rope(&proj(&self.q_proj, nq)?, rope)?;
-        let mut k = twell::ops::rope(&proj(&self.k_proj, nkv)?, rope)?;
-        let mut v = proj(&self.v_proj, nkv)?;
+        // RoPE and the fused attention take the projections' rows `[b · t, heads · hd]` as
+        // they come: a reshape or transpose is an autograd node, and the backward gives
+        // every node a zeros tensor and an add over its size. The KV cache keeps `[b, T,
+        // kv_heads, hd]` and grows along dim 1. Training gets here with the fused ops
+        // only, whose backward passes exist (no cache then).
+        let hd = self.head_dim;
+        let q = twell::ops::rope(&self.q_proj.forward(x)?, rope)?;
+        let mut k = twell::ops::rope(&self.k_proj.forward(x)?, rope)?;
+        let mut v = self.v_proj.forward(x)?;
         if let Some(slot) = kv_cache {
+            let heads_of = |r: &Tensor| r.reshape((b, t, nkv, hd));
+            let (mut k4, mut v4) = (heads_of(&k)?, heads_of(&v)?);
             if let Some((ck, cv)) = slot.as_ref() {
-                k = Tensor::cat(&[ck, &k], 1)?;
-                v = Tensor::cat(&[cv, &v], 1)?;
+                k4 = Tensor::cat(&[ck, &k4], 1)?;
+                v4 = Tensor::cat(&[cv, &v4], 1)?;
             }
-            *slot = Some((k.clone(), v.clone()));
+            let rows = b * k4.dim(1)?;
+            k = k4.reshape((rows, nkv * hd))?;
+            v = v4.reshape((rows, nkv * hd))?;
+            *slot = Some((k4, v4));
         }
-        // `[b, heads, positions, hd]` views.
-        let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
         if fused {
             // The scores stay on chip; the mask is the causal one the kernel applies.
-            // The strided views go in as they are, and the output's transpose is
-            // contiguous `[b, t, heads, hd]` again.
-            let y = twell::ops::causal_attention(&q, &k, &v)?;
-            let y = y.transpose(1, 2)?.reshape((b * t, nq * self.head_dim))?;
+            let y = twell::ops::causal_attention_rows(&q, &k, &v, b, hd)?;
             return self.o_proj.forward(&y);
         }
-        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-        self.plain_attention(q, k, v, mask, pass)
+        // Contiguous `[b, heads, positions, hd]` for the plain ops.
+        let heads = |r: &Tensor, n: usize| -> Result<Tensor> {
+            r.reshape((b, r.dim(0)? / b, n, hd))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        self.plain_attention(heads(&q, nq)?, heads(&k, nkv)?, heads(&v, nkv)?, mask, pass)
     }
 
     /// Attention as plain candle ops: f32 scores `[b, heads, t, T]`, the mask added, a

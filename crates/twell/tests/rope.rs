@@ -49,8 +49,44 @@ fn bad_shapes_and_dtypes_are_rejected() {
     .unwrap();
     let err = rope(&x, &cs_bf16).unwrap_err().to_string();
     assert!(err.contains("dtype"), "{err}");
-    let err = rope(&random(&[3, 8], 5), &cs).unwrap_err().to_string();
-    assert!(err.contains("rank") || err.contains("dims"), "{err}");
+    let err = rope(&random(&[1, 3, 16], 5), &cs).unwrap_err().to_string();
+    assert!(err.contains("cos_sin"), "{err}");
+    // Rows whose width is no whole number of heads, or whose count no whole batch.
+    let err = rope(&random(&[3, 12], 5), &cs).unwrap_err().to_string();
+    assert!(err.contains("heads"), "{err}");
+    let err = rope(&random(&[4, 16], 5), &cs).unwrap_err().to_string();
+    assert!(err.contains("heads"), "{err}");
+}
+
+#[test]
+fn rows_turn_like_their_four_dimensional_view() {
+    let (b, t, heads, hd) = (2, 3, 2, 8);
+    let x = random(&[b, t, heads, hd], 21);
+    let angles = RopeTable::new(&random(&[t, hd / 2], 22), &random(&[t, hd / 2], 23)).unwrap();
+    let four = rope(&x, &angles).unwrap();
+    let rows = rope(&x.reshape((b * t, heads * hd)).unwrap(), &angles).unwrap();
+    assert_eq!(rows.dims(), [b * t, heads * hd]);
+    let diff = (four.reshape((b * t, heads * hd)).unwrap() - rows)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert_eq!(diff, 0.0);
+    // The differentiable op on rows (a tracked input takes it on the CPU) agrees too.
+    let var = candle_core::Var::from_tensor(&x.reshape((b * t, heads * hd)).unwrap()).unwrap();
+    let tracked = rope(var.as_tensor(), &angles).unwrap();
+    let diff = (four.reshape((b * t, heads * hd)).unwrap() - tracked)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 1e-6, "{diff}");
 }
 
 #[test]

@@ -17,12 +17,12 @@ const NORM_THREADS: u32 = 256;
 pub const MAX_HIDDEN: usize = 256 * 4 * 8;
 
 /// `x, y [m, d]` and `alpha [d]` (bf16, contiguous, `d % 8 == 0`, `d <= MAX_HIDDEN`):
-/// returns `[2m, d]`, the sums `x + y` then the normalised sums.
+/// returns `[2m, d]`, the sums `x + y` then the normalised sums. Without `y`, the norm
+/// of `x` alone, `[m, d]`.
 pub fn add_rms_norm(
     x: &CudaStorage,
     xl: &Layout,
-    y: &CudaStorage,
-    yl: &Layout,
+    y: Option<(&CudaStorage, &Layout)>,
     alpha: &CudaStorage,
     al: &Layout,
     eps: f32,
@@ -33,25 +33,27 @@ pub fn add_rms_norm(
             "add_rms_norm on CUDA takes hidden % 8 == 0 and <= {MAX_HIDDEN}, got [{m}, {d}]"
         )));
     }
-    let (xv, yv, av) = (
-        bf16_view("x", x, xl)?,
-        bf16_view("y", y, yl)?,
-        bf16_view("alpha", alpha, al)?,
-    );
+    let (xv, av) = (bf16_view("x", x, xl)?, bf16_view("alpha", alpha, al)?);
+    let yv = match y {
+        Some((y, yl)) => Some(bf16_view("y", y, yl)?),
+        None => None,
+    };
+    let halves = if yv.is_some() { 2 } else { 1 };
     let dev = x.device().clone();
-    // SAFETY: the kernel writes both halves of every row.
-    let mut out = unsafe { dev.alloc::<bf16>(2 * m * d)? };
+    // SAFETY: the kernel writes every row of each half.
+    let mut out = unsafe { dev.alloc::<bf16>(halves * m * d)? };
     let func =
         dev.get_or_load_custom_func("add_rms_norm_bf16", "add_rms_norm", ADD_RMS_NORM_PTX)?;
     let (m_i, d_i) = (m as i32, d as i32);
+    // A null y: the kernel normalises x alone.
+    let no_y: u64 = 0;
     let mut b = func.builder();
-    b.arg(&xv)
-        .arg(&yv)
-        .arg(&av)
-        .arg(&mut out)
-        .arg(&m_i)
-        .arg(&d_i)
-        .arg(&eps);
+    b.arg(&xv);
+    match yv.as_ref() {
+        Some(yv) => b.arg(yv),
+        None => b.arg(&no_y),
+    };
+    b.arg(&av).arg(&mut out).arg(&m_i).arg(&d_i).arg(&eps);
     let cfg = super::grid_1d(m, NORM_THREADS);
     // SAFETY: a block per row, columns bounded by d; shapes checked above.
     unsafe { b.launch(cfg) }.w()?;
@@ -62,12 +64,11 @@ pub fn add_rms_norm(
 /// per block) stay few, few enough that a prefill's rows still fill the GPU.
 const BWD_ROWS_PER_BLOCK: usize = 16;
 
-/// The backward of [`add_rms_norm`]: `sum [m, d]` (the forward's sums), `grad [2m, d]`
-/// (the gradients of the sums and of the normalised rows) and `alpha [d]`, all bf16 and
-/// contiguous. Returns `[m · d + d]` bf16: the gradient of x (and of y) as `m` rows,
-/// then alpha's.
+/// The backward of the norm: `sum [m, d]` (its input), `grad [m, d]` (the gradient of
+/// the normalised rows) and `alpha [d]`, all bf16 and contiguous. Returns `[m · d + d]`
+/// bf16: the gradient of the sum as `m` rows, then alpha's.
 #[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_bwd(
+pub fn rms_norm_bwd(
     sum: &CudaStorage,
     sl: &Layout,
     grad: &CudaStorage,
@@ -77,10 +78,10 @@ pub fn add_rms_norm_bwd(
     eps: f32,
 ) -> Result<CudaStorage> {
     let (m, d) = sl.shape().dims2()?;
-    if !d.is_multiple_of(8) || d > MAX_HIDDEN || m > i32::MAX as usize || gl.dims() != [2 * m, d] {
+    if !d.is_multiple_of(8) || d > MAX_HIDDEN || m > i32::MAX as usize || gl.dims() != [m, d] {
         return err(TwellError::Invalid(format!(
-            "add_rms_norm backward on CUDA takes hidden % 8 == 0 and <= {MAX_HIDDEN} and a \
-             gradient [2 * {m}, {d}], got sums [{m}, {d}] and gradient {:?}",
+            "rms_norm backward on CUDA takes hidden % 8 == 0 and <= {MAX_HIDDEN} and a \
+             gradient [{m}, {d}], got sums [{m}, {d}] and gradient {:?}",
             gl.dims()
         )));
     }

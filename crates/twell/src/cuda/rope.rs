@@ -14,17 +14,23 @@ const ROPE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"));
 /// Threads per block (`ROPE_THREADS` in the .cu).
 const ROPE_THREADS: u32 = 256;
 
-/// `x [b, t, heads, hd]` and `cos_sin [t, hd]` (each position's cos, then its sin; bf16,
-/// contiguous, `hd % 16 == 0`): returns the turned rows, shaped like `x`.
-pub fn rope(x: &CudaStorage, xl: &Layout, cs: &CudaStorage, cl: &Layout) -> Result<CudaStorage> {
-    let (b, t, heads, hd) = xl.shape().dims4()?;
+/// `x` (`[b, t, heads, hd]` in memory, any shape; `(t, heads, hd)` given) and `cos_sin
+/// [t, hd]` (each position's cos, then its sin; bf16, contiguous, `hd % 16 == 0`):
+/// returns the turned rows, as many elements as `x`.
+pub fn rope(
+    x: &CudaStorage,
+    xl: &Layout,
+    cs: &CudaStorage,
+    cl: &Layout,
+    (t, heads, hd): (usize, usize, usize),
+) -> Result<CudaStorage> {
     if !hd.is_multiple_of(16) {
         return err(TwellError::Invalid(format!(
             "rope on CUDA takes head sizes that are multiples of 16, got {hd}"
         )));
     }
     let (xv, cv) = (bf16_view("x", x, xl)?, bf16_view("cos_sin", cs, cl)?);
-    let rows = (b * t * heads) as i64;
+    let rows = (xl.shape().elem_count() / hd) as i64;
     let threads = rows as usize * (hd / 16);
     let blocks = threads.div_ceil(ROPE_THREADS as usize);
     if blocks > i32::MAX as usize {

@@ -3,25 +3,41 @@
 //! Each sublayer of a Llama block ends in `x = x + y` and the next begins with
 //! `rms_norm(x)`. As two candle ops that is two launches and two passes over `[M, d]`; at
 //! one token per step (decode) the launches are the cost, at prefill sizes the passes.
-//! The CUDA kernel (`kernels/add_rms_norm.cu`) does both in one pass, and its backward
-//! in one more: as differentiable candle ops the norm alone is some eight f32 passes
-//! forward and twice that backward, the largest share of a training step's elementwise
-//! work after the attention scores.
+//! The CUDA kernel (`kernels/add_rms_norm.cu`) does both in one pass for inference.
+//! Training takes the sum as candle's add and the norm as [`RmsNorm`], whose backward
+//! is one more kernel pass: as differentiable candle ops the norm alone is some eight f32
+//! passes forward and twice that backward. (One op with both results would hand them
+//! out as halves of one tensor, and candle's backward of each half pads its gradient
+//! with zeros to the whole and adds it: four passes over `[2M, d]` per norm.)
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::cpu::float::Rows;
 use crate::error::{err, TwellError};
 
-/// The op behind [`add_rms_norm`]: inputs `(x [M, d], y [M, d], alpha [d])`, output
-/// `[2M, d]` (the sums, then the normalised sums: each half one contiguous `narrow`). It runs on the CPU too, so tests can
-/// hold it against candle's ops.
+/// The op behind [`add_rms_norm`] in inference: inputs `(x [M, d], y [M, d], alpha
+/// [d])`, output `[2M, d]` (the sums, then the normalised sums: each half one contiguous
+/// `narrow`). Forward only; it runs on the CPU too, so tests can hold it against
+/// candle's ops.
 pub struct AddRmsNorm {
     eps: f32,
 }
 
 impl AddRmsNorm {
+    pub fn new(eps: f64) -> Self {
+        Self { eps: eps as f32 }
+    }
+}
+
+/// The norm of training's [`add_rms_norm`]: inputs `(s [M, d], alpha [d])`, output
+/// `s · rsqrt(mean(s²) + eps) · alpha`, with a backward (a kernel on CUDA, candle's ops
+/// on the CPU).
+pub struct RmsNorm {
+    eps: f32,
+}
+
+impl RmsNorm {
     pub fn new(eps: f64) -> Self {
         Self { eps: eps as f32 }
     }
@@ -70,27 +86,16 @@ impl CustomOp3 for AddRmsNorm {
         let (m, d) = dims(xl, yl, al)?;
         let x = Rows::new("x", xs, xl)?;
         let dtype = x.dtype();
-        let (x, y, alpha) = (
-            x.to_f32_vec(),
-            Rows::new("y", ys, yl)?.to_f32_vec(),
-            Rows::new("alpha", als, al)?.to_f32_vec(),
-        );
-        let mut out = vec![0f32; 2 * m * d];
-        let (sums, normed) = out.split_at_mut(m * d);
-        sums.par_chunks_mut(d)
-            .zip(normed.par_chunks_mut(d))
-            .enumerate()
-            .for_each(|(row, (s, n))| {
-                let base = row * d;
-                for (k, v) in s.iter_mut().enumerate() {
-                    *v = round_to(dtype, x[base + k] + y[base + k]);
-                }
-                let mean = s.iter().map(|v| v * v).sum::<f32>() / d as f32;
-                let scale = 1.0 / (mean + self.eps).sqrt();
-                for ((o, v), a) in n.iter_mut().zip(s.iter()).zip(&alpha) {
-                    *o = scale * v * a;
-                }
-            });
+        let y = Rows::new("y", ys, yl)?.to_f32_vec();
+        let sums: Vec<f32> = x
+            .to_f32_vec()
+            .iter()
+            .zip(&y)
+            .map(|(a, b)| round_to(dtype, a + b))
+            .collect();
+        let alpha = Rows::new("alpha", als, al)?.to_f32_vec();
+        let mut out = sums.clone();
+        out.extend(normalise(&sums, &alpha, d, self.eps));
         Ok((
             crate::cpu::float::storage_from_f32(out, dtype)?,
             Shape::from((2 * m, d)),
@@ -108,75 +113,121 @@ impl CustomOp3 for AddRmsNorm {
         al: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (m, d) = dims(xl, yl, al)?;
-        let out = crate::cuda::add_rms_norm(xs, xl, ys, yl, als, al, self.eps)?;
+        let out = crate::cuda::add_rms_norm(xs, xl, Some((ys, yl)), als, al, self.eps)?;
         Ok((out, Shape::from((2 * m, d))))
     }
+}
 
-    /// The same gradient flows to x and y: that of the sum, plus the norm's.
+/// Each row of `s [.., d]` times `rsqrt(mean(row²) + eps) · alpha`, in f32.
+fn normalise(s: &[f32], alpha: &[f32], d: usize, eps: f32) -> Vec<f32> {
+    let mut out = vec![0f32; s.len()];
+    out.par_chunks_mut(d)
+        .zip(s.par_chunks(d))
+        .for_each(|(n, row)| {
+            let mean = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+            let scale = 1.0 / (mean + eps).sqrt();
+            for ((o, v), a) in n.iter_mut().zip(row).zip(alpha) {
+                *o = scale * v * a;
+            }
+        });
+    out
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ss: &CpuStorage,
+        sl: &Layout,
+        als: &CpuStorage,
+        al: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, d) = dims(sl, sl, al)?;
+        let s = Rows::new("s", ss, sl)?;
+        let dtype = s.dtype();
+        let alpha = Rows::new("alpha", als, al)?.to_f32_vec();
+        let out = normalise(&s.to_f32_vec(), &alpha, d, self.eps);
+        Ok((
+            crate::cpu::float::storage_from_f32(out, dtype)?,
+            Shape::from(sl.dims()),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+        als: &candle_core::CudaStorage,
+        al: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        dims(sl, sl, al)?;
+        let out = crate::cuda::add_rms_norm(ss, sl, None, als, al, self.eps)?;
+        Ok((out, Shape::from(sl.dims())))
+    }
+
     fn bwd(
         &self,
-        _x: &Tensor,
-        _y: &Tensor,
+        s: &Tensor,
         alpha: &Tensor,
-        res: &Tensor,
-        grad_res: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let m = res.dim(0)? / 2;
-        let sum = res.narrow(0, 0, m)?;
-        let d = sum.dim(1)?;
-        let (ds, dalpha) = if sum.device().is_cuda() {
-            let flat = sum.apply_op3_no_bwd(
-                &grad_res.contiguous()?,
+        _normed: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (m, d) = s.dims2()?;
+        let (ds, dalpha) = if s.device().is_cuda() {
+            let flat = s.apply_op3_no_bwd(
+                &grad.contiguous()?,
                 alpha,
-                &AddRmsNormBackward { eps: self.eps },
+                &RmsNormBackward { eps: self.eps },
             )?;
             (
                 flat.narrow(0, 0, m * d)?.reshape((m, d))?,
                 flat.narrow(0, m * d, d)?,
             )
         } else {
-            let (grad_sum, grad_normed) = (grad_res.narrow(0, 0, m)?, grad_res.narrow(0, m, m)?);
-            self.backward_with_candle_ops(&sum, &grad_sum, &grad_normed, alpha)?
+            self.backward_with_candle_ops(s, grad, alpha)?
         };
-        Ok((Some(ds.clone()), Some(ds), Some(dalpha)))
+        Ok((Some(ds), Some(dalpha)))
     }
 }
 
-impl AddRmsNorm {
+impl RmsNorm {
     /// `(ds, dalpha)` as candle ops in f32, where no kernel runs (the CPU). With
-    /// `r = rsqrt(mean(s²) + eps)`: `ds = g_s + r·alpha⊙g_n − s·r³·mean(alpha⊙g_n⊙s)`,
+    /// `r = rsqrt(mean(s²) + eps)`: `ds = r·alpha⊙g_n − s·r³·mean(alpha⊙g_n⊙s)`,
     /// `dalpha = Σ_rows g_n ⊙ s·r`.
     fn backward_with_candle_ops(
         &self,
         sum: &Tensor,
-        grad_sum: &Tensor,
         grad_normed: &Tensor,
         alpha: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let dtype = sum.dtype();
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-        let (s, gs, gn, a) = (f32(sum)?, f32(grad_sum)?, f32(grad_normed)?, f32(alpha)?);
+        let (s, gn, a) = (f32(sum)?, f32(grad_normed)?, f32(alpha)?);
         let r = (s.sqr()?.mean_keepdim(1)? + self.eps as f64)?
             .sqrt()?
             .recip()?;
         let a_gn = gn.broadcast_mul(&a)?;
         let c = (&a_gn * &s)?.mean_keepdim(1)?;
-        let ds = ((gs + a_gn.broadcast_mul(&r)?)? - s.broadcast_mul(&(r.powf(3.0)? * c)?)?)?;
+        let ds = (a_gn.broadcast_mul(&r)? - s.broadcast_mul(&(r.powf(3.0)? * c)?)?)?;
         let dalpha = (gn * s.broadcast_mul(&r)?)?.sum(0)?;
         Ok((ds.to_dtype(dtype)?, dalpha.to_dtype(dtype)?))
     }
 }
 
-/// The CUDA backward of [`AddRmsNorm`]: inputs `(sum [M, d], grad [2M, d], alpha
-/// [d])`, output `[M · d + d]`: the rows of `ds`, then `dalpha`.
-struct AddRmsNormBackward {
+/// The CUDA backward of [`RmsNorm`]: inputs `(s [M, d], grad [M, d], alpha [d])`,
+/// output `[M · d + d]`: the rows of `ds`, then `dalpha`.
+struct RmsNormBackward {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     eps: f32,
 }
 
-impl CustomOp3 for AddRmsNormBackward {
+impl CustomOp3 for RmsNormBackward {
     fn name(&self) -> &'static str {
-        "add-rms-norm-backward"
+        "rms-norm-backward"
     }
 
     fn cpu_fwd(
@@ -189,7 +240,7 @@ impl CustomOp3 for AddRmsNormBackward {
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         err(TwellError::Invalid(
-            "add_rms_norm's backward kernel is CUDA-only; the CPU takes candle's ops".into(),
+            "rms_norm's backward kernel is CUDA-only; the CPU takes candle's ops".into(),
         ))
     }
 
@@ -204,16 +255,17 @@ impl CustomOp3 for AddRmsNormBackward {
         al: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (m, d) = dims(sl, sl, al)?;
-        let out = crate::cuda::add_rms_norm_bwd(ss, sl, gs, gl, als, al, self.eps)?;
+        let out = crate::cuda::rms_norm_bwd(ss, sl, gs, gl, als, al, self.eps)?;
         Ok((out, Shape::from(m * d + d)))
     }
 }
 
 /// `(x + y, rms_norm(x + y) · alpha)` for `x, y [.., d]` and `alpha [d]`, as a Llama
 /// block's residual add and the norm after it compute them (the sum rounded to the
-/// dtype before it is normalised). On CUDA in bf16 one kernel does both (hidden sizes
-/// up to 8,192, a multiple of 8), with a backward kernel; elsewhere candle's ops (their
-/// differentiable forms when an input tracks gradients).
+/// dtype before it is normalised). On CUDA in bf16 (hidden sizes up to 8,192, a
+/// multiple of 8) one kernel does both, or, when an input tracks gradients, candle's add
+/// and [`RmsNorm`] (a kernel each way); elsewhere candle's ops (their differentiable
+/// forms when an input tracks gradients).
 pub fn add_rms_norm(x: &Tensor, y: &Tensor, alpha: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     if x.dtype() != y.dtype() || x.dtype() != alpha.dtype() {
         return err(TwellError::Invalid(format!(
@@ -244,7 +296,15 @@ pub fn add_rms_norm(x: &Tensor, y: &Tensor, alpha: &Tensor, eps: f64) -> Result<
     // Rows as they come when they are rows already: every reshape is an autograd node.
     let m = x.elem_count() / d;
     let rows = |t: &Tensor| super::reshaped(t, &[m, d])?.contiguous();
-    let both = rows(x)?.apply_op3(&rows(y)?, &alpha.contiguous()?, AddRmsNorm::new(eps))?;
+    if [x, y, alpha].iter().any(|t| t.track_op()) {
+        let sum = (rows(x)? + rows(y)?)?;
+        let normed = sum.apply_op2(&alpha.contiguous()?, RmsNorm::new(eps))?;
+        return Ok((
+            super::reshaped(&sum, &dims)?,
+            super::reshaped(&normed, &dims)?,
+        ));
+    }
+    let both = rows(x)?.apply_op3_no_bwd(&rows(y)?, &alpha.contiguous()?, &AddRmsNorm::new(eps))?;
     Ok((
         super::reshaped(&both.narrow(0, 0, m)?, &dims)?,
         super::reshaped(&both.narrow(0, m, m)?, &dims)?,

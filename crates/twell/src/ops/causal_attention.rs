@@ -25,9 +25,15 @@ pub const CUDA_HEAD_DIMS: [usize; 1] = [64];
 /// it, the prefill kernel takes it (one of a warp's 16 query rows busy).
 pub const CUDA_DECODE_MAX_KEYS: usize = 8192;
 
-/// The op behind [`causal_attention`]: inputs `(q, k, v)`, output `[b, t, heads, hd]`.
+/// The op behind [`causal_attention_rows`] (and [`causal_attention`]): inputs `q [b·t,
+/// heads·hd]` and `k, v [b·T, kv_heads·hd]` as token rows (the projections' layout),
+/// output `[b·t, heads·hd]`. Rows in and out, so a model's training graph has no
+/// reshape or transpose nodes around the attention: candle's backward gives every node
+/// a zeros tensor and an add over its size.
 pub struct CausalAttention {
     scale: f32,
+    batch: usize,
+    head_dim: usize,
 }
 
 /// Keys or values `[b, kv_heads, T, hd]` with each head repeated for the query heads
@@ -42,11 +48,16 @@ fn repeat_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
         .reshape((b, heads, total, hd))
 }
 
-/// `(b, heads, t, kv_heads, T, hd)` of a call, checked.
-fn dims(q: &Layout, k: &Layout, v: &Layout) -> Result<(usize, usize, usize, usize, usize, usize)> {
-    let rank4 = |what: &'static str, l: &Layout| match l.dims() {
-        &[a, b, c, d] => Ok((a, b, c, d)),
-        d => err(TwellError::BadRank {
+/// `(b, heads, t, kv_heads, T, hd)` of `[b, heads, t, hd]` and `[b, kv_heads, T, hd]`
+/// shapes, checked.
+fn dims(
+    q: &[usize],
+    k: &[usize],
+    v: &[usize],
+) -> Result<(usize, usize, usize, usize, usize, usize)> {
+    let rank4 = |what: &'static str, d: &[usize]| match *d {
+        [a, b, c, e] => Ok((a, b, c, e)),
+        _ => err(TwellError::BadRank {
             what,
             expected: 4,
             got: d.to_vec(),
@@ -54,24 +65,86 @@ fn dims(q: &Layout, k: &Layout, v: &Layout) -> Result<(usize, usize, usize, usiz
     };
     let (b, heads, t, hd) = rank4("q", q)?;
     let (bk, kv_heads, total, hdk) = rank4("k", k)?;
-    if v.dims() != k.dims() {
+    if v != k {
         return err(TwellError::ShapeMismatch {
             what: "causal_attention",
-            detail: format!("v is {:?}, k is {:?}", v.dims(), k.dims()),
+            detail: format!("v is {v:?}, k is {k:?}"),
         });
     }
     if bk != b || hdk != hd || kv_heads == 0 || heads % kv_heads != 0 || total < t || hd == 0 {
         return err(TwellError::ShapeMismatch {
             what: "causal_attention",
             detail: format!(
-                "q [b, heads, t, hd] = {:?} and k [b, kv_heads, T, hd] = {:?}: want the same b and \
-                 hd, heads a multiple of kv_heads and T >= t",
-                q.dims(),
-                k.dims()
+                "q [b, heads, t, hd] = {q:?} and k [b, kv_heads, T, hd] = {k:?}: want the same b \
+                 and hd, heads a multiple of kv_heads and T >= t"
             ),
         });
     }
     Ok((b, heads, t, kv_heads, total, hd))
+}
+
+impl CausalAttention {
+    /// `[b, heads, t, hd]` of `[b·t, heads·hd]` rows, checked.
+    fn heads_shape(&self, what: &'static str, rows: &[usize]) -> Result<[usize; 4]> {
+        let (b, hd) = (self.batch, self.head_dim);
+        match *rows {
+            [n, width] if b > 0 && hd > 0 && n % b == 0 && width % hd == 0 => {
+                Ok([b, width / hd, n / b, hd])
+            }
+            _ => err(TwellError::ShapeMismatch {
+                what,
+                detail: format!(
+                    "want [batch · positions, heads · head_dim] rows with batch {b} and head_dim \
+                     {hd}, got {rows:?}"
+                ),
+            }),
+        }
+    }
+
+    /// `(b, heads, t, kv_heads, T, hd)` of a call.
+    fn dims(
+        &self,
+        q: &Layout,
+        k: &Layout,
+        v: &Layout,
+    ) -> Result<(usize, usize, usize, usize, usize, usize)> {
+        dims(
+            &self.heads_shape("causal_attention q", q.dims())?,
+            &self.heads_shape("causal_attention k", k.dims())?,
+            &self.heads_shape("causal_attention v", v.dims())?,
+        )
+    }
+
+    /// The `[b, heads, positions, hd]` view of contiguous rows (`[b, positions, heads,
+    /// hd]` in memory).
+    #[cfg(feature = "cuda")]
+    fn heads_layout(&self, what: &'static str, l: &Layout) -> Result<Layout> {
+        let [b, heads, n, hd] = self.heads_shape(what, l.dims())?;
+        if !l.is_contiguous() {
+            return err(TwellError::Invalid(format!(
+                "{what} must be contiguous rows"
+            )));
+        }
+        Ok(Layout::new(
+            Shape::from((b, heads, n, hd)),
+            vec![n * heads * hd, hd, heads * hd, 1],
+            l.start_offset(),
+        ))
+    }
+
+    /// Rows `[b·n, heads·hd]` as `[b, heads, n, hd]` (a view).
+    fn heads_view(&self, rows: &Tensor) -> Result<Tensor> {
+        let [b, heads, n, hd] = self.heads_shape("causal_attention", rows.dims())?;
+        rows.reshape((b, n, heads, hd))?.transpose(1, 2)
+    }
+
+    /// `[b, heads, n, hd]` back to contiguous rows `[b·n, heads·hd]`.
+    fn rows_of(x: &Tensor) -> Result<Tensor> {
+        let (b, heads, n, hd) = x.dims4()?;
+        x.transpose(1, 2)?
+            .contiguous()?
+            .reshape((b * n, heads * hd))
+    }
 }
 
 impl CustomOp3 for CausalAttention {
@@ -88,7 +161,7 @@ impl CustomOp3 for CausalAttention {
         vs: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (b, heads, t, kv_heads, total, hd) = dims(ql, kl, vl)?;
+        let (b, heads, t, kv_heads, total, hd) = self.dims(ql, kl, vl)?;
         let q_rows = Rows::new("q", qs, ql)?;
         let dtype = q_rows.dtype();
         let (q, k, v) = (
@@ -99,16 +172,16 @@ impl CustomOp3 for CausalAttention {
         let past = total - t;
         let group = heads / kv_heads;
         let mut out = vec![0f32; b * heads * t * hd];
-        // The output is [b, t, heads, hd], as the CUDA kernel writes it.
+        // Rows: query (bi, i, h) at ((bi·t + i)·heads + h)·hd, key (bi, j, kh) at
+        // ((bi·T + j)·kv_heads + kh)·hd, and the output as the queries.
         out.par_chunks_mut(hd).enumerate().for_each(|(row, o)| {
             let (bi, i, h) = (row / (t * heads), (row / heads) % t, row % heads);
-            let kv = (bi * kv_heads + h / group) * total * hd;
-            let q_row = (bi * heads + h) * t + i;
-            let qr = &q[q_row * hd..(q_row + 1) * hd];
+            let key = |j: usize| ((bi * total + j) * kv_heads + h / group) * hd;
+            let qr = &q[row * hd..(row + 1) * hd];
             let visible = past + i + 1;
             let scores: Vec<f32> = (0..visible)
                 .map(|j| {
-                    let kr = &k[kv + j * hd..kv + (j + 1) * hd];
+                    let kr = &k[key(j)..key(j) + hd];
                     self.scale * qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>()
                 })
                 .collect();
@@ -117,7 +190,7 @@ impl CustomOp3 for CausalAttention {
             for (j, s) in scores.iter().enumerate() {
                 let p = (s - max).exp();
                 sum += p;
-                let vr = &v[kv + j * hd..kv + (j + 1) * hd];
+                let vr = &v[key(j)..key(j) + hd];
                 for (acc, x) in o.iter_mut().zip(vr) {
                     *acc += p * x;
                 }
@@ -126,7 +199,7 @@ impl CustomOp3 for CausalAttention {
         });
         Ok((
             crate::cpu::float::storage_from_f32(out, dtype)?,
-            Shape::from((b, t, heads, hd)),
+            Shape::from(ql.dims()),
         ))
     }
 
@@ -140,18 +213,22 @@ impl CustomOp3 for CausalAttention {
         vs: &candle_core::CudaStorage,
         vl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dims = dims(ql, kl, vl)?;
-        let (b, heads, t, _, _, hd) = dims;
-        let out = crate::cuda::causal_attention(qs, ql, ks, kl, vs, vl, dims, self.scale)?;
-        Ok((out, Shape::from((b, t, heads, hd))))
+        let dims = self.dims(ql, kl, vl)?;
+        let (q4, k4, v4) = (
+            self.heads_layout("q", ql)?,
+            self.heads_layout("k", kl)?,
+            self.heads_layout("v", vl)?,
+        );
+        let out = crate::cuda::causal_attention(qs, &q4, ks, &k4, vs, &v4, dims, self.scale)?;
+        Ok((out, Shape::from(ql.dims())))
     }
 
-    /// `(dq, dk, dv)` of `o = softmax(q·kᵀ·scale + causal mask)·v`, with `o` and its
-    /// gradient as the op wrote them (`[b, t, heads, hd]`). With `p` the probabilities,
-    /// `dp = do·vᵀ` and `D = rowsum(do ⊙ o)`: `ds = p ⊙ (dp − D)`, `dq = ds·k·scale`,
-    /// `dk = dsᵀ·q·scale`, `dv = pᵀ·do`; the key heads' gradients are summed over the
-    /// query heads that share them. The scores are recomputed in the inputs' dtype (bf16
-    /// on the GPU, as cuBLAS writes them), where the forward kept them in f32.
+    /// `(dq, dk, dv)` of `o = softmax(q·kᵀ·scale + causal mask)·v`. With `p` the
+    /// probabilities, `dp = do·vᵀ` and `D = rowsum(do ⊙ o)`: `ds = p ⊙ (dp − D)`,
+    /// `dq = ds·k·scale`, `dk = dsᵀ·q·scale`, `dv = pᵀ·do`; the key heads' gradients are
+    /// summed over the query heads that share them. The scores are recomputed in the
+    /// inputs' dtype (bf16 on the GPU, as cuBLAS writes them), where the forward kept
+    /// them in f32. Gradients come back as rows, like the inputs.
     fn bwd(
         &self,
         q: &Tensor,
@@ -160,15 +237,20 @@ impl CustomOp3 for CausalAttention {
         out: &Tensor,
         grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (q, k, v) = (
+            self.heads_view(q)?,
+            self.heads_view(k)?,
+            self.heads_view(v)?,
+        );
         let (b, heads, _, hd) = q.dims4()?;
         let (_, kv_heads, total, _) = k.dims4()?;
         let group = heads / kv_heads;
         let dtype = q.dtype();
-        let (kx, vx) = (repeat_heads(k, heads)?, repeat_heads(v, heads)?);
+        let (kx, vx) = (repeat_heads(&k, heads)?, repeat_heads(&v, heads)?);
         let q = q.contiguous()?;
         // `[b, heads, t, hd]`, as q.
-        let grad_out = grad_out.transpose(1, 2)?.contiguous()?;
-        let out = out.transpose(1, 2)?;
+        let grad_out = self.heads_view(&grad_out.contiguous()?)?.contiguous()?;
+        let out = self.heads_view(out)?;
         // Unscaled scores and `dp`, then one row-wise op for `p` and `ds · scale`.
         let scores = q.matmul(&kx.t()?)?;
         let dp = grad_out.matmul(&vx.t()?)?;
@@ -188,17 +270,26 @@ impl CustomOp3 for CausalAttention {
                 .sum(2)?
                 .to_dtype(dtype)
         };
-        Ok((Some(dq), Some(fold(dk)?), Some(fold(dv)?)))
+        Ok((
+            Some(Self::rows_of(&dq)?),
+            Some(Self::rows_of(&fold(dk)?)?),
+            Some(Self::rows_of(&fold(dv)?)?),
+        ))
     }
 }
 
-/// Causal attention of `q [b, heads, t, hd]` over `k, v [b, kv_heads, T, hd]` with
-/// `T >= t`: query `i` sits at position `T - t + i` (the keys before it are a KV cache)
-/// and sees keys `0 ..= T - t + i`. Grouped-query attention when `kv_heads < heads`.
-/// Returns `[b, heads, t, hd]` in q's dtype, as a transposed view of a contiguous
-/// `[b, t, heads, hd]`: `.transpose(1, 2)` gives the rows the output projection reads
-/// without a copy. Differentiable in q, k and v.
-pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+/// Causal attention over token rows: `q [b·t, heads·hd]`, `k, v [b·T, kv_heads·hd]`
+/// with `T >= t` (the layout of a model's projections, `[b, positions, heads, hd]` in
+/// memory). Query `i` sits at position `T - t + i` (the keys before it are a KV cache)
+/// and sees keys `0 ..= T - t + i`; grouped-query attention when `kv_heads < heads`.
+/// Returns `[b·t, heads·hd]` rows in q's dtype. Differentiable in q, k and v.
+pub fn causal_attention_rows(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: usize,
+    head_dim: usize,
+) -> Result<Tensor> {
     if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
         return err(TwellError::Invalid(format!(
             "causal_attention: q, k, v must share a dtype, got {:?}, {:?}, {:?}",
@@ -207,32 +298,37 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
             v.dtype()
         )));
     }
-    let hd = q.dims().last().copied().unwrap_or(0);
     let op = CausalAttention {
-        scale: 1.0 / (hd.max(1) as f32).sqrt(),
+        scale: 1.0 / (head_dim.max(1) as f32).sqrt(),
+        batch,
+        head_dim,
     };
     let (q, k, v) = (readable(q)?, readable(k)?, readable(v)?);
-    // The op writes [b, t, heads, hd]; this view of it is [b, heads, t, hd].
-    q.apply_op3(&k, &v, op)?.transpose(1, 2)
+    q.apply_op3(&k, &v, op)
 }
 
-/// An input as the op reads it. The CUDA kernels take strided views as they are (a
-/// model's `[b, t, heads, hd]` projections seen as `[b, heads, t, hd]`), as long as the
-/// head dims are contiguous and every row starts 16-byte aligned, as their vector loads
-/// need; anything else is copied. The CPU op reads contiguous rows.
+/// Causal attention of `q [b, heads, t, hd]` over `k, v [b, kv_heads, T, hd]` with
+/// `T >= t`, as [`causal_attention_rows`] on the rows these views are (no copy when they
+/// are transposed views of `[b, positions, heads, hd]`, as a model's projections are).
+/// Returns `[b, heads, t, hd]` in q's dtype, a transposed view of contiguous `[b, t,
+/// heads, hd]`. Differentiable in q, k and v.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (b, heads, t, _, _, hd) = dims(q.dims(), k.dims(), v.dims())?;
+    let rows = |x: &Tensor| -> Result<Tensor> { CausalAttention::rows_of(x) };
+    causal_attention_rows(&rows(q)?, &rows(k)?, &rows(v)?, b, hd)?
+        .reshape((b, t, heads, hd))?
+        .transpose(1, 2)
+}
+
+/// An input as the op reads it: contiguous rows, 16-byte aligned for the CUDA kernels'
+/// vector loads.
 fn readable(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
     #[cfg(feature = "cuda")]
-    if t.device().is_cuda() {
-        if crate::cuda::attention_strides(t.layout()).is_some() {
-            return Ok(t.clone());
-        }
-        let t = t.contiguous()?;
-        if t.layout().start_offset() % 8 != 0 {
-            return t.affine(1.0, 0.0);
-        }
-        return Ok(t);
+    if t.device().is_cuda() && t.layout().start_offset() % 8 != 0 {
+        return t.affine(1.0, 0.0);
     }
-    t.contiguous()
+    Ok(t)
 }
 
 /// Whether [`causal_attention`] runs its CUDA kernel for this query: a CUDA tensor in

@@ -29,11 +29,11 @@ mod rope;
 mod twell_mlp;
 
 pub use adamw::{adamw_step, AdamwStep};
-pub use add_rms_norm::{add_rms_norm, AddRmsNorm};
+pub use add_rms_norm::{add_rms_norm, AddRmsNorm, RmsNorm};
 pub use attention_softmax_grad::{attention_softmax_grad, AttentionSoftmaxGrad};
 pub use causal_attention::{
-    causal_attention, causal_attention_reference, fused_on_device, CausalAttention,
-    CUDA_DECODE_MAX_KEYS, CUDA_HEAD_DIMS,
+    causal_attention, causal_attention_reference, causal_attention_rows, fused_on_device,
+    CausalAttention, CUDA_DECODE_MAX_KEYS, CUDA_HEAD_DIMS,
 };
 pub use cross_entropy::{cross_entropy, CrossEntropy};
 pub use gate_pack::{gate_pack, GatePack};

@@ -1,5 +1,5 @@
-//! `rope`: rotary position embedding of `[b, t, heads, hd]` rows, for the model's
-//! queries and keys.
+//! `rope`: rotary position embedding of `[b, t, heads, hd]` (or `[b·t, heads·hd]`)
+//! rows, for the model's queries and keys.
 //!
 //! candle's `rope_thd` runs one element per thread with 2-byte loads; at prefill sizes
 //! the CUDA kernel (`kernels/rope.cu`, 8 pairs per thread, 16-byte loads) takes a
@@ -13,22 +13,34 @@ use rayon::prelude::*;
 use crate::cpu::float::Rows;
 use crate::error::{err, TwellError};
 
-/// The op behind [`rope`]: inputs `(x [b, t, heads, hd], cos_sin [t, hd])`, output like
-/// `x`. It runs on the CPU too, so tests can hold it against candle's `rope_thd`.
+/// The op behind [`rope`]: inputs `(x [b, t, heads, hd] or [b·t, heads·hd], cos_sin
+/// [t, hd])`, output like `x`. It runs on the CPU too, so tests can hold it against
+/// candle's `rope_thd`.
 pub struct Rope;
 
-/// `(t, heads, hd)` of a call, checked.
+/// `(t, heads, hd)` of a call, checked. Rows `[b·t, heads·hd]` (a model's projections
+/// as they come) take `t` and `hd` from the table.
 fn dims(x: &Layout, cs: &Layout) -> Result<(usize, usize, usize)> {
-    let (_, t, heads, hd) = x.shape().dims4()?;
-    if cs.dims() != [t, hd] || !hd.is_multiple_of(2) {
-        return err(TwellError::ShapeMismatch {
+    let bad = || {
+        err(TwellError::ShapeMismatch {
             what: "rope",
             detail: format!(
-                "x {:?}, cos_sin {:?}: want x [b, t, heads, hd] and cos_sin [t, hd] with hd even",
+                "x {:?}, cos_sin {:?}: want x [b, t, heads, hd] or [b · t, heads · hd] and \
+                 cos_sin [t, hd] with hd even",
                 x.dims(),
                 cs.dims()
             ),
-        });
+        })
+    };
+    let (t, heads, hd) = match (x.dims(), cs.dims()) {
+        (&[_, t, heads, hd], _) => (t, heads, hd),
+        (&[rows, width], &[t, hd]) if t > 0 && hd > 0 && rows % t == 0 && width % hd == 0 => {
+            (t, width / hd, hd)
+        }
+        _ => return bad(),
+    };
+    if cs.dims() != [t, hd] || !hd.is_multiple_of(2) {
+        return bad();
     }
     Ok((t, heads, hd))
 }
@@ -76,8 +88,8 @@ impl CustomOp2 for Rope {
         css: &candle_core::CudaStorage,
         csl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        dims(xl, csl)?;
-        let out = crate::cuda::rope(xs, xl, css, csl)?;
+        let (t, heads, hd) = dims(xl, csl)?;
+        let out = crate::cuda::rope(xs, xl, css, csl, (t, heads, hd))?;
         Ok((out, Shape::from(xl.dims())))
     }
 
@@ -131,8 +143,8 @@ impl RopeTable {
     }
 }
 
-/// RoPE (rotate-half, as HF Llama) of `x [b, t, heads, hd]` at the `t` positions whose
-/// angles `angles` holds. On CUDA in bf16 our kernel (head sizes a multiple of 16);
+/// RoPE (rotate-half, as HF Llama) of `x [b, t, heads, hd]` (or its rows `[b·t,
+/// heads·hd]`) at the `t` positions whose angles `angles` holds. On CUDA in bf16 our kernel (head sizes a multiple of 16);
 /// elsewhere candle's `rope_thd`, or on the CPU, when `x` tracks gradients, the op's
 /// own implementation. Returns a contiguous tensor of its own. Differentiable in `x`
 /// except on CUDA outside the kernel's cases (candle's `rope_thd` has no backward).
@@ -153,5 +165,7 @@ pub fn rope(x: &Tensor, angles: &RopeTable) -> Result<Tensor> {
     if kernel || (x.device().is_cpu() && x.track_op()) {
         return x.apply_op2(&cs.contiguous()?, Rope);
     }
-    candle_nn::rotary_emb::rope_thd(&x, &angles.cos, &angles.sin)
+    let (t, heads, hd) = dims(x.layout(), cs.layout())?;
+    let x4 = x.reshape(((), t, heads, hd))?;
+    candle_nn::rotary_emb::rope_thd(&x4, &angles.cos, &angles.sin)?.reshape(x.dims())
 }
