@@ -105,30 +105,52 @@ fn bf16_training_computes_in_bf16_on_f32_masters() {
     assert!(last.ce < 0.7 * first.ce, "ce {} -> {}", first.ce, last.ce);
     assert!(last.grad_norm.is_finite() && last.l1.is_finite());
     let p = last.phase_ms.as_ref().expect("profiled step");
-    assert!(p.forward > 0.0 && p.backward > 0.0 && p.optimizer > 0.0 && p.cast > 0.0);
-    assert!(p.forward + p.backward + p.stats + p.optimizer + p.cast > 0.0);
+    assert!(p.forward > 0.0 && p.backward > 0.0 && p.optimizer > 0.0);
     let val = t.validate(&data, 2).unwrap();
     assert!(
         val.is_finite() && val < first.ce,
         "val {val} vs first {}",
         first.ce
     );
-    for (name, w) in t.weights() {
+    for (name, w) in t.weights().unwrap() {
         assert_eq!(w.dtype(), DType::F32, "{name}");
     }
 }
 
+/// In f32 and in bf16 (where the optimizer's f32 masters are saved and restored).
 #[test]
 fn checkpoints_round_trip_and_resume_continues() {
+    checkpoint_round_trip(false);
+    checkpoint_round_trip(true);
+}
+
+fn checkpoint_round_trip(bf16: bool) {
     let data = PackedData::new(&corpus_tokens(), 32).unwrap();
     let dir = tempfile::tempdir().unwrap();
+    let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+    let run = || {
+        let mut t = trainer(0.01, 6);
+        if bf16 {
+            t = Trainer::new(
+                t.model_config().clone(),
+                t.weights().unwrap(),
+                TrainConfig {
+                    bf16: true,
+                    ..t.cfg.clone()
+                },
+                &Device::Cpu,
+            )
+            .unwrap();
+        }
+        t
+    };
 
-    let mut straight = trainer(0.01, 6);
+    let mut straight = run();
     for _ in 0..6 {
         straight.train_step(&data).unwrap();
     }
 
-    let mut first = trainer(0.01, 6);
+    let mut first = run();
     for _ in 0..3 {
         first.train_step(&data).unwrap();
     }
@@ -140,15 +162,22 @@ fn checkpoints_round_trip_and_resume_continues() {
     let ck = Checkpoint::open(dir.path().to_str().unwrap()).unwrap();
     assert_eq!(ck.config.hidden_act, "relu");
     assert_eq!(ck.config.twell.as_ref().unwrap().l1_coefficient, Some(0.01));
+    // (In bf16 the model computes on the rounded masters, as a bf16 load of them does.)
     let loaded = ck
-        .load_model(DType::F32, &Device::Cpu, &LoadOptions::default())
+        .load_model(dtype, &Device::Cpu, &LoadOptions::default())
         .unwrap();
     let x = Tensor::new(&[[3u32, 1, 4, 1, 5, 9, 2, 6]], &Device::Cpu).unwrap();
     let logits = |m: &sparse_llama::Llama| {
-        let mut c = Cache::new(false, DType::F32, m.config(), &Device::Cpu).unwrap();
+        let mut c = Cache::new(false, dtype, m.config(), &Device::Cpu).unwrap();
         m.forward_all(&x, 0, &mut c).unwrap()
     };
-    assert!(rel_l2(&logits(&loaded), &logits(first.model())) < 1e-6);
+    // bf16: a model on variables and one on loaded (frozen) weights take FFN paths that
+    // round h at different points (about 6e-3 on this model, as dense against sparse).
+    let e = rel_l2(&logits(&loaded), &logits(first.model()));
+    assert!(
+        e < if bf16 { 1e-2 } else { 1e-6 },
+        "bf16 {bf16}: logits differ by {e}"
+    );
 
     // Resume: weights from the checkpoint, optimizer and step from its state.
     let cfg = ck.runtime_config(&LoadOptions::default()).unwrap();
@@ -164,10 +193,10 @@ fn checkpoints_round_trip_and_resume_continues() {
     for _ in 0..3 {
         resumed.train_step(&data).unwrap();
     }
-    let (a, b) = (straight.weights(), resumed.weights());
+    let (a, b) = (straight.weights().unwrap(), resumed.weights().unwrap());
     for (name, t) in &a {
         let e = rel_l2(&b[name], t);
-        assert!(e < 1e-4, "{name}: resumed run differs by {e}");
+        assert!(e < 1e-4, "{name} (bf16 {bf16}): resumed run differs by {e}");
     }
 }
 

@@ -26,31 +26,90 @@ impl Default for AdamWConfig {
     }
 }
 
-/// AdamW over named f32 variables.
+/// AdamW over named variables: f32 variables updated in place, or bf16 variables on
+/// f32 master weights that the optimizer keeps (mixed precision).
 pub struct AdamW {
     params: Vec<(String, Var)>,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
+    state: State,
     step: usize,
     cfg: AdamWConfig,
 }
 
+/// What the optimizer keeps per parameter.
+enum State {
+    /// The moments of f32 variables.
+    F32 { m: Vec<Tensor>, v: Vec<Tensor> },
+    /// Of bf16 variables: the f32 master and the moments as one `[3, n]` tensor (master,
+    /// m, v), which one kernel pass updates.
+    Mixed(Vec<Tensor>),
+}
+
+/// The rows of a mixed state, in order.
+const MIXED_ROWS: [&str; 3] = ["master", "m", "v"];
+
 impl AdamW {
-    /// `params` sorted by name, so the state files are stable.
+    /// `params` (f32) sorted by name, so the state files are stable.
     pub fn new(mut params: Vec<(String, Var)>, cfg: AdamWConfig) -> Result<Self> {
         params.sort_by(|a, b| a.0.cmp(&b.0));
-        let m = params
+        if let Some((name, p)) = params.iter().find(|(_, p)| p.dtype() != DType::F32) {
+            candle_core::bail!(
+                "AdamW: '{name}' is {:?}; f32 variables, or AdamW::new_mixed for bf16 ones",
+                p.dtype()
+            );
+        }
+        let zeros = |params: &[(String, Var)]| {
+            params
+                .iter()
+                .map(|(_, p)| p.zeros_like())
+                .collect::<Result<Vec<_>>>()
+        };
+        Ok(Self {
+            state: State::F32 {
+                m: zeros(&params)?,
+                v: zeros(&params)?,
+            },
+            params,
+            step: 0,
+            cfg,
+        })
+    }
+
+    /// Mixed precision: `params` are bf16 variables, `masters` their full-precision
+    /// values by name (any float dtype, kept as f32). The model computes on the bf16
+    /// variables; each step updates the masters and writes them back rounded.
+    pub fn new_mixed(
+        mut params: Vec<(String, Var)>,
+        masters: &HashMap<String, Tensor>,
+        cfg: AdamWConfig,
+    ) -> Result<Self> {
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let state = params
             .iter()
-            .map(|(_, p)| p.zeros_like())
-            .collect::<Result<Vec<_>>>()?;
-        let v = params
-            .iter()
-            .map(|(_, p)| p.zeros_like())
+            .map(|(name, p)| {
+                if p.dtype() != DType::BF16 {
+                    candle_core::bail!("AdamW::new_mixed: '{name}' is {:?}, not bf16", p.dtype());
+                }
+                let Some(master) = masters.get(name) else {
+                    candle_core::bail!("AdamW::new_mixed: no master weights for '{name}'");
+                };
+                if master.dims() != p.dims() {
+                    candle_core::bail!(
+                        "AdamW::new_mixed: master '{name}' is {:?}, the variable {:?}",
+                        master.dims(),
+                        p.dims()
+                    );
+                }
+                let master = master
+                    .to_dtype(DType::F32)?
+                    .to_device(p.device())?
+                    .flatten_all()?;
+                let zeros = master.zeros_like()?;
+                Tensor::stack(&[&master, &zeros, &zeros], 0)
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             params,
-            m,
-            v,
+            state: State::Mixed(state),
             step: 0,
             cfg,
         })
@@ -64,6 +123,20 @@ impl AdamW {
         self.step
     }
 
+    /// The f32 master weights by name (mixed precision), or `None` (f32 variables are
+    /// their own masters).
+    pub fn masters(&self) -> Result<Option<HashMap<String, Tensor>>> {
+        let State::Mixed(state) = &self.state else {
+            return Ok(None);
+        };
+        self.params
+            .iter()
+            .zip(state)
+            .map(|((name, p), s)| Ok((name.clone(), s.get(0)?.reshape(p.dims())?)))
+            .collect::<Result<HashMap<_, _>>>()
+            .map(Some)
+    }
+
     /// One update with `grads` (one per parameter, in `params()` order) at `lr`.
     pub fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
         self.step_scaled(grads, lr, 1.0)
@@ -71,7 +144,8 @@ impl AdamW {
 
     /// [`AdamW::step`] with every gradient multiplied by `grad_scale` first (the
     /// clipping factor of [`clip_scale`]), without writing the scaled gradients: each
-    /// parameter's update is `twell::ops::adamw_step`, in place, two passes.
+    /// parameter's update is `twell::ops::adamw_step` (two passes, in place) or, mixed,
+    /// `twell::ops::adamw_step_mixed` (one pass, then the bf16 write).
     pub fn step_scaled(&mut self, grads: &[Tensor], lr: f64, grad_scale: f64) -> Result<()> {
         if grads.len() != self.params.len() {
             candle_core::bail!(
@@ -91,17 +165,32 @@ impl AdamW {
             grad_scale,
         };
         for (k, ((_, p), g)) in self.params.iter().zip(grads).enumerate() {
-            twell::ops::adamw_step(p.as_tensor(), g, &self.m[k], &self.v[k], hp)?;
+            match &self.state {
+                State::F32 { m, v } => twell::ops::adamw_step(p.as_tensor(), g, &m[k], &v[k], hp)?,
+                State::Mixed(state) => {
+                    twell::ops::adamw_step_mixed(p.as_tensor(), g, &state[k], hp)?
+                }
+            }
         }
         Ok(())
     }
 
-    /// Saves the moments (safetensors) beside a JSON with the step count.
+    /// Saves the state (safetensors: the moments, and mixed, the masters) beside a JSON
+    /// with the step count.
     pub fn save(&self, dir: &Path) -> Result<()> {
         let mut t = HashMap::new();
-        for (k, (name, _)) in self.params.iter().enumerate() {
-            t.insert(format!("m.{name}"), self.m[k].to_device(&Device::Cpu)?);
-            t.insert(format!("v.{name}"), self.v[k].to_device(&Device::Cpu)?);
+        for (k, (name, p)) in self.params.iter().enumerate() {
+            let rows: Vec<(&str, Tensor)> = match &self.state {
+                State::F32 { m, v } => vec![("m", m[k].clone()), ("v", v[k].clone())],
+                State::Mixed(state) => MIXED_ROWS
+                    .iter()
+                    .enumerate()
+                    .map(|(r, prefix)| Ok((*prefix, state[k].get(r)?.reshape(p.dims())?)))
+                    .collect::<Result<_>>()?,
+            };
+            for (prefix, x) in rows {
+                t.insert(format!("{prefix}.{name}"), x.to_device(&Device::Cpu)?);
+            }
         }
         candle_core::safetensors::save(&t, dir.join("optimizer.safetensors"))?;
         let meta = serde_json::json!({ "step": self.step, "config": self.cfg });
@@ -109,7 +198,8 @@ impl AdamW {
         Ok(())
     }
 
-    /// Restores what [`AdamW::save`] wrote; every parameter must have its moments.
+    /// Restores what [`AdamW::save`] wrote; every parameter must have its state. Mixed,
+    /// the bf16 variables are set from the restored masters.
     pub fn load(&mut self, dir: &Path) -> Result<()> {
         let meta: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("optimizer.json"))?)
@@ -117,46 +207,53 @@ impl AdamW {
         self.step = meta["step"].as_u64().unwrap_or(0) as usize;
         let mut t =
             candle_core::safetensors::load(dir.join("optimizer.safetensors"), &Device::Cpu)?;
+        let mut take = |prefix: &str, name: &str, p: &Var| -> Result<Tensor> {
+            let key = format!("{prefix}.{name}");
+            let Some(s) = t.remove(&key) else {
+                candle_core::bail!("optimizer state has no '{key}'");
+            };
+            if s.dims() != p.dims() {
+                candle_core::bail!(
+                    "optimizer state '{key}' has shape {:?}, parameter has {:?}",
+                    s.dims(),
+                    p.dims()
+                );
+            }
+            s.to_dtype(DType::F32)?.to_device(p.device())
+        };
         for (k, (name, p)) in self.params.iter().enumerate() {
-            for (slot, prefix) in [(&mut self.m[k], "m"), (&mut self.v[k], "v")] {
-                let key = format!("{prefix}.{name}");
-                let Some(s) = t.remove(&key) else {
-                    candle_core::bail!("optimizer state has no '{key}'");
-                };
-                if s.dims() != p.dims() {
-                    candle_core::bail!(
-                        "optimizer state '{key}' has shape {:?}, parameter has {:?}",
-                        s.dims(),
-                        p.dims()
-                    );
+            match &mut self.state {
+                State::F32 { m, v } => {
+                    m[k] = take("m", name, p)?;
+                    v[k] = take("v", name, p)?;
                 }
-                *slot = s.to_device(p.device())?;
+                State::Mixed(state) => {
+                    let rows = MIXED_ROWS
+                        .iter()
+                        .map(|prefix| take(prefix, name, p)?.flatten_all())
+                        .collect::<Result<Vec<_>>>()?;
+                    state[k] = Tensor::stack(&rows, 0)?;
+                    p.set(&rows[0].reshape(p.dims())?.to_dtype(DType::BF16)?)?;
+                }
             }
         }
         Ok(())
     }
 }
 
-/// The global L2 norm of `grads`.
+/// The global L2 norm of `grads` (bf16 or f32).
 pub fn grad_norm(grads: &[Tensor]) -> Result<f64> {
-    // One read-back for all parameters: a read-back per tensor stalls a GPU queue
-    // hundreds of times a step. Rows are summed before the total: candle's CUDA
-    // `sum_all` reduces in a single thread block (0.75 ms for one [5632, 2048] matrix
-    // on an H200), while a per-row sum spreads over the GPU.
+    // One read per gradient (`twell::ops::sum_squares`, where candle's ops would cast,
+    // square and reduce in three passes), and one read-back for all of them: a
+    // read-back per tensor stalls a GPU queue hundreds of times a step.
     let squares = grads
         .iter()
-        .map(|g| {
-            let sq = g.to_dtype(DType::F32)?.sqr()?;
-            match sq.dims().last() {
-                Some(&cols) if sq.rank() > 1 => sq.reshape(((), cols))?.sum(1)?.sum_all(),
-                _ => sq.sum_all(),
-            }
-        })
+        .map(twell::ops::sum_squares)
         .collect::<Result<Vec<_>>>()?;
     if squares.is_empty() {
         return Ok(0.0);
     }
-    Ok((Tensor::stack(&squares, 0)?.sum_all()?.to_scalar::<f32>()? as f64).sqrt())
+    Ok((Tensor::cat(&squares, 0)?.sum_all()?.to_scalar::<f32>()? as f64).sqrt())
 }
 
 /// The factor that brings gradients of global norm `norm` to at most `max_norm` (1 when

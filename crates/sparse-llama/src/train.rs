@@ -249,8 +249,6 @@ pub struct StepLog {
 /// Milliseconds per phase of one optimizer step (summed over micro-batches).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PhaseMs {
-    /// Building the bf16 copies of the weights (bf16 only).
-    pub cast: f64,
     /// Forward pass and loss.
     pub forward: f64,
     /// `loss.backward()` and gradient accumulation.
@@ -322,17 +320,21 @@ impl Trainer {
         cfg.validate()?;
         model_cfg.activation = twell::Activation::Relu;
         model_cfg.l1_coefficient = Some(cfg.l1);
+        // The full-precision weights: the variables themselves in f32, or in bf16 the
+        // optimizer's masters behind bf16 variables.
+        let mut masters = std::collections::HashMap::new();
+        for (name, t) in weights {
+            if model_cfg.tie_word_embeddings && name == "lm_head.weight" {
+                continue;
+            }
+            masters.insert(name, t.to_dtype(DType::F32)?.to_device(device)?);
+        }
+        let dtype = if cfg.bf16 { DType::BF16 } else { DType::F32 };
         let varmap = VarMap::new();
         {
             let mut data = varmap.data().lock().expect("varmap lock");
-            for (name, t) in weights {
-                if model_cfg.tie_word_embeddings && name == "lm_head.weight" {
-                    continue;
-                }
-                data.insert(
-                    name,
-                    Var::from_tensor(&t.to_dtype(DType::F32)?.to_device(device)?)?,
-                );
+            for (name, t) in &masters {
+                data.insert(name.clone(), Var::from_tensor(&t.to_dtype(dtype)?)?);
             }
         }
         let model = Self::build(&varmap, &model_cfg, &cfg, device)?;
@@ -343,13 +345,15 @@ impl Trainer {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        let opt = AdamW::new(
-            params,
-            AdamWConfig {
-                weight_decay: cfg.weight_decay,
-                ..Default::default()
-            },
-        )?;
+        let opt_cfg = AdamWConfig {
+            weight_decay: cfg.weight_decay,
+            ..Default::default()
+        };
+        let opt = if cfg.bf16 {
+            AdamW::new_mixed(params, &masters, opt_cfg)?
+        } else {
+            AdamW::new(params, opt_cfg)?
+        };
         let layers = model_cfg.num_hidden_layers;
         let ffn = model_cfg.intermediate_size;
         Ok(Self {
@@ -364,28 +368,16 @@ impl Trainer {
         })
     }
 
-    /// The model on the variables: f32 directly, or bf16 copies that stay in the graph.
+    /// The model on the variables (f32, or bf16 on the optimizer's f32 masters). Built
+    /// once: the optimizer updates the variables in place.
     fn build(
         varmap: &VarMap,
         model_cfg: &Config,
         cfg: &TrainConfig,
         device: &Device,
     ) -> Result<Llama> {
-        let vb = if cfg.bf16 {
-            // A VarMap hands out its f32 variables whatever dtype is asked for, so the
-            // bf16 copies are made here; `to_dtype` stays in the autograd graph and the
-            // gradients land on the f32 masters.
-            let copies = varmap
-                .data()
-                .lock()
-                .expect("varmap lock")
-                .iter()
-                .map(|(k, v)| Ok((k.clone(), v.as_tensor().to_dtype(DType::BF16)?)))
-                .collect::<Result<std::collections::HashMap<_, _>>>()?;
-            VarBuilder::from_tensors(copies, DType::BF16, device)
-        } else {
-            VarBuilder::from_varmap(varmap, DType::F32, device)
-        };
+        let dtype = if cfg.bf16 { DType::BF16 } else { DType::F32 };
+        let vb = VarBuilder::from_varmap(varmap, dtype, device);
         let mut model = Llama::load(vb, model_cfg)?;
         model.record_ffn_stats(!cfg.no_activity_stats);
         model.set_l1_down_norm(cfg.l1_penalty == L1Penalty::DownNorm);
@@ -440,11 +432,9 @@ impl Trainer {
         let device = self.device.clone();
         let mut clock = PhaseClock::start(&device, self.cfg.profile)?;
         let mut phases = PhaseMs::default();
+        // Gradients summed over micro-batches in f32 (bf16 variables give bf16 ones).
+        let accumulate = self.cfg.grad_accum > 1;
         for micro in 0..self.cfg.grad_accum {
-            if self.cfg.bf16 {
-                self.model = Self::build(&self.varmap, &self.model_cfg, &self.cfg, &self.device)?;
-            }
-            phases.cast += clock.lap()?;
             let index = self.step * self.cfg.grad_accum + micro;
             let batch = data.batch(index, self.cfg.batch_size, self.cfg.seed, &self.device)?;
             let t = batch.dim(1)? - 1;
@@ -456,9 +446,14 @@ impl Trainer {
             let store = loss.backward()?;
             for (k, (_, var)) in self.opt.params().iter().enumerate() {
                 if let Some(g) = store.get(var.as_tensor()) {
+                    let g = if accumulate {
+                        g.to_dtype(DType::F32)?
+                    } else {
+                        g.clone()
+                    };
                     grads[k] = Some(match grads[k].take() {
                         Some(acc) => (acc + g)?,
-                        None => g.clone(),
+                        None => g,
                     });
                 }
             }
@@ -557,15 +552,20 @@ impl Trainer {
         Ok(sum / n as f64)
     }
 
-    /// The trained weights, HF-named.
-    pub fn weights(&self) -> std::collections::HashMap<String, Tensor> {
-        self.varmap
+    /// The trained weights, HF-named, in f32 (with bf16 training, the optimizer's
+    /// masters).
+    pub fn weights(&self) -> Result<std::collections::HashMap<String, Tensor>> {
+        if let Some(masters) = self.opt.masters()? {
+            return Ok(masters);
+        }
+        Ok(self
+            .varmap
             .data()
             .lock()
             .expect("varmap lock")
             .iter()
             .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
-            .collect()
+            .collect())
     }
 
     /// Writes an HF checkpoint (loadable by `twell generate`/`eval` and transformers)
@@ -579,7 +579,7 @@ impl Trainer {
     ) -> Result<()> {
         save_hf(
             dir,
-            &self.weights(),
+            &self.weights()?,
             &self.model_cfg,
             tokenizer,
             chat_template,

@@ -584,6 +584,53 @@ fn check_adamw(dev: &Device, n: usize, seed: u64) -> Result<[f64; 3]> {
     Ok(err)
 }
 
+/// The mixed-precision AdamW kernels (bf16 variable, `[3, n]` f32 master and moments,
+/// a bf16 gradient) against the same op on the CPU: relative error of the master, m, v
+/// and the bf16 variable after three steps, and of the gradient's sum of squares.
+fn check_adamw_mixed(dev: &Device, n: usize, seed: u64) -> Result<[f64; 5]> {
+    dev.set_seed(seed)?;
+    let init = Tensor::randn(0f32, 1.0, n, dev)?;
+    let grads = (0..3)
+        .map(|_| Tensor::randn(0f32, 1.0, n, dev)?.to_dtype(DType::BF16))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let run = |device: &Device| -> Result<Vec<Tensor>> {
+        let init = init.to_device(device)?;
+        let p = Var::from_tensor(&init.to_dtype(DType::BF16)?)?;
+        let zeros = init.zeros_like()?;
+        let state = Tensor::stack(&[&init, &zeros, &zeros], 0)?;
+        for (k, g) in grads.iter().enumerate() {
+            let hp = twell::ops::AdamwStep {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                step: k + 1,
+                grad_scale: 0.7,
+            };
+            twell::ops::adamw_step_mixed(p.as_tensor(), &g.to_device(device)?, &state, hp)?;
+        }
+        let mut out = (0..3)
+            .map(|r| Ok(state.get(r)?.to_device(&Device::Cpu)?))
+            .collect::<Result<Vec<_>>>()?;
+        out.push(
+            p.as_tensor()
+                .to_dtype(DType::F32)?
+                .to_device(&Device::Cpu)?,
+        );
+        Ok(out)
+    };
+    let (mut gpu, mut cpu) = (run(dev)?, run(&Device::Cpu)?);
+    // The gradient norm's sum of squares, on one bf16 gradient.
+    gpu.push(twell::ops::sum_squares(&grads[0])?.to_device(&Device::Cpu)?);
+    cpu.push(twell::ops::sum_squares(&grads[0].to_device(&Device::Cpu)?)?);
+    let mut err = [0f64; 5];
+    for (e, (a, b)) in err.iter_mut().zip(gpu.iter().zip(&cpu)) {
+        *e = rel_l2(a, b)?;
+    }
+    Ok(err)
+}
+
 #[derive(Serialize, Debug)]
 struct Report {
     forward: Vec<CaseResult>,
@@ -594,6 +641,9 @@ struct Report {
     cross_entropy: Vec<CrossEntropyResult>,
     /// Parameter, m and v after three steps, GPU against CPU.
     adamw_err: [f64; 3],
+    /// Master, m, v and the bf16 variable after three mixed-precision steps, and a
+    /// gradient's sum of squares.
+    adamw_mixed_err: [f64; 5],
     model_attention_err: f64,
     model_training: ModelTrainResult,
 }
@@ -763,6 +813,22 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         adamw_err[2],
         if adamw_ok { "ok" } else { "FAIL" }
     );
+    let adamw_mixed_err = check_adamw_mixed(&dev, 5_000_001, 996)?;
+    // The bf16 variable may round a master that differs in its last f32 bits to the
+    // neighbouring bf16 value; the f32 rows must agree as the f32 step's do.
+    let adamw_mixed_ok = adamw_mixed_err[..3].iter().all(|&e| e < 1e-5)
+        && adamw_mixed_err[3] < 1e-3
+        && adamw_mixed_err[4] < 1e-5;
+    println!(
+        "adamw mixed precision (5,000,001 parameters, 3 steps) GPU vs CPU: master {:.2e}, m \
+         {:.2e}, v {:.2e}, bf16 variable {:.2e}; sum of squares {:.2e} {}",
+        adamw_mixed_err[0],
+        adamw_mixed_err[1],
+        adamw_mixed_err[2],
+        adamw_mixed_err[3],
+        adamw_mixed_err[4],
+        if adamw_mixed_ok { "ok" } else { "FAIL" }
+    );
     let model_attention_err = check_model_attention(&dev)?;
     let model_ok = model_attention_err < TOLERANCE;
     println!(
@@ -788,6 +854,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         + rope.iter().filter(|r| !r.pass).count()
         + cross_entropy.iter().filter(|r| !r.pass).count()
         + usize::from(!adamw_ok)
+        + usize::from(!adamw_mixed_ok)
         + usize::from(!model_ok)
         + usize::from(!model_training.pass);
     let total = results.len()
@@ -796,7 +863,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         + add_rms_norm.len()
         + rope.len()
         + cross_entropy.len()
-        + 3;
+        + 4;
     if let Some(path) = &args.json {
         let report = Report {
             forward: results,
@@ -806,6 +873,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             rope,
             cross_entropy,
             adamw_err,
+            adamw_mixed_err,
             model_attention_err,
             model_training,
         };

@@ -455,7 +455,10 @@ impl SparseMlp {
                 *self.last_density.lock().expect("density lock") = Some(res.density()?);
             }
             if self.record_stats {
-                *self.last.lock().expect("stats lock") = Some(LastForward::Sparse(res.clone()));
+                // Detached: a result that kept its graph would keep the whole forward
+                // pass (every activation saved for the backward) alive until the next
+                // recorded forward.
+                *self.last.lock().expect("stats lock") = Some(LastForward::Sparse(res.detach()));
             }
             // Views, so that neither costs a copy kernel.
             let out = res.out_with_lead(lead)?;

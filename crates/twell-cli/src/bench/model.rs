@@ -550,8 +550,8 @@ pub fn print(report: &ModelReport) {
         );
         if let Some(p) = &m.phase_ms {
             println!(
-                "{:>15} one synchronised step, ms: cast {:.1} | forward {:.1} | backward {:.1} | stats {:.1} | optimizer {:.1} | MLP backward passes on the GPU: {}",
-                "", p.cast, p.forward, p.backward, p.stats, p.optimizer,
+                "{:>15} one synchronised step, ms: forward {:.1} | backward {:.1} | stats {:.1} | optimizer {:.1} | MLP backward passes on the GPU: {}",
+                "", p.forward, p.backward, p.stats, p.optimizer,
                 m.device_backward_passes.unwrap_or(0)
             );
         }

@@ -104,3 +104,132 @@ pub fn adamw_update(
     unsafe { builder.launch(launch(n as usize)) }.w()?;
     Ok(())
 }
+
+/// The mixed-precision step on `state [3, n]` (f32 master, m, v) with a bf16 or f32
+/// gradient of `n` elements: all three rows in place, one pass. The hyper-parameters
+/// are `(beta1, beta2, scale, lr, decay, inv_c1, inv_c2, eps)`.
+pub fn adamw_mixed(
+    state: &mut CudaStorage,
+    sl: &Layout,
+    grad: &CudaStorage,
+    gl: &Layout,
+    hp: [f32; 8],
+) -> Result<()> {
+    let dev = grad.device().clone();
+    let (slice, a, b) = f32_target(state, sl)?;
+    let n = gl.shape().elem_count();
+    if b - a != 3 * n {
+        return err(TwellError::ShapeMismatch {
+            what: "adamw_mixed",
+            detail: format!("state holds {} values, want 3 x {n}", b - a),
+        });
+    }
+    let mut target = slice.slice_mut(a..b);
+    let n_i = n as i64;
+    let (name, bf16_grad, f32_grad) = match grad.dtype() {
+        DType::BF16 => (
+            "adamw_mixed_bf16",
+            Some(super::typed_view::<half::bf16>(
+                "adamw: grad",
+                grad,
+                gl,
+                DType::BF16,
+            )?),
+            None,
+        ),
+        _ => (
+            "adamw_mixed_f32",
+            None,
+            Some(super::typed_view::<f32>(
+                "adamw: grad",
+                grad,
+                gl,
+                DType::F32,
+            )?),
+        ),
+    };
+    let func = dev.get_or_load_custom_func(name, "adamw", ADAMW_PTX)?;
+    let mut builder = func.builder();
+    builder.arg(&mut target);
+    if let Some(g) = &bf16_grad {
+        builder.arg(g);
+    } else if let Some(g) = &f32_grad {
+        builder.arg(g);
+    }
+    builder.arg(&n_i);
+    for x in &hp {
+        builder.arg(x);
+    }
+    // SAFETY: a grid-stride loop bounded by n; state holds 3n contiguous f32 (checked
+    // above), the gradient n contiguous values.
+    unsafe { builder.launch(launch(n)) }.w()?;
+    Ok(())
+}
+
+/// `param (bf16) ← master` rounded, with the master the first row of `state [3, n]`.
+pub fn bf16_from_master(
+    param: &mut CudaStorage,
+    pl: &Layout,
+    state: &CudaStorage,
+    sl: &Layout,
+) -> Result<()> {
+    let dev = state.device().clone();
+    super::check_dtype("adamw: the bf16 variable", param, DType::BF16)?;
+    let (a, b) = pl.contiguous_offsets().ok_or_else(|| {
+        candle_core::Error::Msg("adamw: the bf16 variable must be contiguous".into())
+    })?;
+    let n = b - a;
+    let sv = super::typed_view::<f32>("adamw: state", state, sl, DType::F32)?;
+    if sv.len() != 3 * n {
+        return err(TwellError::ShapeMismatch {
+            what: "bf16_from_master",
+            detail: format!("state holds {} values, want 3 x {n}", sv.len()),
+        });
+    }
+    let master = sv.slice(0..n);
+    let slice = param.as_cuda_slice_mut::<half::bf16>()?;
+    let mut target = slice.slice_mut(a..b);
+    let n_i = n as i64;
+    let func = dev.get_or_load_custom_func("bf16_from_master", "adamw", ADAMW_PTX)?;
+    let mut builder = func.builder();
+    builder.arg(&mut target).arg(&master).arg(&n_i);
+    // SAFETY: a grid-stride loop bounded by n over n contiguous values of each.
+    unsafe { builder.launch(launch(n)) }.w()?;
+    Ok(())
+}
+
+/// The sum of squares of a contiguous bf16 or f32 tensor, as a one-element f32 slice.
+pub fn sum_squares(x: &CudaStorage, xl: &Layout) -> Result<CudaStorage> {
+    let dev = x.device().clone();
+    let n = xl.shape().elem_count();
+    let mut out = dev.alloc_zeros::<f32>(1)?;
+    let n_i = n as i64;
+    let (name, bf16_view, f32_view) = match x.dtype() {
+        DType::BF16 => (
+            "sum_squares_bf16",
+            Some(super::typed_view::<half::bf16>(
+                "sum_squares",
+                x,
+                xl,
+                DType::BF16,
+            )?),
+            None,
+        ),
+        _ => (
+            "sum_squares_f32",
+            None,
+            Some(super::typed_view::<f32>("sum_squares", x, xl, DType::F32)?),
+        ),
+    };
+    let func = dev.get_or_load_custom_func(name, "adamw", ADAMW_PTX)?;
+    let mut builder = func.builder();
+    if let Some(v) = &bf16_view {
+        builder.arg(v);
+    } else if let Some(v) = &f32_view {
+        builder.arg(v);
+    }
+    builder.arg(&n_i).arg(&mut out);
+    // SAFETY: a grid-stride loop bounded by n over n contiguous values; one f32 output.
+    unsafe { builder.launch(launch(n)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}

@@ -202,12 +202,240 @@ pub fn adamw_step(
             square: true,
         },
     )?;
-    let update = AdamwUpdate {
-        lr: hp.lr as f32,
-        decay: (1.0 - hp.lr * hp.weight_decay) as f32,
-        inv_c1: (1.0 / (1.0 - hp.beta1.powi(hp.step as i32))) as f32,
-        inv_c2: (1.0 / (1.0 - hp.beta2.powi(hp.step as i32))) as f32,
-        eps: hp.eps as f32,
+    param.inplace_op3(m, v, &AdamwUpdate::of(&hp))
+}
+
+impl AdamwUpdate {
+    /// The update's constants at step `hp.step`, bias corrections included.
+    fn of(hp: &AdamwStep) -> Self {
+        Self {
+            lr: hp.lr as f32,
+            decay: (1.0 - hp.lr * hp.weight_decay) as f32,
+            inv_c1: (1.0 / (1.0 - hp.beta1.powi(hp.step as i32))) as f32,
+            inv_c2: (1.0 / (1.0 - hp.beta2.powi(hp.step as i32))) as f32,
+            eps: hp.eps as f32,
+        }
+    }
+}
+
+/// The mixed-precision step: `state [3, n]` (f32 master, m, v) updated in place from a
+/// bf16 or f32 gradient, one pass.
+struct AdamwMixed {
+    beta1: f32,
+    beta2: f32,
+    scale: f32,
+    update: AdamwUpdate,
+}
+
+impl InplaceOp2 for AdamwMixed {
+    fn name(&self) -> &'static str {
+        "adamw-mixed"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ss: &mut CpuStorage,
+        sl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let g: Vec<f32> = match (gs, gl.contiguous_offsets()) {
+            (CpuStorage::F32(v), Some((a, b))) => v[a..b].to_vec(),
+            (CpuStorage::BF16(v), Some((a, b))) => v[a..b].iter().map(|x| x.to_f32()).collect(),
+            _ => {
+                return err(TwellError::Invalid(
+                    "adamw: the gradient must be contiguous f32 or bf16".into(),
+                ))
+            }
+        };
+        let state = cpu_f32_mut(ss, sl)?;
+        let n = g.len();
+        if state.len() != 3 * n {
+            return err(TwellError::ShapeMismatch {
+                what: "adamw_step_mixed",
+                detail: format!("state holds {} values, want 3 x {n}", state.len()),
+            });
+        }
+        let (master, moments) = state.split_at_mut(n);
+        let (m, v) = moments.split_at_mut(n);
+        let AdamwMixed {
+            beta1,
+            beta2,
+            scale,
+            update: u,
+        } = *self;
+        master
+            .par_iter_mut()
+            .zip(m.par_iter_mut().zip(v.par_iter_mut()))
+            .zip(g.par_iter())
+            .for_each(|((p, (m, v)), &g)| {
+                let g = g * scale;
+                *m = beta1.mul_add(*m, (1.0 - beta1) * g);
+                *v = beta2.mul_add(*v, (1.0 - beta2) * (g * g));
+                *p = *p * u.decay - u.lr * ((*m * u.inv_c1) / ((*v * u.inv_c2).sqrt() + u.eps));
+            });
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ss: &mut candle_core::CudaStorage,
+        sl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let u = self.update;
+        let hp = [
+            self.beta1, self.beta2, self.scale, u.lr, u.decay, u.inv_c1, u.inv_c2, u.eps,
+        ];
+        crate::cuda::adamw_mixed(ss, sl, gs, gl, hp)
+    }
+}
+
+/// `param (bf16) ← round(master)`, the master being the first row of the state.
+struct Bf16FromMaster;
+
+impl InplaceOp2 for Bf16FromMaster {
+    fn name(&self) -> &'static str {
+        "bf16-from-master"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ps: &mut CpuStorage,
+        pl: &Layout,
+        ss: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<()> {
+        let state = cpu_f32("state", ss, sl)?;
+        match (ps, pl.contiguous_offsets()) {
+            (CpuStorage::BF16(p), Some((a, b))) if state.len() == 3 * (b - a) => {
+                p[a..b]
+                    .par_iter_mut()
+                    .zip(state[..b - a].par_iter())
+                    .for_each(|(p, &w)| *p = half::bf16::from_f32(w));
+                Ok(())
+            }
+            _ => err(TwellError::Invalid(
+                "adamw: the variable must be contiguous bf16 with a [3, n] state".into(),
+            )),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ps: &mut candle_core::CudaStorage,
+        pl: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> Result<()> {
+        crate::cuda::bf16_from_master(ps, pl, ss, sl)
+    }
+}
+
+/// One AdamW step with mixed precision: `param` is a bf16 variable, `state [3, n]` its
+/// f32 master weights and moments (rows master, m, v; `n` the element count of `param`),
+/// `grad` a bf16 or f32 gradient. The state takes the step of [`adamw_step`] in one
+/// pass, then `param` is written as the rounded master. Beside that two-pass update
+/// of an f32 variable, the model then computes on bf16 variables directly: no bf16 copy
+/// of each weight per step in the autograd graph, and gradients that land as bf16.
+pub fn adamw_step_mixed(
+    param: &Tensor,
+    grad: &Tensor,
+    state: &Tensor,
+    hp: AdamwStep,
+) -> Result<()> {
+    let n = param.elem_count();
+    if grad.elem_count() != n || state.dims() != [3, n] {
+        return err(TwellError::ShapeMismatch {
+            what: "adamw_step_mixed",
+            detail: format!(
+                "param {:?}, grad {:?}, state {:?}: want grad like param and state [3, {n}]",
+                param.dims(),
+                grad.dims(),
+                state.dims()
+            ),
+        });
+    }
+    if param.dtype() != DType::BF16
+        || state.dtype() != DType::F32
+        || !matches!(grad.dtype(), DType::BF16 | DType::F32)
+        || !param.is_contiguous()
+        || !state.is_contiguous()
+    {
+        return err(TwellError::Invalid(format!(
+            "adamw_step_mixed: want a contiguous bf16 param, a bf16 or f32 grad and a \
+             contiguous f32 state, got {:?}, {:?}, {:?}",
+            param.dtype(),
+            grad.dtype(),
+            state.dtype()
+        )));
+    }
+    if hp.step == 0 {
+        return err(TwellError::Invalid("adamw_step: steps count from 1".into()));
+    }
+    let op = AdamwMixed {
+        beta1: hp.beta1 as f32,
+        beta2: hp.beta2 as f32,
+        scale: hp.grad_scale as f32,
+        update: AdamwUpdate::of(&hp),
     };
-    param.inplace_op3(m, v, &update)
+    state.inplace_op2(&grad.contiguous()?, &op)?;
+    param.inplace_op2(state, &Bf16FromMaster)
+}
+
+/// The op behind [`sum_squares`].
+struct SumSquares;
+
+impl candle_core::CustomOp1 for SumSquares {
+    fn name(&self) -> &'static str {
+        "sum-squares"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, candle_core::Shape)> {
+        let Some((a, b)) = l.contiguous_offsets() else {
+            return err(TwellError::Invalid(
+                "sum_squares: input must be contiguous".into(),
+            ));
+        };
+        let total: f64 = match s {
+            CpuStorage::F32(v) => v[a..b].par_iter().map(|&x| (x as f64) * (x as f64)).sum(),
+            CpuStorage::BF16(v) => v[a..b]
+                .par_iter()
+                .map(|x| (x.to_f64()) * (x.to_f64()))
+                .sum(),
+            _ => {
+                return err(TwellError::Invalid(
+                    "sum_squares: input must be f32 or bf16".into(),
+                ))
+            }
+        };
+        Ok((
+            CpuStorage::F32(vec![total as f32]),
+            candle_core::Shape::from(1),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        Ok((crate::cuda::sum_squares(s, l)?, candle_core::Shape::from(1)))
+    }
+}
+
+/// `Σ x²` of a bf16 or f32 tensor as a one-element f32 tensor, in one read of `x` (for
+/// the global norm that gradient clipping needs; no gradient).
+pub fn sum_squares(x: &Tensor) -> Result<Tensor> {
+    if !matches!(x.dtype(), DType::BF16 | DType::F32) {
+        return err(TwellError::Invalid(format!(
+            "sum_squares: input must be f32 or bf16, got {:?}",
+            x.dtype()
+        )));
+    }
+    x.contiguous()?.apply_op1_no_bwd(&SumSquares)
 }

@@ -28,7 +28,7 @@ mod gated_t2d;
 mod rope;
 mod twell_mlp;
 
-pub use adamw::{adamw_step, AdamwStep};
+pub use adamw::{adamw_step, adamw_step_mixed, sum_squares, AdamwStep};
 pub use add_rms_norm::{add_rms_norm, AddRmsNorm, RmsNorm};
 pub use attention_softmax_grad::{attention_softmax_grad, AttentionSoftmaxGrad};
 pub use causal_attention::{
@@ -86,6 +86,15 @@ pub struct MlpOutput {
 }
 
 impl MlpOutput {
+    /// The same result with `out` and `l1` cut from the autograd graph.
+    pub fn detach(&self) -> Self {
+        Self {
+            out: self.out.detach(),
+            l1: self.l1.detach(),
+            ..self.clone()
+        }
+    }
+
     /// Views of the op's flat result `[mlp_result_len(m, d)]`.
     fn split(
         joined: Tensor,
