@@ -196,20 +196,24 @@ impl CausalSelfAttention {
         fused: bool,
     ) -> Result<Tensor> {
         let (b, t) = batch;
-        let (nq, nkv) = (self.num_attention_heads, self.num_key_value_heads);
-        // Training on the plain ops: RoPE and attention as differentiable candle ops on
-        // contiguous `[b, heads, t, hd]` copies.
+        let (nq, nkv, hd) = (
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+        );
+        // Rows `[b · positions, n · hd]` as the contiguous `[b, n, positions, hd]` the
+        // plain ops take.
+        let heads = |r: &Tensor, n: usize| -> Result<Tensor> {
+            r.reshape((b, r.dim(0)? / b, n, hd))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        // Training on the plain ops: RoPE and attention as differentiable candle ops.
         if pass == Pass::Train && !fused {
-            let heads = |p: &Linear, n: usize| {
-                p.forward(x)?
-                    .reshape((b, t, n, self.head_dim))?
-                    .transpose(1, 2)?
-                    .contiguous()
-            };
             let turn = |x: Tensor| candle_nn::rotary_emb::rope_slow(&x, &rope.cos, &rope.sin);
-            let q = turn(heads(&self.q_proj, nq)?)?;
-            let k = turn(heads(&self.k_proj, nkv)?)?;
-            let v = heads(&self.v_proj, nkv)?;
+            let q = turn(heads(&self.q_proj.forward(x)?, nq)?)?;
+            let k = turn(heads(&self.k_proj.forward(x)?, nkv)?)?;
+            let v = heads(&self.v_proj.forward(x)?, nkv)?;
             return self.plain_attention(q, k, v, mask, pass);
         }
         // RoPE and the fused attention take the projections' rows `[b · t, heads · hd]` as
@@ -217,7 +221,6 @@ impl CausalSelfAttention {
         // every node a zeros tensor and an add over its size. The KV cache keeps `[b, T,
         // kv_heads, hd]` and grows along dim 1. Training gets here with the fused ops
         // only, whose backward passes exist (no cache then).
-        let hd = self.head_dim;
         let q = twell::ops::rope(&self.q_proj.forward(x)?, rope)?;
         let mut k = twell::ops::rope(&self.k_proj.forward(x)?, rope)?;
         let mut v = self.v_proj.forward(x)?;
@@ -238,12 +241,6 @@ impl CausalSelfAttention {
             let y = twell::ops::causal_attention_rows(&q, &k, &v, b, hd)?;
             return self.o_proj.forward(&y);
         }
-        // Contiguous `[b, heads, positions, hd]` for the plain ops.
-        let heads = |r: &Tensor, n: usize| -> Result<Tensor> {
-            r.reshape((b, r.dim(0)? / b, n, hd))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
         self.plain_attention(heads(&q, nq)?, heads(&k, nkv)?, heads(&v, nkv)?, mask, pass)
     }
 

@@ -547,6 +547,19 @@ fn check_cross_entropy(
     })
 }
 
+/// The AdamW checks' hyper-parameters at `step`.
+fn adamw_hp(step: usize) -> twell::ops::AdamwStep {
+    twell::ops::AdamwStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step,
+        grad_scale: 0.7,
+    }
+}
+
 /// The in-place AdamW kernels against the same op on the CPU: three steps on one
 /// parameter of `n` elements (odd, past one grid of blocks); relative error of the
 /// parameter and both moments.
@@ -560,16 +573,13 @@ fn check_adamw(dev: &Device, n: usize, seed: u64) -> Result<[f64; 3]> {
         let p = Var::from_tensor(&init.to_device(device)?)?;
         let (m, v) = (p.zeros_like()?, p.zeros_like()?);
         for (k, g) in grads.iter().enumerate() {
-            let hp = twell::ops::AdamwStep {
-                lr: 1e-2,
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                weight_decay: 0.1,
-                step: k + 1,
-                grad_scale: 0.7,
-            };
-            twell::ops::adamw_step(p.as_tensor(), &g.to_device(device)?, &m, &v, hp)?;
+            twell::ops::adamw_step(
+                p.as_tensor(),
+                &g.to_device(device)?,
+                &m,
+                &v,
+                adamw_hp(k + 1),
+            )?;
         }
         [p.as_tensor(), &m, &v]
             .iter()
@@ -599,16 +609,12 @@ fn check_adamw_mixed(dev: &Device, n: usize, seed: u64) -> Result<[f64; 5]> {
         let zeros = init.zeros_like()?;
         let state = Tensor::stack(&[&init, &zeros, &zeros], 0)?;
         for (k, g) in grads.iter().enumerate() {
-            let hp = twell::ops::AdamwStep {
-                lr: 1e-2,
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                weight_decay: 0.1,
-                step: k + 1,
-                grad_scale: 0.7,
-            };
-            twell::ops::adamw_step_mixed(p.as_tensor(), &g.to_device(device)?, &state, hp)?;
+            twell::ops::adamw_step_mixed(
+                p.as_tensor(),
+                &g.to_device(device)?,
+                &state,
+                adamw_hp(k + 1),
+            )?;
         }
         let mut out = (0..3)
             .map(|r| Ok(state.get(r)?.to_device(&Device::Cpu)?))

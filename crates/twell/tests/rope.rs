@@ -63,29 +63,20 @@ fn rows_turn_like_their_four_dimensional_view() {
     let (b, t, heads, hd) = (2, 3, 2, 8);
     let x = random(&[b, t, heads, hd], 21);
     let angles = RopeTable::new(&random(&[t, hd / 2], 22), &random(&[t, hd / 2], 23)).unwrap();
-    let four = rope(&x, &angles).unwrap();
-    let rows = rope(&x.reshape((b * t, heads * hd)).unwrap(), &angles).unwrap();
-    assert_eq!(rows.dims(), [b * t, heads * hd]);
-    let diff = (four.reshape((b * t, heads * hd)).unwrap() - rows)
+    let four = rope(&x, &angles)
         .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
+        .reshape((b * t, heads * hd))
         .unwrap();
-    assert_eq!(diff, 0.0);
+    let max_diff = |rows: Tensor| -> f32 {
+        assert_eq!(rows.dims(), [b * t, heads * hd]);
+        let d = (&four - rows).unwrap().abs().unwrap().max_all().unwrap();
+        d.to_scalar::<f32>().unwrap()
+    };
+    let rows = x.reshape((b * t, heads * hd)).unwrap();
+    assert_eq!(max_diff(rope(&rows, &angles).unwrap()), 0.0);
     // The differentiable op on rows (a tracked input takes it on the CPU) agrees too.
-    let var = candle_core::Var::from_tensor(&x.reshape((b * t, heads * hd)).unwrap()).unwrap();
-    let tracked = rope(var.as_tensor(), &angles).unwrap();
-    let diff = (four.reshape((b * t, heads * hd)).unwrap() - tracked)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let var = candle_core::Var::from_tensor(&rows).unwrap();
+    let diff = max_diff(rope(var.as_tensor(), &angles).unwrap());
     assert!(diff < 1e-6, "{diff}");
 }
 

@@ -314,7 +314,7 @@ pub fn causal_attention_rows(
 /// heads, hd]`. Differentiable in q, k and v.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let (b, heads, t, _, _, hd) = dims(q.dims(), k.dims(), v.dims())?;
-    let rows = |x: &Tensor| -> Result<Tensor> { CausalAttention::rows_of(x) };
+    let rows = CausalAttention::rows_of;
     causal_attention_rows(&rows(q)?, &rows(k)?, &rows(v)?, b, hd)?
         .reshape((b, t, heads, hd))?
         .transpose(1, 2)

@@ -3,12 +3,16 @@
 //! * [`gate_pack`]: `relu(x · Wgᵀ)` packed to TwELL (the D2T step);
 //! * [`gated_t2d`]: the sparse up and down projections of a packed gate;
 //! * [`twell_mlp`]: both fused, the whole ReGLU MLP;
-//! * [`causal_attention`]: fused causal attention for the model around the MLP, and
+//! * [`causal_attention_rows`] (and [`causal_attention`] on `[b, heads, t, hd]` views):
+//!   fused causal attention for the model around the MLP, and
 //!   [`attention_softmax_grad`], the row-wise middle of its backward;
-//! * [`add_rms_norm`]: the residual add and the RMS norm after it, for the same model;
+//! * [`add_rms_norm`]: the residual add and the RMS norm after it, for the same model
+//!   (in training the add and [`RmsNorm`]);
 //! * [`rope`]: rotary position embedding of its queries and keys;
 //! * [`cross_entropy`]: the language-model loss over its logits;
-//! * [`adamw_step`]: the optimizer's update of one parameter, in place.
+//! * [`adamw_step`] and [`adamw_step_mixed`]: the optimizer's update of one parameter, in
+//!   place (f32, or a bf16 variable on an f32 master), and [`sum_squares`] for the
+//!   gradient norm.
 //!
 //! The ops that produce an MLP output return one flat tensor of
 //! [`mlp_result_len`]`(M, d)` elements: the `[M, d]` output rows, then each token's L1
