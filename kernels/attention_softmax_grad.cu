@@ -48,3 +48,30 @@ extern "C" __global__ void __launch_bounds__(SOFTMAX_GRAD_THREADS) attention_sof
         gr[j] = __float2bfloat16(g);
     }
 }
+
+// D = rowsum(dO ⊙ O) of each (batch, head, query), in f32, from the attention's output
+// and its gradient as token rows [b·t, heads·hd] (the layout the model's projections
+// use), written in the [b, heads, t] order of the score rows above. One thread per
+// (batch, head, query) reads its two head slices with 16-byte loads: one pass, where
+// candle's ops cast both to f32, multiply and sum over [b, heads, t, hd].
+extern "C" __global__ void attention_row_dot_bf16(
+    const __nv_bfloat16* __restrict__ grad,  // [b·t, heads·hd]
+    const __nv_bfloat16* __restrict__ out,   // [b·t, heads·hd]
+    float* __restrict__ d,                   // [b, heads, t]
+    long long rows, int t, int heads, int hd) {
+    const long long r = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const long long query = r % t;
+    const long long head = (r / t) % heads;
+    const long long batch = r / (static_cast<long long>(t) * heads);
+    const long long at = ((batch * t + query) * heads + head) * hd;
+    float acc = 0.f;
+    for (int k = 0; k < hd; k += VEC) {
+        float a[VEC], b[VEC];
+        load8(grad + at + k, a);
+        load8(out + at + k, b);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc = fmaf(a[e], b[e], acc);
+    }
+    d[r] = acc;
+}

@@ -26,6 +26,7 @@ fn main() {
         "adamw",
         "add_rms_norm",
         "rope",
+        "embedding",
     ] {
         let src = kernels.join(format!("{name}.cu"));
         let ptx = out.join(format!("{name}.ptx"));

@@ -442,7 +442,13 @@ impl Llama {
         // The residual stream is `[b · t, hidden]` rows from here to the last norm: a
         // reshape is an autograd node, and the backward pays each node a zeros tensor and
         // an add over its size, so the block keeps the shape its matmuls and norms take.
-        let mut x = self.embed_tokens.forward(&tokens.flatten_all()?)?;
+        let ids = tokens.flatten_all()?;
+        // Training takes our embedding op for its one-pass backward (candle's is an
+        // `index_add` on two thread blocks); it checks the ids, a read-back per pass.
+        let mut x = match pass {
+            Pass::Train => twell::ops::embedding(&ids, self.embed_tokens.embeddings())?,
+            Pass::Inference => self.embed_tokens.forward(&ids)?,
+        };
         let rows_to_batch = |h: Tensor| h.reshape((b, t, self.config.hidden_size));
         let cached = cache.as_deref().is_some_and(|c| c.use_kv_cache);
         let fused = match self.attention_path {

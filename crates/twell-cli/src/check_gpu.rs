@@ -499,6 +499,36 @@ fn check_rope(dev: &Device, dims: (usize, usize, usize, usize), seed: u64) -> Re
     })
 }
 
+/// The embedding's weight gradient on the GPU (bf16, the one-pass kernel) against
+/// candle's `index_add` in f32 on the CPU, for `tokens` ids drawn from `vocab` (many
+/// repeated, so the atomics meet). Relative error.
+fn check_embedding(
+    dev: &Device,
+    (tokens, vocab, d): (usize, usize, usize),
+    seed: u64,
+) -> Result<f64> {
+    dev.set_seed(seed)?;
+    let w = Tensor::randn(0f32, 1.0, (vocab, d), dev)?;
+    let ids = (Tensor::rand(0f32, vocab as f32, tokens, dev)?
+        .floor()?
+        .to_dtype(DType::U32)?
+        .clamp(0u32, vocab as u32 - 1))?;
+    let probe = Tensor::randn(0f32, 1.0, (tokens, d), dev)?;
+    let grad = |device: &Device, dtype: DType| -> Result<Tensor> {
+        let var = Var::from_tensor(&w.to_device(device)?.to_dtype(dtype)?)?;
+        let out = twell::ops::embedding(&ids.to_device(device)?, var.as_tensor())?;
+        let loss = (out.to_dtype(DType::F32)? * probe.to_device(device)?)?.sum_all()?;
+        let g = loss.backward()?;
+        Ok(g.get(var.as_tensor())
+            .context("no gradient")?
+            .to_device(&Device::Cpu)?)
+    };
+    rel_l2(
+        &grad(dev, DType::BF16)?,
+        &grad(&Device::Cpu, DType::F32)?,
+    )
+}
+
 #[derive(Serialize, Debug)]
 struct CrossEntropyResult {
     /// `(N, V)`.
@@ -650,6 +680,8 @@ struct Report {
     /// Master, m, v and the bf16 variable after three mixed-precision steps, and a
     /// gradient's sum of squares.
     adamw_mixed_err: [f64; 5],
+    /// The embedding's weight gradient, GPU bf16 against CPU f32.
+    embedding_grad_err: f64,
     model_attention_err: f64,
     model_training: ModelTrainResult,
 }
@@ -835,6 +867,13 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         adamw_mixed_err[4],
         if adamw_mixed_ok { "ok" } else { "FAIL" }
     );
+    let embedding_grad_err = check_embedding(&dev, (8192, 1000, 2048), 997)?;
+    let embedding_ok = embedding_grad_err < TOLERANCE;
+    println!(
+        "embedding backward (8,192 ids over a vocabulary of 1,000, width 2,048) GPU bf16 vs \
+         CPU f32: weight gradient rel err {embedding_grad_err:.2e} {}",
+        if embedding_ok { "ok" } else { "FAIL" }
+    );
     let model_attention_err = check_model_attention(&dev)?;
     let model_ok = model_attention_err < TOLERANCE;
     println!(
@@ -861,6 +900,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         + cross_entropy.iter().filter(|r| !r.pass).count()
         + usize::from(!adamw_ok)
         + usize::from(!adamw_mixed_ok)
+        + usize::from(!embedding_ok)
         + usize::from(!model_ok)
         + usize::from(!model_training.pass);
     let total = results.len()
@@ -869,7 +909,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         + add_rms_norm.len()
         + rope.len()
         + cross_entropy.len()
-        + 4;
+        + 5;
     if let Some(path) = &args.json {
         let report = Report {
             forward: results,
@@ -880,6 +920,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             cross_entropy,
             adamw_err,
             adamw_mixed_err,
+            embedding_grad_err,
             model_attention_err,
             model_training,
         };

@@ -4,7 +4,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use twell::ops::{causal_attention, causal_attention_reference};
+use twell::ops::{attention_row_dot, causal_attention, causal_attention_reference};
 
 fn reference(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
     causal_attention_reference(q, k, v).unwrap()
@@ -224,4 +224,32 @@ fn softmax_grad_op_rejects_bad_input() {
     let wide = common::uniform(&[2, 5, 4], 62, 1.0);
     let dw = common::uniform(&[2, 5, 1], 63, 1.0);
     assert!(msg(attention_softmax_grad(&wide, &wide, &dw, 1.0)).contains("T >= t"));
+}
+
+/// `rowsum(dO ⊙ O)` from token rows, in the `[b, heads, t, 1]` order of the score rows,
+/// against candle's ops on the `[b, heads, t, hd]` views.
+#[test]
+fn row_dot_matches_candle_ops_and_checks_shapes() {
+    let (b, t, heads, hd) = (2, 5, 3, 4);
+    let rows = |seed: u64| {
+        random((b, t, heads, hd), DType::F32, seed)
+            .reshape((b * t, heads * hd))
+            .unwrap()
+    };
+    let (grad, out) = (rows(31), rows(32));
+    let view = |r: &Tensor| {
+        r.reshape((b, t, heads, hd))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+    };
+    let want = (view(&grad) * view(&out)).unwrap().sum_keepdim(3).unwrap();
+    let got = attention_row_dot(&grad, &out, b, hd).unwrap();
+    assert_eq!(got.dims(), [b, heads, t, 1]);
+    assert!(rel_err(&got, &want) < 1e-6);
+    let msg = |r: candle_core::Result<Tensor>| r.expect_err("expected an error").to_string();
+    assert!(msg(attention_row_dot(&grad, &out, 3, hd)).contains("batch 3"));
+    assert!(msg(attention_row_dot(&grad, &out, b, 5)).contains("head_dim 5"));
+    let short = grad.narrow(1, 0, heads * hd - hd).unwrap();
+    assert!(msg(attention_row_dot(&grad, &short, b, hd)).contains("equal"));
 }

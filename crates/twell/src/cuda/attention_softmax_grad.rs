@@ -76,3 +76,44 @@ pub fn attention_softmax_grad(
     unsafe { builder.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
+
+/// `D [b, heads, t]` (f32) = rowsum(dO ⊙ O) per (batch, head, query), from `grad` and
+/// `out` as contiguous bf16 token rows `[b·t, heads·hd]` (`hd % 8 == 0`).
+pub fn attention_row_dot(
+    grad: &CudaStorage,
+    gl: &Layout,
+    out: &CudaStorage,
+    ol: &Layout,
+    (t, heads, hd): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    let (gv, ov) = (bf16_view("grad", grad, gl)?, bf16_view("out", out, ol)?);
+    let rows = gl.shape().elem_count() / hd;
+    let blocks = rows.div_ceil(THREADS as usize);
+    if blocks > i32::MAX as usize {
+        return err(TwellError::Invalid(format!(
+            "attention_row_dot: {rows} rows exceed one grid"
+        )));
+    }
+    let dev = grad.device().clone();
+    // SAFETY: the kernel writes every row's sum.
+    let mut d = unsafe { dev.alloc::<f32>(rows)? };
+    let func = dev.get_or_load_custom_func(
+        "attention_row_dot_bf16",
+        "attention_softmax_grad",
+        SOFTMAX_GRAD_PTX,
+    )?;
+    let (rows_i, t_i, heads_i, hd_i) = (rows as i64, t as i32, heads as i32, hd as i32);
+    let mut builder = func.builder();
+    builder
+        .arg(&gv)
+        .arg(&ov)
+        .arg(&mut d)
+        .arg(&rows_i)
+        .arg(&t_i)
+        .arg(&heads_i)
+        .arg(&hd_i);
+    // SAFETY: a thread per row, bounded in the kernel; both inputs hold rows · hd values
+    // (checked by the op).
+    unsafe { builder.launch(super::grid_1d(blocks, THREADS)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(d, dev))
+}

@@ -138,3 +138,105 @@ pub fn attention_softmax_grad(
         .apply_op3_no_bwd(&dp.contiguous()?, &d.contiguous()?, &op)?;
     Ok((both.get(0)?, both.get(1)?))
 }
+
+/// The op behind [`attention_row_dot`]: inputs `(grad, out)` as token rows `[b·t,
+/// heads·hd]`, output `[b, heads, t, 1]` f32.
+struct AttentionRowDot {
+    batch: usize,
+    head_dim: usize,
+}
+
+impl AttentionRowDot {
+    /// `(b, t, heads, hd)` of a call, checked.
+    fn dims(&self, g: &Layout, o: &Layout) -> Result<(usize, usize, usize, usize)> {
+        let (b, hd) = (self.batch, self.head_dim);
+        match *g.dims() {
+            [n, width]
+                if o.dims() == g.dims() && b > 0 && hd > 0 && n % b == 0 && width % hd == 0 =>
+            {
+                Ok((b, n / b, width / hd, hd))
+            }
+            _ => err(TwellError::ShapeMismatch {
+                what: "attention_row_dot",
+                detail: format!(
+                    "grad {:?}, out {:?}: want equal [batch · t, heads · head_dim] rows with \
+                     batch {b} and head_dim {hd}",
+                    g.dims(),
+                    o.dims()
+                ),
+            }),
+        }
+    }
+}
+
+impl candle_core::CustomOp2 for AttentionRowDot {
+    fn name(&self) -> &'static str {
+        "attention-row-dot"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        os: &CpuStorage,
+        ol: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b, t, heads, hd) = self.dims(gl, ol)?;
+        let (g, o) = (
+            Rows::new("grad", gs, gl)?.to_f32_vec(),
+            Rows::new("out", os, ol)?.to_f32_vec(),
+        );
+        let d: Vec<f32> = (0..b * heads * t)
+            .into_par_iter()
+            .map(|r| {
+                let (bi, h, i) = (r / (heads * t), (r / t) % heads, r % t);
+                let at = ((bi * t + i) * heads + h) * hd;
+                g[at..at + hd]
+                    .iter()
+                    .zip(&o[at..at + hd])
+                    .map(|(x, y)| x * y)
+                    .sum()
+            })
+            .collect();
+        Ok((CpuStorage::F32(d), Shape::from((b, heads, t, 1))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+        os: &candle_core::CudaStorage,
+        ol: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (b, t, heads, hd) = self.dims(gl, ol)?;
+        if !hd.is_multiple_of(8) {
+            return err(TwellError::Invalid(format!(
+                "attention_row_dot on CUDA takes head sizes that are multiples of 8, got {hd}"
+            )));
+        }
+        let d = crate::cuda::attention_row_dot(gs, gl, os, ol, (t, heads, hd))?;
+        Ok((d, Shape::from((b, heads, t, 1))))
+    }
+}
+
+/// `D = rowsum(dO ⊙ O)` of causal attention per (batch, head, query), as `[b, heads, t,
+/// 1]` f32 (the `d` of [`attention_softmax_grad`]), from the output and its gradient as
+/// token rows `[b·t, heads·hd]`. One read of each on CUDA (bf16); the CPU takes any
+/// float dtype. No gradient.
+pub fn attention_row_dot(
+    grad: &Tensor,
+    out: &Tensor,
+    batch: usize,
+    head_dim: usize,
+) -> Result<Tensor> {
+    if grad.dtype() != out.dtype() {
+        return err(TwellError::Invalid(format!(
+            "attention_row_dot: grad and out must share a dtype, got {:?} and {:?}",
+            grad.dtype(),
+            out.dtype()
+        )));
+    }
+    grad.contiguous()?
+        .apply_op2_no_bwd(&out.contiguous()?, &AttentionRowDot { batch, head_dim })
+}

@@ -228,7 +228,8 @@ impl CustomOp3 for CausalAttention {
     /// `dq = ds·k·scale`, `dk = dsᵀ·q·scale`, `dv = pᵀ·do`; the key heads' gradients are
     /// summed over the query heads that share them. The scores are recomputed in the
     /// inputs' dtype (bf16 on the GPU, as cuBLAS writes them), where the forward kept
-    /// them in f32. Gradients come back as rows, like the inputs.
+    /// them in f32. `D` comes from the rows in one pass ([`super::attention_row_dot`]).
+    /// Gradients come back as rows, like the inputs.
     fn bwd(
         &self,
         q: &Tensor,
@@ -248,14 +249,12 @@ impl CustomOp3 for CausalAttention {
         let dtype = q.dtype();
         let (kx, vx) = (repeat_heads(&k, heads)?, repeat_heads(&v, heads)?);
         let q = q.contiguous()?;
+        let row_dot = super::attention_row_dot(grad_out, out, self.batch, self.head_dim)?;
         // `[b, heads, t, hd]`, as q.
         let grad_out = self.heads_view(&grad_out.contiguous()?)?.contiguous()?;
-        let out = self.heads_view(out)?;
         // Unscaled scores and `dp`, then one row-wise op for `p` and `ds · scale`.
         let scores = q.matmul(&kx.t()?)?;
         let dp = grad_out.matmul(&vx.t()?)?;
-        let row_dot =
-            (grad_out.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum_keepdim(3)?;
         let (p, ds) = super::attention_softmax_grad(&scores, &dp, &row_dot, self.scale)?;
         let dq = ds.matmul(&kx)?;
         let dk = ds.t()?.matmul(&q)?;

@@ -9,7 +9,8 @@
 //! * [`add_rms_norm`]: the residual add and the RMS norm after it, for the same model
 //!   (in training the add and [`RmsNorm`]);
 //! * [`rope`]: rotary position embedding of its queries and keys;
-//! * [`cross_entropy`]: the language-model loss over its logits;
+//! * [`cross_entropy`]: the language-model loss over its logits, and [`embedding`] the
+//!   token embedding at its input (a one-pass backward);
 //! * [`adamw_step`] and [`adamw_step_mixed`]: the optimizer's update of one parameter, in
 //!   place (f32, or a bf16 variable on an f32 master), and [`sum_squares`] for the
 //!   gradient norm.
@@ -27,6 +28,7 @@ mod add_rms_norm;
 mod attention_softmax_grad;
 mod causal_attention;
 mod cross_entropy;
+mod embedding;
 mod gate_pack;
 mod gated_t2d;
 mod rope;
@@ -34,12 +36,13 @@ mod twell_mlp;
 
 pub use adamw::{adamw_step, adamw_step_mixed, sum_squares, AdamwStep};
 pub use add_rms_norm::{add_rms_norm, AddRmsNorm, RmsNorm};
-pub use attention_softmax_grad::{attention_softmax_grad, AttentionSoftmaxGrad};
+pub use attention_softmax_grad::{attention_row_dot, attention_softmax_grad, AttentionSoftmaxGrad};
 pub use causal_attention::{
     causal_attention, causal_attention_reference, causal_attention_rows, fused_on_device,
     CausalAttention, CUDA_DECODE_MAX_KEYS, CUDA_HEAD_DIMS,
 };
 pub use cross_entropy::{cross_entropy, CrossEntropy};
+pub use embedding::{embedding, Embedding};
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
 pub use rope::{rope, Rope, RopeTable};
