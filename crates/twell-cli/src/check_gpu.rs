@@ -523,10 +523,7 @@ fn check_embedding(
             .context("no gradient")?
             .to_device(&Device::Cpu)?)
     };
-    rel_l2(
-        &grad(dev, DType::BF16)?,
-        &grad(&Device::Cpu, DType::F32)?,
-    )
+    rel_l2(&grad(dev, DType::BF16)?, &grad(&Device::Cpu, DType::F32)?)
 }
 
 #[derive(Serialize, Debug)]
