@@ -291,3 +291,37 @@ proptest! {
         check(&Case { m, d, f, density, dtype, config, seed }, path);
     }
 }
+
+/// The fused op's output rows and L1 terms are two graph nodes that hand each other
+/// their gradients: a loss on either one alone must still give the dense gradients.
+#[test]
+fn output_rows_and_l1_terms_differentiate_alone() {
+    let dev = Device::Cpu;
+    let (m, d, f) = (7, 64, 512);
+    let w = synthetic_mlp(d, f, 0.05, DType::F32, &dev, 41).unwrap();
+    let x = synthetic_input(m, d, DType::F32, &dev, 42).unwrap();
+    let probe = |t: &Tensor, seed: u64| {
+        let r = common::uniform(t.dims(), seed, 1.0);
+        (t * r).unwrap().sum_all().unwrap()
+    };
+    for (name, on_out, on_l1) in [("out only", true, false), ("l1 only", false, true)] {
+        let loss = |out: &Tensor, l1: &Tensor| match (on_out, on_l1) {
+            (true, false) => probe(out, 43),
+            _ => probe(l1, 44),
+        };
+        let dense = Vars::new(&x, &w.gate, &w.up, &w.down).unwrap();
+        let (out_d, l1_d) = dense_reglu(&dense.x, &dense.wg, &dense.wu, &dense.wd).unwrap();
+        let grads_d = dense.grads(&loss(&out_d, &l1_d)).unwrap();
+        let sparse = Vars::new(&x, &w.gate, &w.up, &w.down).unwrap();
+        let w_ud = up_down_matrix(&sparse.wu, &sparse.wd).unwrap();
+        let res = twell_mlp(&sparse.x, &sparse.wg, &w_ud, TwellConfig::default()).unwrap();
+        let grads_s = sparse.grads(&loss(&res.out, &res.l1)).unwrap();
+        for (g, (gs, gd)) in ["dx", "dWg", "dWu", "dWd"]
+            .iter()
+            .zip(grads_s.iter().zip(&grads_d))
+        {
+            let e = rel_l2(gs, gd).unwrap();
+            assert!(e < 1e-4, "{name}: {g} rel err {e}");
+        }
+    }
+}

@@ -102,10 +102,30 @@ impl MlpOutput {
         }
     }
 
-    /// Views of the op's flat result `[mlp_result_len(m, d)]`.
+    /// Views of an op's flat result `[mlp_result_len(m, d)]`.
     fn split(
         joined: Tensor,
         (m, d): (usize, usize),
+        activity: Activity,
+        config: crate::format::TwellConfig,
+        ffn: usize,
+    ) -> Result<Self> {
+        let (out, l1) = Self::views(&joined, m, d)?;
+        Self::new(out, l1, activity, config, ffn)
+    }
+
+    /// The `[m, d]` output rows and the `m` L1 terms of a flat result, as views.
+    fn views(joined: &Tensor, m: usize, d: usize) -> Result<(Tensor, Tensor)> {
+        Ok((
+            joined.narrow(0, 0, m * d)?.reshape((m, d))?,
+            joined.narrow(0, m * d, m)?,
+        ))
+    }
+
+    /// A pass's `out [M, d]` and `l1 [M]` with what it saw.
+    fn new(
+        out: Tensor,
+        l1: Tensor,
         activity: Activity,
         config: crate::format::TwellConfig,
         ffn: usize,
@@ -115,8 +135,8 @@ impl MlpOutput {
             Activity::Device { counts } => (None, None, Some(counts)),
         };
         Ok(Self {
-            out: joined.narrow(0, 0, m * d)?.reshape((m, d))?,
-            l1: joined.narrow(0, m * d, m)?,
+            out,
+            l1,
             pattern,
             gate_values,
             counts,

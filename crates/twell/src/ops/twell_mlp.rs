@@ -351,9 +351,23 @@ fn run(
         saved: saved.clone(),
     };
     let trace = Trace::begin("forward", x.device())?;
-    let joined = x
-        .contiguous()?
-        .apply_op3(&gate_proj.contiguous()?, &w_ud.contiguous()?, op)?;
+    let (x, gate_proj, w_ud) = (x.contiguous()?, gate_proj.contiguous()?, w_ud.contiguous()?);
+    // A pass that may be differentiated gives its output rows and L1 terms as two
+    // nodes (see `TwellMlpL1`); inference takes views of the flat result.
+    let (out, l1) = if op.keep_for_backward {
+        let handoff = Arc::new(Mutex::new(Handoff::default()));
+        let l1 = x.apply_op3(
+            &gate_proj,
+            &w_ud,
+            TwellMlpL1 {
+                inner: op,
+                handoff: handoff.clone(),
+            },
+        )?;
+        (l1.apply_op1(OutRows { handoff, d })?, l1)
+    } else {
+        MlpOutput::views(&x.apply_op3(&gate_proj, &w_ud, op)?, m, d)?
+    };
     if let Some(t) = trace {
         t.end(x.device())?;
     }
@@ -366,5 +380,152 @@ fn run(
         Some(Saved::Device { counts, .. }) => Activity::Device { counts },
         None => candle_core::bail!("twell-mlp: forward produced no pattern"),
     };
-    MlpOutput::split(joined, (m, d), activity, config, f)
+    MlpOutput::new(out, l1, activity, config, f)
+}
+
+/// What the two nodes of a differentiable MLP pass hand each other: the forward's
+/// output rows (for [`OutRows`] to return), and `d(loss)/d(out)` (for the backward of
+/// [`TwellMlpL1`]).
+#[derive(Default)]
+struct Handoff {
+    rows: Option<candle_core::Storage>,
+    dout: Option<Tensor>,
+}
+
+/// [`TwellMlp`] as the node of the L1 terms `[M]`: its forward runs the whole MLP and
+/// hands the `[M, d]` output rows to [`OutRows`], the node after it. candle's backward
+/// reaches `OutRows` first (it depends on this node), which hands `d(loss)/d(out)` back.
+/// One flat result split by two `narrow`s cost the backward a zeros tensor, a padded
+/// copy and an add over the whole result for each half.
+struct TwellMlpL1 {
+    inner: TwellMlp,
+    handoff: Arc<Mutex<Handoff>>,
+}
+
+impl TwellMlpL1 {
+    fn hand_over(&self, rows: candle_core::Storage) {
+        self.handoff.lock().expect("handoff lock").rows = Some(rows);
+    }
+}
+
+/// The `m` values of a flat CPU result from `start` on.
+fn cpu_tail(flat: &CpuStorage, start: usize, m: usize) -> Result<CpuStorage> {
+    Ok(match flat {
+        CpuStorage::F32(v) => CpuStorage::F32(v[start..start + m].to_vec()),
+        CpuStorage::BF16(v) => CpuStorage::BF16(v[start..start + m].to_vec()),
+        CpuStorage::F16(v) => CpuStorage::F16(v[start..start + m].to_vec()),
+        CpuStorage::F64(v) => CpuStorage::F64(v[start..start + m].to_vec()),
+        _ => candle_core::bail!("twell-mlp: a float result was expected"),
+    })
+}
+
+impl CustomOp3 for TwellMlpL1 {
+    fn name(&self) -> &'static str {
+        "twell-mlp-l1"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, d) = contiguous_2d("x", xl)?;
+        let (flat, _) = self.inner.cpu_fwd(xs, xl, gs, gl, ws, wl)?;
+        let l1 = cpu_tail(&flat, m * d, m)?;
+        self.hand_over(candle_core::Storage::Cpu(flat));
+        Ok((l1, Shape::from(m)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::WrapErr;
+        let (m, d) = contiguous_2d("x", xl)?;
+        let (flat, _) = self.inner.cuda_fwd(xs, xl, gs, gl, ws, wl)?;
+        let dev = flat.device.clone();
+        let tail = flat.as_cuda_slice::<half::bf16>()?.slice(m * d..m * d + m);
+        let l1 = dev.cuda_stream().clone_dtod(&tail).w()?;
+        self.hand_over(candle_core::Storage::Cuda(flat));
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(l1, dev),
+            Shape::from(m),
+        ))
+    }
+
+    /// The MLP's backward with `d(loss)/d(out)` from [`OutRows`] (zeros when the loss
+    /// does not use the output rows) and `grad` as the L1 terms' gradient.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gate_proj: &Tensor,
+        w_ud: &Tensor,
+        l1: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dout = self.handoff.lock().expect("handoff lock").dout.take();
+        let dout = match dout {
+            Some(g) => g.contiguous()?.flatten_all()?,
+            None => Tensor::zeros(x.elem_count(), l1.dtype(), l1.device())?,
+        };
+        let flat = Tensor::cat(&[&dout, &grad.to_dtype(dout.dtype())?.flatten_all()?], 0)?;
+        self.inner.bwd(x, gate_proj, w_ud, l1, &flat)
+    }
+}
+
+/// The `[M, d]` output rows of a [`TwellMlpL1`] pass, as the node after it: the forward
+/// returns the rows that pass handed over; the backward hands `d(loss)/d(out)` back and
+/// gives the L1 node a zero gradient of `M` values (so its backward always runs).
+struct OutRows {
+    handoff: Arc<Mutex<Handoff>>,
+    d: usize,
+}
+
+impl OutRows {
+    fn take_rows(&self) -> Result<candle_core::Storage> {
+        match self.handoff.lock().expect("handoff lock").rows.take() {
+            Some(rows) => Ok(rows),
+            None => candle_core::bail!("twell-mlp: no output rows to hand over"),
+        }
+    }
+}
+
+impl candle_core::CustomOp1 for OutRows {
+    fn name(&self) -> &'static str {
+        "twell-mlp-out-rows"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        match self.take_rows()? {
+            candle_core::Storage::Cpu(rows) => Ok((rows, Shape::from((l.dims()[0], self.d)))),
+            _ => candle_core::bail!("twell-mlp: output rows on another device"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        match self.take_rows()? {
+            candle_core::Storage::Cuda(rows) => Ok((rows, Shape::from((l.dims()[0], self.d)))),
+            _ => candle_core::bail!("twell-mlp: output rows on another device"),
+        }
+    }
+
+    fn bwd(&self, l1: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        self.handoff.lock().expect("handoff lock").dout = Some(grad.clone());
+        Ok(Some(l1.zeros_like()?))
+    }
 }
