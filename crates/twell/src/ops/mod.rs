@@ -19,7 +19,9 @@
 //! [`mlp_result_len`]`(M, d)` elements: the `[M, d]` output rows, then each token's L1
 //! term `Σ_j |h_j|` (a CustomOp has one output). Both come from the same pass, and both
 //! carry gradients, so the L1 penalty costs no extra sweep; the output rows stay
-//! contiguous, so a residual add or the next matmul reads them without a copy.
+//! contiguous, so a residual add or the next matmul reads them without a copy. A pass
+//! that may be differentiated gives them as two graph nodes instead of two views (see
+//! `twell_mlp.rs`), so the backward pads nothing.
 //! Weights for up and down travel as one neuron-major matrix `w_ud [f, 2d]` whose
 //! row `j` is `[Wu_j | Wd_j]`: an active neuron's weights are one contiguous read.
 
