@@ -10,6 +10,17 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+// One moment's update with the (scaled, possibly squared) gradient g.
+__device__ __forceinline__ float adam_moment(float beta, float m, float g) {
+    return fmaf(beta, m, (1.f - beta) * g);
+}
+
+// The parameter after the step, from its moments.
+__device__ __forceinline__ float adam_param(float p, float m, float v, float lr, float decay,
+                                            float inv_c1, float inv_c2, float eps) {
+    return p * decay - lr * ((m * inv_c1) / (sqrtf(v * inv_c2) + eps));
+}
+
 extern "C" __global__ void adamw_moment_f32(float* __restrict__ moment,
                                             const float* __restrict__ grad, long long n,
                                             float beta, float scale, int square) {
@@ -18,7 +29,7 @@ extern "C" __global__ void adamw_moment_f32(float* __restrict__ moment,
          i += stride) {
         float g = grad[i] * scale;
         if (square) g *= g;
-        moment[i] = fmaf(beta, moment[i], (1.f - beta) * g);
+        moment[i] = adam_moment(beta, moment[i], g);
     }
 }
 
@@ -28,8 +39,7 @@ extern "C" __global__ void adamw_update_f32(float* __restrict__ param, const flo
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
          i += stride) {
-        const float update = (m[i] * inv_c1) / (sqrtf(v[i] * inv_c2) + eps);
-        param[i] = param[i] * decay - lr * update;
+        param[i] = adam_param(param[i], m[i], v[i], lr, decay, inv_c1, inv_c2, eps);
     }
 }
 
@@ -46,12 +56,11 @@ __device__ __forceinline__ void adamw_mixed(float* __restrict__ state, const G* 
     for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
          i += stride) {
         const float g = static_cast<float>(grad[i]) * scale;
-        const float m = fmaf(beta1, state[n + i], (1.f - beta1) * g);
-        const float v = fmaf(beta2, state[2 * n + i], (1.f - beta2) * (g * g));
+        const float m = adam_moment(beta1, state[n + i], g);
+        const float v = adam_moment(beta2, state[2 * n + i], g * g);
         state[n + i] = m;
         state[2 * n + i] = v;
-        const float update = (m * inv_c1) / (sqrtf(v * inv_c2) + eps);
-        state[i] = state[i] * decay - lr * update;
+        state[i] = adam_param(state[i], m, v, lr, decay, inv_c1, inv_c2, eps);
     }
 }
 

@@ -2,7 +2,7 @@
 //! in place in one pass.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, DType, Layout, Result};
 
@@ -13,6 +13,38 @@ const ADAMW_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"));
 const THREADS: u32 = 256;
 /// Enough blocks to fill the GPU several times; each thread strides over the rest.
 const MAX_BLOCKS: usize = 132 * 16;
+
+/// A contiguous bf16 or f32 input of the kernels instantiated for both (`name_bf16`,
+/// `name_f32`).
+enum FloatView<'a> {
+    Bf16(CudaView<'a, half::bf16>),
+    F32(CudaView<'a, f32>),
+}
+
+impl<'a> FloatView<'a> {
+    /// bf16 as bf16, anything else checked as f32.
+    fn of(what: &str, s: &'a CudaStorage, l: &Layout) -> Result<Self> {
+        Ok(match s.dtype() {
+            DType::BF16 => Self::Bf16(super::typed_view(what, s, l, DType::BF16)?),
+            _ => Self::F32(super::typed_view(what, s, l, DType::F32)?),
+        })
+    }
+
+    /// The kernel name's dtype suffix.
+    fn suffix(&self) -> &'static str {
+        match self {
+            Self::Bf16(_) => "bf16",
+            Self::F32(_) => "f32",
+        }
+    }
+
+    fn push<'b>(&'b self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'b>) {
+        match self {
+            Self::Bf16(v) => b.arg(v),
+            Self::F32(v) => b.arg(v),
+        };
+    }
+}
 
 /// The updated tensor's f32 slice and its `[a, b)` range, checked contiguous.
 fn f32_target<'a>(
@@ -126,36 +158,12 @@ pub fn adamw_mixed(
     }
     let mut target = slice.slice_mut(a..b);
     let n_i = n as i64;
-    let (name, bf16_grad, f32_grad) = match grad.dtype() {
-        DType::BF16 => (
-            "adamw_mixed_bf16",
-            Some(super::typed_view::<half::bf16>(
-                "adamw: grad",
-                grad,
-                gl,
-                DType::BF16,
-            )?),
-            None,
-        ),
-        _ => (
-            "adamw_mixed_f32",
-            None,
-            Some(super::typed_view::<f32>(
-                "adamw: grad",
-                grad,
-                gl,
-                DType::F32,
-            )?),
-        ),
-    };
-    let func = dev.get_or_load_custom_func(name, "adamw", ADAMW_PTX)?;
+    let gv = FloatView::of("adamw: grad", grad, gl)?;
+    let func =
+        dev.get_or_load_custom_func(&format!("adamw_mixed_{}", gv.suffix()), "adamw", ADAMW_PTX)?;
     let mut builder = func.builder();
     builder.arg(&mut target);
-    if let Some(g) = &bf16_grad {
-        builder.arg(g);
-    } else if let Some(g) = &f32_grad {
-        builder.arg(g);
-    }
+    gv.push(&mut builder);
     builder.arg(&n_i);
     for x in &hp {
         builder.arg(x);
@@ -204,30 +212,11 @@ pub fn sum_squares(x: &CudaStorage, xl: &Layout) -> Result<CudaStorage> {
     let n = xl.shape().elem_count();
     let mut out = dev.alloc_zeros::<f32>(1)?;
     let n_i = n as i64;
-    let (name, bf16_view, f32_view) = match x.dtype() {
-        DType::BF16 => (
-            "sum_squares_bf16",
-            Some(super::typed_view::<half::bf16>(
-                "sum_squares",
-                x,
-                xl,
-                DType::BF16,
-            )?),
-            None,
-        ),
-        _ => (
-            "sum_squares_f32",
-            None,
-            Some(super::typed_view::<f32>("sum_squares", x, xl, DType::F32)?),
-        ),
-    };
-    let func = dev.get_or_load_custom_func(name, "adamw", ADAMW_PTX)?;
+    let xv = FloatView::of("sum_squares", x, xl)?;
+    let func =
+        dev.get_or_load_custom_func(&format!("sum_squares_{}", xv.suffix()), "adamw", ADAMW_PTX)?;
     let mut builder = func.builder();
-    if let Some(v) = &bf16_view {
-        builder.arg(v);
-    } else if let Some(v) = &f32_view {
-        builder.arg(v);
-    }
+    xv.push(&mut builder);
     builder.arg(&n_i).arg(&mut out);
     // SAFETY: a grid-stride loop bounded by n over n contiguous values; one f32 output.
     unsafe { builder.launch(launch(n)) }.w()?;

@@ -42,6 +42,18 @@ struct AdamwUpdate {
     eps: f32,
 }
 
+/// One moment's update with the (scaled, possibly squared) gradient `g`.
+fn moment(beta: f32, m: f32, g: f32) -> f32 {
+    beta.mul_add(m, (1.0 - beta) * g)
+}
+
+impl AdamwUpdate {
+    /// The parameter after the step, from its moments.
+    fn apply(&self, p: f32, m: f32, v: f32) -> f32 {
+        p * self.decay - self.lr * ((m * self.inv_c1) / ((v * self.inv_c2).sqrt() + self.eps))
+    }
+}
+
 /// A contiguous f32 slice of a CPU storage.
 fn cpu_f32<'a>(what: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
@@ -84,7 +96,7 @@ impl InplaceOp2 for AdamwMoment {
                 } else {
                     g * scale
                 };
-                *m = beta.mul_add(*m, (1.0 - beta) * g);
+                *m = moment(beta, *m, g);
             });
         Ok(())
     }
@@ -116,19 +128,10 @@ impl InplaceOp3 for AdamwUpdate {
         vl: &Layout,
     ) -> Result<()> {
         let (m, v) = (cpu_f32("m", ms, ml)?, cpu_f32("v", vs, vl)?);
-        let AdamwUpdate {
-            lr,
-            decay,
-            inv_c1,
-            inv_c2,
-            eps,
-        } = *self;
         cpu_f32_mut(ps, pl)?
             .par_iter_mut()
             .zip(m.par_iter().zip(v.par_iter()))
-            .for_each(|(p, (&m, &v))| {
-                *p = *p * decay - lr * ((m * inv_c1) / ((v * inv_c2).sqrt() + eps));
-            });
+            .for_each(|(p, (&m, &v))| *p = self.apply(*p, m, v));
         Ok(())
     }
 
@@ -270,9 +273,9 @@ impl InplaceOp2 for AdamwMixed {
             .zip(g.par_iter())
             .for_each(|((p, (m, v)), &g)| {
                 let g = g * scale;
-                *m = beta1.mul_add(*m, (1.0 - beta1) * g);
-                *v = beta2.mul_add(*v, (1.0 - beta2) * (g * g));
-                *p = *p * u.decay - u.lr * ((*m * u.inv_c1) / ((*v * u.inv_c2).sqrt() + u.eps));
+                *m = moment(beta1, *m, g);
+                *v = moment(beta2, *v, g * g);
+                *p = u.apply(*p, *m, *v);
             });
         Ok(())
     }
