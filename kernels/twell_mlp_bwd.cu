@@ -9,10 +9,12 @@
 //
 // Two kernels, one warp per token row each, so nothing is spent on inactive neurons:
 // * `grads`: dout's row in registers, one contiguous read of Wd_j per active neuron;
-//   scatters h, dg and du into zeroed dense [M, f] matrices, from which cuBLAS forms
-//   the weight gradients (dWg = dGᵀ x, dWu = dUᵀ x, dWd = Hᵀ dout), and writes dg and
-//   du of listed slots in slot layout too. g and u of listed slots come from the
-//   forward pass; overflowing tiles recompute both (rare).
+//   writes dg and du of listed slots in slot layout. g and u of listed slots come from
+//   the forward pass; overflowing tiles recompute both (rare) and write their whole
+//   tile of h, dg and du into dense [M, f] matrices (zeros where inactive). With
+//   `dense_all` every pair goes to those (zeroed) matrices too, for the cuBLAS weight
+//   gradients (dWg = dGᵀ x, dWu = dUᵀ x, dWd = Hᵀ dout).
+// The weight gradients' sparse path (`wgrad_*`, below) regroups the pairs by neuron.
 // * `dx`: dx's row accumulated in registers, reads of Wg_j and Wu_j per active neuron;
 //   dg and du come from the slot arrays (one coalesced load per tile, where reading
 //   them from the dense matrices scattered a load per slot).
@@ -34,7 +36,7 @@ __device__ void grads_row(const __nv_bfloat16* __restrict__ x,       // [M, d]
                           __nv_bfloat16* __restrict__ du_out,        // [M, f], zeroed
                           __nv_bfloat16* __restrict__ dg_slots,      // [M, n_tiles, cap]
                           __nv_bfloat16* __restrict__ du_slots,      // [M, n_tiles, cap]
-                          int M, int d, int f, int tile, int cap, int n_tiles) {
+                          int dense_all, int M, int d, int f, int tile, int cap, int n_tiles) {
     const long long row = global_warp();
     const int lane = threadIdx.x & 31;
     if (row >= M) return;
@@ -46,16 +48,18 @@ __device__ void grads_row(const __nv_bfloat16* __restrict__ x,       // [M, d]
     // dout . Wd_j, in every lane.
     auto dot_dout = [&](int j) { return registers_dot<MAXV>(dr, w_ud + j * two_d + d, d); };
     const long long base = row * f;
-    // Writes the gradients of active neuron j from its g, u and dout . Wd_j, and
-    // returns (dg, du).
-    auto store = [&](int j, float g, float u, float dd) {
+    // The gradients of active neuron j from its g, u and dout . Wd_j: (dg, du), and
+    // into the dense matrices when `dense`.
+    auto store = [&](int j, float g, float u, float dd, bool dense) {
         const float h = g * u;
         const float sign = (h > 0.f) - (h < 0.f);
         const float dh = dd + dl * sign;
         const __nv_bfloat16 dg = __float2bfloat16(dh * u), du = __float2bfloat16(dh * g);
-        h_out[base + j] = __float2bfloat16(h);
-        dg_out[base + j] = dg;
-        du_out[base + j] = du;
+        if (dense) {
+            h_out[base + j] = __float2bfloat16(h);
+            dg_out[base + j] = dg;
+            du_out[base + j] = du;
+        }
         return __halves2bfloat162(dg, du);
     };
 
@@ -69,7 +73,7 @@ __device__ void grads_row(const __nv_bfloat16* __restrict__ x,       // [M, d]
                 if (lane == q) mine = dd;
             }
             if (slot >= 0) {
-                const __nv_bfloat162 both = store(j, g, u, mine);
+                const __nv_bfloat162 both = store(j, g, u, mine, dense_all != 0);
                 dg_slots[slot] = both.x;
                 du_slots[slot] = both.y;
             }
@@ -97,7 +101,16 @@ __device__ void grads_row(const __nv_bfloat16* __restrict__ x,       // [M, d]
                         dd = ddq;
                     }
                 }
-                if (col < width && g > 0.f) store(c0 + col, g, u, dd);
+                if (col < width && g > 0.f) {
+                    store(c0 + col, g, u, dd, true);
+                } else if (col < width) {
+                    // Without `dense_all` the matrices are not zeroed: the tile's
+                    // readers (`dx`, the sparse weight gradients) need its zeros.
+                    const __nv_bfloat16 zero = __float2bfloat16(0.f);
+                    h_out[base + c0 + col] = zero;
+                    dg_out[base + c0 + col] = zero;
+                    du_out[base + c0 + col] = zero;
+                }
             }
         });
 }
@@ -177,9 +190,10 @@ __device__ void dx_row(const __nv_bfloat16* __restrict__ wg,      // [f, d]
         const __nv_bfloat16* __restrict__ g_slots, const __nv_bfloat16* __restrict__ u_slots,              \
         __nv_bfloat16* __restrict__ h_out, __nv_bfloat16* __restrict__ dg_out,                             \
         __nv_bfloat16* __restrict__ du_out, __nv_bfloat16* __restrict__ dg_slots,                          \
-        __nv_bfloat16* __restrict__ du_slots, int M, int d, int f, int tile, int cap, int n_tiles) {       \
+        __nv_bfloat16* __restrict__ du_slots, int dense_all, int M, int d, int f, int tile, int cap,       \
+        int n_tiles) {                                                                                     \
         grads_row<MAXV>(x, dres, wg, w_ud, counts, indices, g_slots, u_slots, h_out, dg_out, du_out,       \
-                        dg_slots, du_slots, M, d, f, tile, cap, n_tiles);                                  \
+                        dg_slots, du_slots, dense_all, M, d, f, tile, cap, n_tiles);                       \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(256) twell_mlp_bwd_dx_bf16_v##MAXV(                        \
         const __nv_bfloat16* __restrict__ wg, const __nv_bfloat16* __restrict__ w_ud,                      \
@@ -195,3 +209,246 @@ BWD_ROW_KERNELS(2)
 BWD_ROW_KERNELS(4)
 BWD_ROW_KERNELS(8)
 BWD_ROW_KERNELS(16)
+
+// ---- Sparse weight gradients ----
+//
+// Per neuron j, over the tokens t where it fired:
+//   dWg_j = Σ dg_tj x_t,   dWu_j = Σ du_tj x_t,   dWd_j = Σ h_tj dout_t.
+// The forward's pattern is token-major, so its pairs are first regrouped by neuron, a
+// counting sort in three steps: `wgrad_pairs<true>` counts each neuron's pairs per chunk
+// of PAIR_CHUNK tokens, the two scans turn the counts into places, and
+// `wgrad_pairs<false>` writes each pair's slot index at its place. A (token, tile) past
+// the capacity lists no slots: it goes on its tile's list of overflowing tokens (column
+// f + tile of the counts), whose values the accumulation reads from the dense matrices.
+// Ranks within a warp come from `__match_any_sync`, so the order (and the f32 sums) are
+// the same on every run.
+#define PAIR_CHUNK 128
+
+template <bool COUNT>
+__device__ void pairs_chunk(const uint32_t* __restrict__ counts,    // [M, n_tiles]
+                            const uint8_t* __restrict__ indices,    // [M, n_tiles, cap]
+                            uint32_t* __restrict__ chunk_counts,    // [n_chunks, f + n_tiles]
+                            const uint32_t* __restrict__ starts,    // [f + n_tiles + 1]
+                            uint32_t* __restrict__ pairs,
+                            int M, int f, int tile, int cap, int n_tiles) {
+    __shared__ uint32_t local[257];
+    const int lane = threadIdx.x;
+    const int chunk = blockIdx.x, t = blockIdx.y;
+    const int width = min(tile, f - t * tile);
+    const long long n_cols = static_cast<long long>(f) + n_tiles;
+    // Local column `width` is the tile's overflow list.
+    auto global_col = [&](int c) { return c == width ? f + t : t * tile + c; };
+    for (int c = lane; c <= width; c += 32) local[c] = 0;
+    __syncwarp();
+    const long long first = static_cast<long long>(chunk) * PAIR_CHUNK;
+    const long long last = min(static_cast<long long>(M), first + PAIR_CHUNK);
+    for (long long r0 = first; r0 < last; r0 += 32) {
+        const long long row = r0 + lane;
+        const int n = row < last ? static_cast<int>(counts[row * n_tiles + t]) : 0;
+        const bool over = n > cap;
+        const int listed = over ? 1 : n;
+        const int most = __reduce_max_sync(FULL_MASK, listed);
+        const long long s0 = (row * n_tiles + t) * static_cast<long long>(cap);
+        for (int k = 0; k < most; ++k) {
+            int c = -1;
+            uint32_t entry = 0;
+            if (k < listed) {
+                c = over ? width : indices[s0 + k];
+                entry = over ? static_cast<uint32_t>(row) : static_cast<uint32_t>(s0 + k);
+            }
+            const uint32_t peers = __match_any_sync(FULL_MASK, c);
+            const int rank = __popc(peers & ((1u << lane) - 1));
+            const uint32_t before = c >= 0 ? local[c] : 0;
+            if (!COUNT && c >= 0) {
+                const int gc = global_col(c);
+                pairs[starts[gc] + chunk_counts[chunk * n_cols + gc] + before + rank] = entry;
+            }
+            __syncwarp();
+            if (c >= 0 && rank == 0) local[c] = before + __popc(peers);
+            __syncwarp();
+        }
+    }
+    if (COUNT)
+        for (int c = lane; c <= width; c += 32) chunk_counts[chunk * n_cols + global_col(c)] = local[c];
+}
+
+// Grid (chunks, tiles), one warp each.
+extern "C" __global__ void __launch_bounds__(32) twell_wgrad_pair_counts(
+    const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices, uint32_t* __restrict__ chunk_counts,
+    int M, int f, int tile, int cap, int n_tiles) {
+    pairs_chunk<true>(counts, indices, chunk_counts, nullptr, nullptr, M, f, tile, cap, n_tiles);
+}
+
+extern "C" __global__ void __launch_bounds__(32) twell_wgrad_pair_places(
+    const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
+    const uint32_t* __restrict__ chunk_counts, const uint32_t* __restrict__ starts, uint32_t* __restrict__ pairs,
+    int M, int f, int tile, int cap, int n_tiles) {
+    pairs_chunk<false>(counts, indices, const_cast<uint32_t*>(chunk_counts), starts, pairs, M, f, tile, cap,
+                       n_tiles);
+}
+
+// Each column's chunk counts become exclusive prefix sums over the chunks; the column
+// totals go to `totals`. A thread per column.
+extern "C" __global__ void twell_wgrad_scan_chunks(uint32_t* __restrict__ chunk_counts,
+                                                   uint32_t* __restrict__ totals, int n_chunks, int n_cols) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= n_cols) return;
+    // Eight chunks' loads at a time are issued before their stores, so they overlap.
+    constexpr int BATCH = 8;
+    uint32_t running = 0;
+    for (int k0 = 0; k0 < n_chunks; k0 += BATCH) {
+        uint32_t v[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k)
+            v[k] = k0 + k < n_chunks ? chunk_counts[static_cast<long long>(k0 + k) * n_cols + c] : 0;
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            if (k0 + k < n_chunks) chunk_counts[static_cast<long long>(k0 + k) * n_cols + c] = running;
+            running += v[k];
+        }
+    }
+    totals[c] = running;
+}
+
+// starts[c] = Σ totals[< c], starts[n_cols] = all pairs: one block of SCAN_THREADS
+// threads, each summing a contiguous run of columns.
+#define SCAN_THREADS 1024
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS) twell_wgrad_scan_columns(
+    const uint32_t* __restrict__ totals, uint32_t* __restrict__ starts, int n_cols) {
+    __shared__ uint32_t warp_sums[SCAN_THREADS / 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int per = (n_cols + SCAN_THREADS - 1) / SCAN_THREADS;
+    const int lo = min(n_cols, tid * per), hi = min(n_cols, lo + per);
+    uint32_t mine = 0;
+    for (int c = lo; c < hi; ++c) mine += totals[c];
+    // Inclusive scan of the threads' sums: within each warp, then across warps.
+    uint32_t incl = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t v = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += v;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        uint32_t w = warp_sums[lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const uint32_t v = __shfl_up_sync(FULL_MASK, w, o);
+            if (lane >= o) w += v;
+        }
+        warp_sums[lane] = w;
+    }
+    __syncthreads();
+    uint32_t running = incl - mine + (warp > 0 ? warp_sums[warp - 1] : 0);
+    for (int c = lo; c < hi; ++c) {
+        starts[c] = running;
+        running += totals[c];
+    }
+    if (tid == SCAN_THREADS - 1) starts[n_cols] = running;
+}
+
+// One block per neuron j; thread i owns columns [8i, 8i + 8) of each blockDim.x * 8
+// column chunk. SIDE 0 sums dWg_j and dWu_j from the rows of x, SIDE 1 sums dWd_j
+// from the rows of dout (two kernels, so each one's rows, 2 · M · d bytes, stay in L2).
+// A batch of blockDim.x pairs is staged in shared memory (token, coefficients), then
+// every thread walks it with four rows' loads in flight.
+template <int SIDE>
+__device__ void wgrad_neuron(const __nv_bfloat16* __restrict__ rows,    // [M, d]: x or dout
+                             const uint32_t* __restrict__ pairs, const uint32_t* __restrict__ starts,
+                             const __nv_bfloat16* __restrict__ slots_a,  // dg (SIDE 0) or g
+                             const __nv_bfloat16* __restrict__ slots_b,  // du (SIDE 0) or u
+                             const __nv_bfloat16* __restrict__ dense_a,  // [M, f]: dg or h
+                             const __nv_bfloat16* __restrict__ dense_b,  // [M, f]: du (SIDE 0)
+                             __nv_bfloat16* __restrict__ out_a, long long ld_a,
+                             __nv_bfloat16* __restrict__ out_b, long long ld_b,
+                             int d, int f, int tile, int cap, int n_tiles) {
+    constexpr int MAX_BATCH = 256;
+    __shared__ uint32_t tok[MAX_BATCH];
+    __shared__ float coef_a[MAX_BATCH], coef_b[MAX_BATCH];
+    const int j = blockIdx.x;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const long long row_slots = static_cast<long long>(n_tiles) * cap;
+    const int t = j / tile;
+    const uint32_t ranges[2][2] = {{starts[j], starts[j + 1]}, {starts[f + t], starts[f + t + 1]}};
+    for (int c0 = 0; c0 < d; c0 += nt * VEC) {
+        const int e = c0 + tid * VEC;
+        const bool mine = e < d;
+        float acc_a[VEC], acc_b[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc_a[k] = acc_b[k] = 0.f;
+        auto add = [&](const float* r, float a, float b) {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                acc_a[k] = fmaf(a, r[k], acc_a[k]);
+                if (SIDE == 0) acc_b[k] = fmaf(b, r[k], acc_b[k]);
+            }
+        };
+        for (int range = 0; range < 2; ++range) {
+            const bool overflow = range == 1;
+            for (uint32_t b0 = ranges[range][0]; b0 < ranges[range][1]; b0 += nt) {
+                const uint32_t i = b0 + tid;
+                if (i < ranges[range][1]) {
+                    const uint32_t entry = pairs[i];
+                    float a, b = 0.f;
+                    long long token;
+                    if (!overflow) {
+                        token = entry / row_slots;
+                        const float sa = __bfloat162float(slots_a[entry]), sb = __bfloat162float(slots_b[entry]);
+                        // SIDE 1: h = g · u, rounded as the forward's h was.
+                        a = SIDE == 0 ? sa : round_bf16(sa * sb);
+                        if (SIDE == 0) b = sb;
+                    } else {
+                        token = entry;
+                        a = __bfloat162float(dense_a[token * f + j]);
+                        if (SIDE == 0) b = __bfloat162float(dense_b[token * f + j]);
+                    }
+                    tok[tid] = static_cast<uint32_t>(token);
+                    coef_a[tid] = a;
+                    coef_b[tid] = b;
+                }
+                __syncthreads();
+                const int n = min(nt, static_cast<int>(ranges[range][1] - b0));
+                if (mine) {
+                    int q = 0;
+                    for (; q + 4 <= n; q += 4) {
+                        float r[4][VEC];
+#pragma unroll
+                        for (int u = 0; u < 4; ++u) load8(rows + static_cast<long long>(tok[q + u]) * d + e, r[u]);
+#pragma unroll
+                        for (int u = 0; u < 4; ++u) add(r[u], coef_a[q + u], coef_b[q + u]);
+                    }
+                    for (; q < n; ++q) {
+                        float r[VEC];
+                        load8(rows + static_cast<long long>(tok[q]) * d + e, r);
+                        add(r, coef_a[q], coef_b[q]);
+                    }
+                }
+                __syncthreads();
+            }
+        }
+        if (mine) {
+            store8(out_a + j * ld_a + e, acc_a);
+            if (SIDE == 0) store8(out_b + j * ld_b + e, acc_b);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) twell_wgrad_gate_up_bf16(
+    const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ pairs, const uint32_t* __restrict__ starts,
+    const __nv_bfloat16* __restrict__ dg_slots, const __nv_bfloat16* __restrict__ du_slots,
+    const __nv_bfloat16* __restrict__ dg, const __nv_bfloat16* __restrict__ du, __nv_bfloat16* __restrict__ dwg,
+    __nv_bfloat16* __restrict__ dw_ud, int d, int f, int tile, int cap, int n_tiles) {
+    wgrad_neuron<0>(x, pairs, starts, dg_slots, du_slots, dg, du, dwg, d, dw_ud, 2LL * d, d, f, tile, cap,
+                    n_tiles);
+}
+
+extern "C" __global__ void __launch_bounds__(256) twell_wgrad_down_bf16(
+    const __nv_bfloat16* __restrict__ dout, const uint32_t* __restrict__ pairs, const uint32_t* __restrict__ starts,
+    const __nv_bfloat16* __restrict__ g_slots, const __nv_bfloat16* __restrict__ u_slots,
+    const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __restrict__ dw_ud, int d, int f, int tile, int cap,
+    int n_tiles) {
+    // dWd_j is the second half of row j of [f, 2d].
+    wgrad_neuron<1>(dout, pairs, starts, g_slots, u_slots, h, nullptr, dw_ud + d, 2LL * d, nullptr, 0, d, f,
+                    tile, cap, n_tiles);
+}

@@ -104,6 +104,8 @@ struct BackwardResult {
     tile: usize,
     compression: usize,
     target_density: f64,
+    /// How the weight gradients were formed.
+    weight_grads: String,
     overflow_tiles: usize,
     /// Relative L2 error of dx, d gate_proj, d up_proj, d down_proj.
     err: [f64; 4],
@@ -115,7 +117,12 @@ struct BackwardResult {
 /// The backward pass of a CUDA forward against dense f32 autograd on the same bf16
 /// numbers, under a random loss `Σ out ⊙ r + Σ l1 ⊙ s` (so every output gradient
 /// differs).
-fn check_backward(dev: &Device, case: Case, seed: u64) -> Result<BackwardResult> {
+fn check_backward(
+    dev: &Device,
+    case: Case,
+    weight_grads: twell::WeightGrads,
+    seed: u64,
+) -> Result<BackwardResult> {
     let (m, d, f, density, tile, cf) = case;
     let (config, w, x) = case_inputs(dev, case, seed)?;
     let vars = [&x, &w.gate, &w.up, &w.down]
@@ -124,11 +131,12 @@ fn check_backward(dev: &Device, case: Case, seed: u64) -> Result<BackwardResult>
     let s = Tensor::randn(0f32, 1.0, m, dev)?;
     let bf = |v: &Var| v.as_tensor().to_dtype(DType::BF16);
     let calls_before = twell::device_backward_calls();
-    let res = twell_mlp(
+    let res = twell::twell_mlp_with_weight_grads(
         &bf(&vars[0])?,
         &bf(&vars[1])?,
         &up_down_matrix(&bf(&vars[2])?, &bf(&vars[3])?)?,
         config,
+        weight_grads,
     )?;
     let (overflow_tiles, _) = res.overflow()?;
     let loss = ((res.out.to_dtype(DType::F32)? * &r)?.sum_all()?
@@ -163,6 +171,7 @@ fn check_backward(dev: &Device, case: Case, seed: u64) -> Result<BackwardResult>
         tile,
         compression: cf,
         target_density: density,
+        weight_grads: format!("{weight_grads:?}").to_lowercase(),
         overflow_tiles,
         err,
         on_device,
@@ -741,13 +750,14 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         (131072, 576, 1536, 0.02, 256, 8),
     ];
     println!(
-        "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} device pass",
+        "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>8} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} device pass",
         "M",
         "d",
         "d_ff",
         "tile",
         "cf",
         "target",
+        "wgrad",
         "overflow",
         "err dx",
         "err dWg",
@@ -755,14 +765,19 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         "err dWd"
     );
     let mut backward = Vec::new();
+    // Every case with each way of forming the weight gradients.
+    let weight_grads = [twell::WeightGrads::Sparse, twell::WeightGrads::Dense];
     for (k, &case) in bwd_cases.iter().enumerate() {
-        let r = check_backward(&dev, case, 500 + k as u64)?;
-        println!(
-            "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>9} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>6} {}",
-            r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, r.overflow_tiles,
-            r.err[0], r.err[1], r.err[2], r.err[3], r.on_device, if r.pass { "ok" } else { "FAIL" }
-        );
-        backward.push(r);
+        for wg in weight_grads {
+            let r = check_backward(&dev, case, wg, 500 + k as u64)?;
+            println!(
+                "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>6} {:>9} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>6} {}",
+                r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, r.weight_grads,
+                r.overflow_tiles, r.err[0], r.err[1], r.err[2], r.err[3], r.on_device,
+                if r.pass { "ok" } else { "FAIL" }
+            );
+            backward.push(r);
+        }
     }
     // (b, heads, t, kv_heads, T, hd): decode with a cache (the one-query kernel, and past
     // its key limit the prefill kernel), grouped heads, prefill.

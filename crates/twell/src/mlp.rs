@@ -12,7 +12,7 @@ use candle_nn::VarBuilder;
 use crate::cpu::screen::{GateScreen, SCREEN_MAX_DENSITY, SCREEN_MAX_ROWS};
 use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
-use crate::ops::{twell_mlp, twell_mlp_screened, up_down_matrix};
+use crate::ops::{twell_mlp_screened, twell_mlp_with_weight_grads, up_down_matrix, WeightGrads};
 
 /// Not a trainable variable nor part of an autograd graph: a copy made of it once
 /// stays valid.
@@ -352,14 +352,17 @@ impl SparseMlp {
     }
 
     /// Whether this call should measure the density: always on the host (free), and
-    /// on a GPU every `AUTO_RECHECK_CALLS` calls in Auto mode (a read-back is a sync).
+    /// on a GPU every `AUTO_RECHECK_CALLS` calls in Auto mode or when training (a
+    /// read-back is a sync; the backward picks its weight-gradient path from it).
     fn measure_now(&self, device: &candle_core::Device) -> bool {
         let call = self
             .calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let training = !frozen(&self.gate) || !frozen(&self.up) || !frozen(&self.down);
+        let recheck = call.is_multiple_of(AUTO_RECHECK_CALLS);
         self.record_stats
-            || (self.mode == FfnMode::Auto
-                && (device.is_cpu() || call.is_multiple_of(AUTO_RECHECK_CALLS)))
+            || (self.mode == FfnMode::Auto && (device.is_cpu() || recheck))
+            || (training && device.is_cuda() && recheck)
     }
 
     /// The neuron-major `[f, 2d]` up/down matrix: rebuilt (differentiably) when the
@@ -447,7 +450,16 @@ impl SparseMlp {
                 Some(screen) => {
                     twell_mlp_screened(&x2, &self.gate, &self.up_down()?, self.config, screen)?
                 }
-                None => twell_mlp(&x2, &self.gate, &self.up_down()?, self.config)?,
+                None => {
+                    let last = *self.last_density.lock().expect("density lock");
+                    twell_mlp_with_weight_grads(
+                        &x2,
+                        &self.gate,
+                        &self.up_down()?,
+                        self.config,
+                        WeightGrads::for_density(last),
+                    )?
+                }
             };
             // Host ops know their density for free; a device op's counts are read
             // back (a sync) only when measuring.

@@ -74,6 +74,18 @@ struct KernelDims {
 }
 
 impl KernelDims {
+    /// The shape arguments of the pair-grouping kernels: all but d.
+    fn push_pattern<'a>(
+        &'a self,
+        b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>,
+    ) {
+        b.arg(&self.m)
+            .arg(&self.f)
+            .arg(&self.tile)
+            .arg(&self.cap)
+            .arg(&self.n_tiles);
+    }
+
     fn push<'a>(&'a self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
         b.arg(&self.m)
             .arg(&self.d)
@@ -629,8 +641,10 @@ pub fn twell_mlp_forward(
 /// holds d(loss)/d(out) `[m, d]`, then d(loss)/d(L1 term) per token. Returns
 /// `(dx [m, d], d gate_proj [f, d], d w_ud [f, 2d])`, all bf16.
 ///
-/// The row kernels (`twell_mlp_bwd.cu`) scatter h, dg and du into dense `[m, f]`
-/// matrices and form dx; cuBLAS then forms the three weight gradients from them.
+/// The row kernels (`twell_mlp_bwd.cu`) form dg and du per listed slot and dx. The
+/// weight gradients come per active pair with `sparse_weight_grads` (tokens grouped by
+/// neuron, [`sparse_weight_grads`]), else from three cuBLAS GEMMs over h, dg and du
+/// scattered into dense `[m, f]` matrices.
 #[allow(clippy::too_many_arguments)]
 pub fn twell_mlp_backward(
     x: &CudaStorage,
@@ -645,6 +659,7 @@ pub fn twell_mlp_backward(
     cl: &Layout,
     state: &BackwardState,
     config: TwellConfig,
+    sparse_weight_grads: bool,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     let (m, d) = xl.shape().dims2()?;
     let f = wl.shape().dims2()?.0;
@@ -687,9 +702,20 @@ pub fn twell_mlp_backward(
         cap: cap as i32,
         n_tiles: n_tiles as i32,
     };
-    let mut h = dev.alloc_zeros::<bf16>(m * f)?;
-    let mut dg = dev.alloc_zeros::<bf16>(m * f)?;
-    let mut du = dev.alloc_zeros::<bf16>(m * f)?;
+    // The pair lists index slots with u32.
+    let sparse_weight_grads = sparse_weight_grads && m * n_tiles * (cap + 1) < u32::MAX as usize;
+    // The dense h, dg and du: the GEMMs read them whole (zeroed, every pair scattered
+    // in); the sparse path reads only overflowing tiles, which `grads` writes whole.
+    let dense = |dev: &CudaDevice| -> Result<CudaSlice<bf16>> {
+        if sparse_weight_grads {
+            // SAFETY: only overflowing tiles are read, and `grads` writes them whole.
+            unsafe { dev.alloc::<bf16>(m * f) }
+        } else {
+            dev.alloc_zeros::<bf16>(m * f)
+        }
+    };
+    let (mut h, mut dg, mut du) = (dense(&dev)?, dense(&dev)?, dense(&dev)?);
+    let dense_all = i32::from(!sparse_weight_grads);
     // SAFETY: the row kernel writes every row of dx, and `grads` every listed slot
     // of dg_slots and du_slots (the only ones `dx` reads).
     let mut dx = unsafe { dev.alloc::<bf16>(m * d)? };
@@ -713,7 +739,8 @@ pub fn twell_mlp_backward(
         .arg(&mut dg)
         .arg(&mut du)
         .arg(&mut dg_slots)
-        .arg(&mut du_slots);
+        .arg(&mut du_slots)
+        .arg(&dense_all);
     dims.push(&mut b);
     // SAFETY: one warp per row, bounds checked in the kernel.
     unsafe { b.launch(warp_launch(m)?) }.w()?;
@@ -736,9 +763,31 @@ pub fn twell_mlp_backward(
     // SAFETY: one warp per row, bounds checked in the kernel.
     unsafe { b.launch(warp_launch(m)?) }.w()?;
 
-    // SAFETY: the GEMMs below write every element.
+    // SAFETY: the GEMMs or the sparse kernels below write every element.
     let mut dwg = unsafe { dev.alloc::<bf16>(f * d)? };
     let mut dw_ud = unsafe { dev.alloc::<bf16>(f * 2 * d)? };
+    if sparse_weight_grads {
+        let pattern = PairPattern {
+            counts: &countv,
+            indices: &state.indices,
+            dims: &dims,
+        };
+        let coefficients = PairCoefficients {
+            g_slots: &state.g_slots,
+            u_slots: &state.u_slots,
+            dg_slots: &dg_slots,
+            du_slots: &du_slots,
+            h: &h,
+            dg: &dg,
+            du: &du,
+        };
+        sparse_weight_grads_into(&dev, &xv, &rv, pattern, coefficients, &mut dwg, &mut dw_ud)?;
+        return Ok((
+            CudaStorage::wrap_cuda_slice(dx, dev.clone()),
+            CudaStorage::wrap_cuda_slice(dwg, dev.clone()),
+            CudaStorage::wrap_cuda_slice(dw_ud, dev),
+        ));
+    }
     let blas = dev.cublas_handle();
     // Row-major dW [f, ldc] = Mᵀ [f, m] · A [m, d] is column-major dWᵀ = Aᵀ · M:
     // A read as column-major [d, m] (lda its row length), M as [f, m] transposed.
@@ -768,6 +817,141 @@ pub fn twell_mlp_backward(
         CudaStorage::wrap_cuda_slice(dwg, dev.clone()),
         CudaStorage::wrap_cuda_slice(dw_ud, dev),
     ))
+}
+
+/// Tokens per chunk of the pair-grouping kernels (`PAIR_CHUNK` in the .cu).
+const PAIR_CHUNK: usize = 128;
+/// Threads of the one-block column scan (`SCAN_THREADS` in the .cu).
+const SCAN_THREADS: u32 = 1024;
+
+/// The forward's pattern, as the pair-grouping kernels read it.
+struct PairPattern<'a, 'b> {
+    counts: &'a CudaView<'b, u32>,
+    indices: &'a CudaSlice<u8>,
+    dims: &'a KernelDims,
+}
+
+/// Where the weight gradients' coefficients are: per listed slot (g, u from the
+/// forward, dg, du from `grads`), and in the dense matrices for overflowing tiles.
+struct PairCoefficients<'a> {
+    g_slots: &'a CudaSlice<bf16>,
+    u_slots: &'a CudaSlice<bf16>,
+    dg_slots: &'a CudaSlice<bf16>,
+    du_slots: &'a CudaSlice<bf16>,
+    h: &'a CudaSlice<bf16>,
+    dg: &'a CudaSlice<bf16>,
+    du: &'a CudaSlice<bf16>,
+}
+
+/// The three weight gradients per active (token, neuron) pair: the pairs are grouped by
+/// neuron (a counting sort over chunks of tokens, `twell_wgrad_pair_*` and the two
+/// scans), then a block per neuron sums `dg x` and `du x` over its tokens' rows of x,
+/// and another `h dout` over their rows of dout. At 0.5% density this reads about
+/// 2 · 8 KB per pair where the three GEMMs cost 6 · M · d · f FLOP.
+fn sparse_weight_grads_into(
+    dev: &CudaDevice,
+    x: &CudaView<bf16>,
+    dres: &CudaView<bf16>,
+    pattern: PairPattern<'_, '_>,
+    c: PairCoefficients<'_>,
+    dwg: &mut CudaSlice<bf16>,
+    dw_ud: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    let dims = pattern.dims;
+    let (m, d, f) = (dims.m as usize, dims.d as usize, dims.f as usize);
+    let (cap, n_tiles) = (dims.cap as usize, dims.n_tiles as usize);
+    let n_cols = f + n_tiles;
+    let n_chunks = m.div_ceil(PAIR_CHUNK);
+    let (n_cols_i, n_chunks_i) = (n_cols as i32, n_chunks as i32);
+    let load = |name: &str| dev.get_or_load_custom_func(name, "twell_mlp_bwd", TWELL_MLP_BWD_PTX);
+    let pair_grid = LaunchConfig {
+        grid_dim: (n_chunks as u32, n_tiles as u32, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY (all allocations below): each kernel writes every element it is given to
+    // write before any is read: the counts every (chunk, column), the scans every total
+    // and start, the places every pair slot up to the last start.
+    let mut chunk_counts = unsafe { dev.alloc::<u32>(n_chunks * n_cols)? };
+    let mut totals = unsafe { dev.alloc::<u32>(n_cols)? };
+    let mut starts = unsafe { dev.alloc::<u32>(n_cols + 1)? };
+    let mut pairs = unsafe { dev.alloc::<u32>(m * n_tiles * (cap + 1))? };
+
+    let func = load("twell_wgrad_pair_counts")?;
+    let mut b = func.builder();
+    b.arg(pattern.counts)
+        .arg(pattern.indices)
+        .arg(&mut chunk_counts);
+    dims.push_pattern(&mut b);
+    // SAFETY: one warp per (chunk, tile), bounds checked in the kernel.
+    unsafe { b.launch(pair_grid) }.w()?;
+
+    let func = load("twell_wgrad_scan_chunks")?;
+    let mut b = func.builder();
+    b.arg(&mut chunk_counts)
+        .arg(&mut totals)
+        .arg(&n_chunks_i)
+        .arg(&n_cols_i);
+    // SAFETY: a thread per column, bounds checked in the kernel.
+    unsafe { b.launch(grid_1d(n_cols.div_ceil(256), 256)) }.w()?;
+
+    let func = load("twell_wgrad_scan_columns")?;
+    let mut b = func.builder();
+    b.arg(&totals).arg(&mut starts).arg(&n_cols_i);
+    // SAFETY: one block; each thread's columns are bounds checked in the kernel.
+    unsafe { b.launch(grid_1d(1, SCAN_THREADS)) }.w()?;
+
+    let func = load("twell_wgrad_pair_places")?;
+    let mut b = func.builder();
+    b.arg(pattern.counts)
+        .arg(pattern.indices)
+        .arg(&chunk_counts)
+        .arg(&starts)
+        .arg(&mut pairs);
+    dims.push_pattern(&mut b);
+    // SAFETY: as the counting launch; every place is below the last start.
+    unsafe { b.launch(pair_grid) }.w()?;
+
+    // A thread per 8 columns of d, up to 256 (wider rows loop over column chunks).
+    let threads = (d.div_ceil(8).div_ceil(32) * 32).min(256) as u32;
+    let neuron_grid = grid_1d(f, threads);
+    let func = load("twell_wgrad_gate_up_bf16")?;
+    let mut b = func.builder();
+    b.arg(x)
+        .arg(&pairs)
+        .arg(&starts)
+        .arg(c.dg_slots)
+        .arg(c.du_slots)
+        .arg(c.dg)
+        .arg(c.du)
+        .arg(dwg)
+        .arg(&mut *dw_ud)
+        .arg(&dims.d)
+        .arg(&dims.f)
+        .arg(&dims.tile)
+        .arg(&dims.cap)
+        .arg(&dims.n_tiles);
+    // SAFETY: a block per neuron; every row of dwg and the first half of every row of
+    // dw_ud is written.
+    unsafe { b.launch(neuron_grid) }.w()?;
+    let func = load("twell_wgrad_down_bf16")?;
+    let mut b = func.builder();
+    // dres's first m · d elements are d(loss)/d(out) as [m, d].
+    b.arg(dres)
+        .arg(&pairs)
+        .arg(&starts)
+        .arg(c.g_slots)
+        .arg(c.u_slots)
+        .arg(c.h)
+        .arg(dw_ud)
+        .arg(&dims.d)
+        .arg(&dims.f)
+        .arg(&dims.tile)
+        .arg(&dims.cap)
+        .arg(&dims.n_tiles);
+    // SAFETY: a block per neuron; the second half of every row of dw_ud is written.
+    unsafe { b.launch(neuron_grid) }.w()?;
+    Ok(())
 }
 
 /// Queries per block of the attention kernel (`ATT_QUERIES` in the .cu), 16 per warp.

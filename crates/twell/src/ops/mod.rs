@@ -48,7 +48,9 @@ pub use embedding::{embedding, Embedding};
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
 pub use rope::{rope, Rope, RopeTable};
-pub use twell_mlp::{gate_screen, twell_mlp, twell_mlp_screened, TwellMlp};
+pub use twell_mlp::{
+    gate_screen, twell_mlp, twell_mlp_screened, twell_mlp_with_weight_grads, TwellMlp, WeightGrads,
+};
 
 use std::sync::Arc;
 

@@ -37,6 +37,34 @@ enum Saved {
     },
 }
 
+/// How a device backward forms the three weight gradients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightGrads {
+    /// Per active (token, neuron) pair, tokens grouped by neuron: the work scales with
+    /// the nonzeros, about 8 KB read per pair.
+    Sparse,
+    /// Three cuBLAS GEMMs over the scattered dense `[M, d_ff]` h, dg and du: cheaper
+    /// above about 1.5% density ([`crate::mlp::CUDA_BREAK_EVEN_DENSITY`]).
+    Dense,
+}
+
+impl WeightGrads {
+    /// The choice for a pass at a measured density (`None`: not measured yet, when the
+    /// sparse path runs because a low density is expected). `TWELL_WEIGHT_GRADS=dense`
+    /// or `=sparse` overrides it, to measure both on one build.
+    pub fn for_density(density: Option<f64>) -> Self {
+        match std::env::var("TWELL_WEIGHT_GRADS").as_deref() {
+            Ok("dense") => return Self::Dense,
+            Ok("sparse") => return Self::Sparse,
+            _ => {}
+        }
+        match density {
+            Some(d) if d > crate::mlp::CUDA_BREAK_EVEN_DENSITY => Self::Dense,
+            _ => Self::Sparse,
+        }
+    }
+}
+
 /// The op behind [`twell_mlp`]: inputs `(x, gate_proj, w_ud)`, output
 /// `[mlp_result_len(M, d)]`.
 pub struct TwellMlp {
@@ -47,6 +75,8 @@ pub struct TwellMlp {
     /// does the device pass keep its slots' g and u.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     keep_for_backward: bool,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    weight_grads: WeightGrads,
     saved: Arc<Mutex<Option<Saved>>>,
 }
 
@@ -155,7 +185,17 @@ impl TwellMlp {
             backward: Some(state),
         }) = self.saved()
         {
-            return device_backward(x, gate_proj, w_ud, grad_res, &counts, &state, self.config);
+            let sparse = self.weight_grads == WeightGrads::Sparse;
+            return device_backward(
+                x,
+                gate_proj,
+                w_ud,
+                grad_res,
+                &counts,
+                &state,
+                self.config,
+                sparse,
+            );
         }
         let (m, d) = x.dims2()?;
         let f = w_ud.dim(0)?;
@@ -244,6 +284,7 @@ impl Trace {
 
 /// The backward pass on the GPU, from what the device forward kept.
 #[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
 fn device_backward(
     x: &Tensor,
     gate_proj: &Tensor,
@@ -252,6 +293,7 @@ fn device_backward(
     counts: &Tensor,
     state: &crate::cuda::BackwardState,
     config: TwellConfig,
+    sparse_weight_grads: bool,
 ) -> Result<Grads3> {
     use candle_core::{op::BackpropOp, Storage};
     let grad_res = grad_res.to_dtype(x.dtype())?.contiguous()?;
@@ -264,8 +306,21 @@ fn device_backward(
     };
     let ((xs, xl), (gs, gl), (ws, wl), (rs, rl), (cs, cl)) =
         (cuda(0)?, cuda(1)?, cuda(2)?, cuda(3)?, cuda(4)?);
-    let (dx, dwg, dw_ud) =
-        crate::cuda::twell_mlp_backward(xs, xl, rs, rl, gs, gl, ws, wl, cs, cl, state, config)?;
+    let (dx, dwg, dw_ud) = crate::cuda::twell_mlp_backward(
+        xs,
+        xl,
+        rs,
+        rl,
+        gs,
+        gl,
+        ws,
+        wl,
+        cs,
+        cl,
+        state,
+        config,
+        sparse_weight_grads,
+    )?;
     let (m, d) = x.dims2()?;
     let f = w_ud.dim(0)?;
     let wrap = |s, shape: (usize, usize)| {
@@ -287,7 +342,19 @@ pub fn twell_mlp(
     w_ud: &Tensor,
     config: TwellConfig,
 ) -> Result<MlpOutput> {
-    run(x, gate_proj, w_ud, config, None)
+    run(x, gate_proj, w_ud, config, None, WeightGrads::Sparse)
+}
+
+/// [`twell_mlp`] with the device backward's weight gradients formed as `weight_grads`
+/// says ([`twell_mlp`] takes [`WeightGrads::Sparse`]).
+pub fn twell_mlp_with_weight_grads(
+    x: &Tensor,
+    gate_proj: &Tensor,
+    w_ud: &Tensor,
+    config: TwellConfig,
+    weight_grads: WeightGrads,
+) -> Result<MlpOutput> {
+    run(x, gate_proj, w_ud, config, None, weight_grads)
 }
 
 /// [`twell_mlp`] with an int8 screen of `gate_proj` ([`GateScreen::new`] on the same
@@ -311,7 +378,14 @@ pub fn twell_mlp_screened(
             ),
         );
     }
-    run(x, gate_proj, w_ud, config, Some(screen))
+    run(
+        x,
+        gate_proj,
+        w_ud,
+        config,
+        Some(screen),
+        WeightGrads::Sparse,
+    )
 }
 
 /// Builds the int8 screen of a host `gate_proj [f, d]` for [`twell_mlp_screened`].
@@ -327,6 +401,7 @@ fn run(
     w_ud: &Tensor,
     config: TwellConfig,
     screen: Option<Arc<GateScreen>>,
+    weight_grads: WeightGrads,
 ) -> Result<MlpOutput> {
     let (m, d) = matrix_dims("x", x)?;
     let (f, dg) = matrix_dims("gate_proj", gate_proj)?;
@@ -348,6 +423,7 @@ fn run(
         config,
         screen,
         keep_for_backward: x.track_op() || gate_proj.track_op() || w_ud.track_op(),
+        weight_grads,
         saved: saved.clone(),
     };
     let trace = Trace::begin("forward", x.device())?;
@@ -527,5 +603,22 @@ impl candle_core::CustomOp1 for OutRows {
     fn bwd(&self, l1: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         self.handoff.lock().expect("handoff lock").dout = Some(grad.clone());
         Ok(Some(l1.zeros_like()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WeightGrads;
+
+    /// Below the break-even (or unmeasured) the pairs are cheaper than three GEMMs.
+    /// (Run without `TWELL_WEIGHT_GRADS` set, as CI does.)
+    #[test]
+    fn weight_grads_follow_the_measured_density() {
+        if std::env::var_os("TWELL_WEIGHT_GRADS").is_some() {
+            return;
+        }
+        assert_eq!(WeightGrads::for_density(None), WeightGrads::Sparse);
+        assert_eq!(WeightGrads::for_density(Some(0.005)), WeightGrads::Sparse);
+        assert_eq!(WeightGrads::for_density(Some(0.03)), WeightGrads::Dense);
     }
 }
