@@ -200,6 +200,48 @@ fn checkpoint_round_trip(bf16: bool) {
     }
 }
 
+/// The sparse trainer trains fused up/down matrices, yet its weights and checkpoints
+/// are HF-named; a dense trainer resumes from its optimizer state (converted back to
+/// separate up and down) and the two continue alike.
+#[test]
+fn fused_sparse_training_saves_hf_layout_and_resumes_on_either_path() {
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = trainer(0.01, 6);
+    for _ in 0..2 {
+        first.train_step(&data).unwrap();
+    }
+    let names: Vec<String> = first.weights().unwrap().into_keys().collect();
+    assert!(names.iter().any(|n| n.ends_with("mlp.up_proj.weight")));
+    assert!(names.iter().any(|n| n.ends_with("mlp.down_proj.weight")));
+    assert!(!names.iter().any(|n| n.contains("up_down")), "{names:?}");
+    first
+        .save(dir.path(), &tiny_tokenizer(), None, DType::F32)
+        .unwrap();
+    let ck = Checkpoint::open(dir.path().to_str().unwrap()).unwrap();
+    let mut after = Vec::new();
+    for ffn in [FfnMode::Sparse, FfnMode::Dense] {
+        let mut cfg = ck.runtime_config(&LoadOptions::default()).unwrap();
+        cfg.ffn_mode = ffn;
+        let mut resumed = Trainer::new(
+            cfg,
+            ck.tensors(DType::F32, &Device::Cpu).unwrap(),
+            first.cfg.clone(),
+            &Device::Cpu,
+        )
+        .unwrap();
+        resumed.resume(dir.path()).unwrap();
+        assert_eq!(resumed.step(), 2);
+        resumed.train_step(&data).unwrap();
+        after.push(resumed.weights().unwrap());
+    }
+    // The same Adam state drives both steps; only the FFN path's rounding differs.
+    for (name, t) in &after[0] {
+        let e = rel_l2(&after[1][name], t);
+        assert!(e < 1e-4, "{name}: sparse and dense resumes differ by {e}");
+    }
+}
+
 #[test]
 fn bad_training_settings_and_resume_dirs_are_rejected() {
     let cfg = tiny_config("relu", 256).into_config(false).unwrap();

@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod corpus;
 pub mod error;
+pub mod fused_mlp;
 pub mod generate;
 pub mod gguf;
 pub mod model;

@@ -201,12 +201,25 @@ impl AdamW {
     /// Restores what [`AdamW::save`] wrote; every parameter must have its state. Mixed,
     /// the bf16 variables are set from the restored masters.
     pub fn load(&mut self, dir: &Path) -> Result<()> {
+        self.load_with(dir, Ok)
+    }
+
+    /// [`AdamW::load`], with the saved state tensors (named `<row>.<parameter>`) passed
+    /// through `convert` first: the trainer turns a checkpoint's parameter layout into
+    /// its own there.
+    pub fn load_with(
+        &mut self,
+        dir: &Path,
+        convert: impl FnOnce(HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>>,
+    ) -> Result<()> {
         let meta: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("optimizer.json"))?)
                 .map_err(|e| candle_core::Error::Msg(format!("optimizer.json: {e}")))?;
         self.step = meta["step"].as_u64().unwrap_or(0) as usize;
-        let mut t =
-            candle_core::safetensors::load(dir.join("optimizer.safetensors"), &Device::Cpu)?;
+        let mut t = convert(candle_core::safetensors::load(
+            dir.join("optimizer.safetensors"),
+            &Device::Cpu,
+        )?)?;
         let mut take = |prefix: &str, name: &str, p: &Var| -> Result<Tensor> {
             let key = format!("{prefix}.{name}");
             let Some(s) = t.remove(&key) else {

@@ -307,6 +307,9 @@ pub struct Trainer {
     step: usize,
     /// Per layer, per neuron: the last step it fired.
     last_fired: Vec<Vec<Option<usize>>>,
+    /// Whether each layer's up and down weights are one trainable `[f, 2d]` matrix
+    /// ([`crate::fused_mlp`]): when the TwELL FFN is what trains.
+    fused_up_down: bool,
 }
 
 impl Trainer {
@@ -328,6 +331,13 @@ impl Trainer {
                 continue;
             }
             masters.insert(name, t.to_dtype(DType::F32)?.to_device(device)?);
+        }
+        // The TwELL path reads up and down as one neuron-major matrix: training that
+        // matrix itself spares a copy and a split of it per layer and step. The dense
+        // path keeps the HF weights (it would copy them out of the matrix instead).
+        let fused_up_down = model_cfg.ffn_mode == twell::FfnMode::Sparse;
+        if fused_up_down {
+            masters = crate::fused_mlp::fuse_map(masters)?;
         }
         let dtype = if cfg.bf16 { DType::BF16 } else { DType::F32 };
         let varmap = VarMap::new();
@@ -365,6 +375,7 @@ impl Trainer {
             device: device.clone(),
             step: 0,
             last_fired: vec![vec![None; ffn]; layers],
+            fused_up_down,
         })
     }
 
@@ -555,17 +566,18 @@ impl Trainer {
     /// The trained weights, HF-named, in f32 (with bf16 training, the optimizer's
     /// masters).
     pub fn weights(&self) -> Result<std::collections::HashMap<String, Tensor>> {
-        if let Some(masters) = self.opt.masters()? {
-            return Ok(masters);
-        }
-        Ok(self
-            .varmap
-            .data()
-            .lock()
-            .expect("varmap lock")
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
-            .collect())
+        let weights = match self.opt.masters()? {
+            Some(masters) => masters,
+            None => self
+                .varmap
+                .data()
+                .lock()
+                .expect("varmap lock")
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+                .collect(),
+        };
+        crate::fused_mlp::split_map(weights)
     }
 
     /// Writes an HF checkpoint (loadable by `twell generate`/`eval` and transformers)
@@ -607,7 +619,16 @@ impl Trainer {
         })?;
         let state: TrainerState = serde_json::from_str(&text)
             .map_err(|e| candle_core::Error::Msg(format!("trainer_state.json: {e}")))?;
-        self.opt.load(dir)?;
+        // The optimizer state is in the layout of the run that saved it: fused when
+        // that run trained the TwELL FFN.
+        let fused = self.fused_up_down;
+        self.opt.load_with(dir, |t| {
+            if fused {
+                crate::fused_mlp::fuse_map(t)
+            } else {
+                crate::fused_mlp::split_map(t)
+            }
+        })?;
         self.step = state.step;
         Ok(())
     }

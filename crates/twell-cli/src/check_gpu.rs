@@ -105,7 +105,7 @@ struct BackwardResult {
     compression: usize,
     target_density: f64,
     /// How the weight gradients were formed.
-    weight_grads: String,
+    backward: String,
     overflow_tiles: usize,
     /// Relative L2 error of dx, d gate_proj, d up_proj, d down_proj.
     err: [f64; 4],
@@ -120,7 +120,7 @@ struct BackwardResult {
 fn check_backward(
     dev: &Device,
     case: Case,
-    weight_grads: twell::WeightGrads,
+    backward: twell::BackwardPath,
     seed: u64,
 ) -> Result<BackwardResult> {
     let (m, d, f, density, tile, cf) = case;
@@ -131,12 +131,12 @@ fn check_backward(
     let s = Tensor::randn(0f32, 1.0, m, dev)?;
     let bf = |v: &Var| v.as_tensor().to_dtype(DType::BF16);
     let calls_before = twell::device_backward_calls();
-    let res = twell::twell_mlp_with_weight_grads(
+    let res = twell::twell_mlp_with_backward_path(
         &bf(&vars[0])?,
         &bf(&vars[1])?,
         &up_down_matrix(&bf(&vars[2])?, &bf(&vars[3])?)?,
         config,
-        weight_grads,
+        backward,
     )?;
     let (overflow_tiles, _) = res.overflow()?;
     let loss = ((res.out.to_dtype(DType::F32)? * &r)?.sum_all()?
@@ -171,7 +171,7 @@ fn check_backward(
         tile,
         compression: cf,
         target_density: density,
-        weight_grads: format!("{weight_grads:?}").to_lowercase(),
+        backward: format!("{backward:?}").to_lowercase(),
         overflow_tiles,
         err,
         on_device,
@@ -750,14 +750,14 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         (131072, 576, 1536, 0.02, 256, 8),
     ];
     println!(
-        "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>8} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} device pass",
+        "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} device pass",
         "M",
         "d",
         "d_ff",
         "tile",
         "cf",
         "target",
-        "wgrad",
+        "path",
         "overflow",
         "err dx",
         "err dWg",
@@ -765,14 +765,18 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         "err dWd"
     );
     let mut backward = Vec::new();
-    // Every case with each way of forming the weight gradients.
-    let weight_grads = [twell::WeightGrads::Sparse, twell::WeightGrads::Dense];
+    // Every case on each backward path.
+    let paths = [
+        twell::BackwardPath::Sparse,
+        twell::BackwardPath::DenseDx,
+        twell::BackwardPath::Dense,
+    ];
     for (k, &case) in bwd_cases.iter().enumerate() {
-        for wg in weight_grads {
-            let r = check_backward(&dev, case, wg, 500 + k as u64)?;
+        for path in paths {
+            let r = check_backward(&dev, case, path, 500 + k as u64)?;
             println!(
-                "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>6} {:>9} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>6} {}",
-                r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, r.weight_grads,
+                "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>8} {:>9} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>6} {}",
+                r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, r.backward,
                 r.overflow_tiles, r.err[0], r.err[1], r.err[2], r.err[3], r.on_device,
                 if r.pass { "ok" } else { "FAIL" }
             );

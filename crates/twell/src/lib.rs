@@ -26,7 +26,7 @@ pub use format::{Twell, TwellConfig, TwellPattern, TwellStats};
 pub use mlp::{Activation, FfnMode, MlpStats, SparseMlp};
 pub use ops::{
     gate_pack, gated_t2d, mlp_result_len, twell_mlp, twell_mlp_screened,
-    twell_mlp_with_weight_grads, up_down_matrix, MlpOutput, WeightGrads,
+    twell_mlp_with_backward_path, up_down_matrix, BackwardPath, MlpOutput,
 };
 
 /// How many backward passes of the TwELL MLP ran on the CUDA kernels (0 without the

@@ -12,7 +12,7 @@ use candle_nn::VarBuilder;
 use crate::cpu::screen::{GateScreen, SCREEN_MAX_DENSITY, SCREEN_MAX_ROWS};
 use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
-use crate::ops::{twell_mlp_screened, twell_mlp_with_weight_grads, up_down_matrix, WeightGrads};
+use crate::ops::{twell_mlp_screened, twell_mlp_with_backward_path, up_down_matrix, BackwardPath};
 
 /// Not a trainable variable nor part of an autograd graph: a copy made of it once
 /// stays valid.
@@ -172,6 +172,9 @@ pub struct SparseMlp {
     down: Tensor,
     /// `[f, 2d]` neuron-major up/down, built once for inference.
     up_down: OnceLock<Tensor>,
+    /// The trainable `[f, 2d]` up/down matrix when the weights are stored that way
+    /// ([`SparseMlp::from_up_down`]); `up` and `down` are then views of it.
+    fused: Option<Tensor>,
     /// The int8 screen of `gate` for host decoding, built on first use.
     gate_screen: OnceLock<Arc<GateScreen>>,
     use_gate_screen: bool,
@@ -230,6 +233,7 @@ impl SparseMlp {
             up,
             down,
             up_down: OnceLock::new(),
+            fused: None,
             gate_screen: OnceLock::new(),
             use_gate_screen: true,
             activation,
@@ -253,9 +257,42 @@ impl SparseMlp {
         mode: FfnMode,
     ) -> Result<Self> {
         let gate = vb.pp("gate_proj").get((ffn, hidden), "weight")?;
+        if vb.contains_tensor("up_down.weight") {
+            let up_down = vb.pp("up_down").get((ffn, 2 * hidden), "weight")?;
+            return Self::from_up_down(gate, up_down, activation, mode);
+        }
         let up = vb.pp("up_proj").get((ffn, hidden), "weight")?;
         let down = vb.pp("down_proj").get((hidden, ffn), "weight")?;
         Self::new(gate, up, down, activation, mode)
+    }
+
+    /// From `gate [f, d]` and the neuron-major `up_down [f, 2d]` ([`up_down_matrix`]'s
+    /// layout, row j: `up_proj` row j, then `down_proj` column j) as the stored weight.
+    /// Training the TwELL path on it saves, per call, the copy that builds that matrix
+    /// from separate `up` and `down` and the strided adds that split its gradient; the
+    /// dense path copies `up` and `down` out of it instead.
+    pub fn from_up_down(
+        gate: Tensor,
+        up_down: Tensor,
+        activation: Activation,
+        mode: FfnMode,
+    ) -> Result<Self> {
+        let (f, d) = crate::ops::matrix_dims("gate_proj", &gate)?;
+        let got = crate::ops::matrix_dims("up_down", &up_down)?;
+        if got != (f, 2 * d) {
+            return err(TwellError::ShapeMismatch {
+                what: "SparseMlp::from_up_down",
+                detail: format!(
+                    "up_down is {got:?}, expected ({f}, {}) for gate_proj [{f}, {d}]",
+                    2 * d
+                ),
+            });
+        }
+        let up = up_down.narrow(1, 0, d)?;
+        let down = up_down.narrow(1, d, d)?.t()?;
+        let mut mlp = Self::new(gate, up, down, activation, mode)?;
+        mlp.fused = Some(up_down);
+        Ok(mlp)
     }
 
     pub fn with_twell_config(mut self, config: TwellConfig) -> Self {
@@ -368,6 +405,9 @@ impl SparseMlp {
     /// The neuron-major `[f, 2d]` up/down matrix: rebuilt (differentiably) when the
     /// weights are trainable variables, built once otherwise.
     fn up_down(&self) -> Result<Tensor> {
+        if let Some(w) = &self.fused {
+            return Ok(w.clone());
+        }
         if !frozen(&self.up) || !frozen(&self.down) {
             return up_down_matrix(&self.up, &self.down);
         }
@@ -452,12 +492,12 @@ impl SparseMlp {
                 }
                 None => {
                     let last = *self.last_density.lock().expect("density lock");
-                    twell_mlp_with_weight_grads(
+                    twell_mlp_with_backward_path(
                         &x2,
                         &self.gate,
                         &self.up_down()?,
                         self.config,
-                        WeightGrads::for_density(last),
+                        BackwardPath::for_density(last),
                     )?
                 }
             };
@@ -482,8 +522,11 @@ impl SparseMlp {
             return Ok((out, l1));
         }
         let gate = x2.matmul(&self.gate.t()?)?;
-        let h = (self.activation.apply(&gate)? * x2.matmul(&self.up.t()?)?)?;
-        let out = h.matmul(&self.down.t()?)?;
+        // Views of a fused matrix are copied out (candle's matmul takes no row stride);
+        // separate weights are contiguous already and not copied.
+        let (up, down) = (self.up.contiguous()?, self.down.contiguous()?);
+        let h = (self.activation.apply(&gate)? * x2.matmul(&up.t()?)?)?;
+        let out = h.matmul(&down.t()?)?;
         let l1 = match (want_l1, self.l1_down_norm) {
             (false, _) => None,
             (true, false) => Some(h.abs()?.sum(D::Minus1)?),

@@ -206,3 +206,84 @@ fn down_norm_l1_ignores_relu_rescaling() {
         .expect_err("the TwELL path has no weighted term");
     assert!(format!("{e}").contains("dense path"), "{e}");
 }
+
+/// A fused trainable up/down matrix gives the same outputs and L1 terms as separate
+/// weights on both paths, and its gradient is the two weights' gradients side by side.
+#[test]
+fn fused_up_down_matches_separate_weights_forward_and_backward() {
+    let dev = Device::Cpu;
+    let w = synthetic_mlp(32, 300, 0.05, DType::F32, &dev, 21).unwrap();
+    let x = synthetic_input(9, 32, DType::F32, &dev, 22).unwrap();
+    let vars = [&w.gate, &w.up, &w.down].map(|t| candle_core::Var::from_tensor(t).unwrap());
+    let fused =
+        candle_core::Var::from_tensor(&twell::up_down_matrix(&w.up, &w.down).unwrap()).unwrap();
+    let probe = Tensor::randn(0f32, 1.0, (9, 32), &dev).unwrap();
+    for mode in [FfnMode::Dense, FfnMode::Sparse] {
+        let separate = SparseMlp::new(
+            vars[0].as_tensor().clone(),
+            vars[1].as_tensor().clone(),
+            vars[2].as_tensor().clone(),
+            Activation::Relu,
+            mode,
+        )
+        .unwrap();
+        let one = SparseMlp::from_up_down(
+            vars[0].as_tensor().clone(),
+            fused.as_tensor().clone(),
+            Activation::Relu,
+            mode,
+        )
+        .unwrap();
+        let loss = |mlp: &SparseMlp| {
+            let (out, l1) = mlp.forward_with_l1(&x).unwrap();
+            ((out * &probe).unwrap().sum_all().unwrap() + l1.sum_all().unwrap()).unwrap()
+        };
+        let (a, b) = (loss(&separate), loss(&one));
+        let (va, vb) = (a.to_scalar::<f32>().unwrap(), b.to_scalar::<f32>().unwrap());
+        assert!(
+            (va - vb).abs() <= 1e-5 * va.abs().max(1.0),
+            "{mode:?}: {va} vs {vb}"
+        );
+        let (ga, gb) = (a.backward().unwrap(), b.backward().unwrap());
+        let g_fused = gb.get(fused.as_tensor()).expect("fused gradient");
+        let g_cat = twell::up_down_matrix(
+            ga.get(vars[1].as_tensor()).unwrap(),
+            ga.get(vars[2].as_tensor()).unwrap(),
+        )
+        .unwrap();
+        assert!(rel_l2(g_fused, &g_cat).unwrap() < 1e-5, "{mode:?}");
+        let (g0, g1) = (
+            ga.get(vars[0].as_tensor()).unwrap(),
+            gb.get(vars[0].as_tensor()).unwrap(),
+        );
+        assert!(rel_l2(g0, g1).unwrap() < 1e-5, "{mode:?}");
+    }
+    // A matrix of the wrong width is refused.
+    let bad = Tensor::zeros((300, 63), DType::F32, &dev).unwrap();
+    let e = SparseMlp::from_up_down(w.gate.clone(), bad, Activation::Relu, FfnMode::Sparse)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("up_down"), "{e}");
+}
+
+/// A VarBuilder that holds `mlp.up_down.weight` builds the fused module.
+#[test]
+fn loads_a_fused_up_down_matrix_from_a_var_builder() {
+    let dev = Device::Cpu;
+    let w = synthetic_mlp(16, 40, 0.1, DType::F32, &dev, 8).unwrap();
+    let x = synthetic_input(3, 16, DType::F32, &dev, 9).unwrap();
+    let map: HashMap<String, Tensor> = [
+        ("mlp.gate_proj.weight".to_string(), w.gate.clone()),
+        (
+            "mlp.up_down.weight".to_string(),
+            twell::up_down_matrix(&w.up, &w.down).unwrap(),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let vb = VarBuilder::from_tensors(map, DType::F32, &dev);
+    let mlp = SparseMlp::load(vb.pp("mlp"), 16, 40, Activation::Relu, FfnMode::Sparse).unwrap();
+    let separate = SparseMlp::new(w.gate, w.up, w.down, Activation::Relu, FfnMode::Dense).unwrap();
+    let e = rel_l2(&mlp.forward(&x).unwrap(), &separate.forward(&x).unwrap()).unwrap();
+    assert!(e < 1e-5, "{e}");
+}

@@ -91,18 +91,23 @@ impl Layer {
             Var::from_tensor(&w.up)?,
             Var::from_tensor(&w.down)?,
         ];
-        let mlp = |mode| {
-            SparseMlp::new(
+        // The sparse variant trains the fused up/down matrix, as a sparse fine-tune does
+        // (`sparse_llama::fused_mlp`); same values, its own variable.
+        let up_down = Var::from_tensor(&twell::up_down_matrix(&w.up, &w.down)?)?;
+        Ok(Self {
+            dense: SparseMlp::new(
                 vars[0].as_tensor().clone(),
                 vars[1].as_tensor().clone(),
                 vars[2].as_tensor().clone(),
                 Activation::Relu,
-                mode,
-            )
-        };
-        Ok(Self {
-            dense: mlp(FfnMode::Dense)?,
-            sparse: mlp(FfnMode::Sparse)?,
+                FfnMode::Dense,
+            )?,
+            sparse: SparseMlp::from_up_down(
+                vars[0].as_tensor().clone(),
+                up_down.as_tensor().clone(),
+                Activation::Relu,
+                FfnMode::Sparse,
+            )?,
         })
     }
 }

@@ -333,9 +333,12 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             lr: 0.0,
             ..Default::default()
         };
-        let mut trainer = Trainer::new(cfg.clone(), weights.clone(), tc, &device)?;
         for &(mode, label) in &modes {
-            trainer.set_ffn_mode(mode)?;
+            // A trainer per path, as `twell finetune --ffn` builds it: the sparse one
+            // trains each layer's fused up/down matrix (`sparse_llama::fused_mlp`).
+            let mut mode_cfg = cfg.clone();
+            mode_cfg.ffn_mode = mode;
+            let mut trainer = Trainer::new(mode_cfg, weights.clone(), tc.clone(), &device)?;
             for _ in 0..args.warmup {
                 trainer.train_step(&data)?;
             }

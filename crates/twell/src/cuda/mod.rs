@@ -641,10 +641,11 @@ pub fn twell_mlp_forward(
 /// holds d(loss)/d(out) `[m, d]`, then d(loss)/d(L1 term) per token. Returns
 /// `(dx [m, d], d gate_proj [f, d], d w_ud [f, 2d])`, all bf16.
 ///
-/// The row kernels (`twell_mlp_bwd.cu`) form dg and du per listed slot and dx. The
-/// weight gradients come per active pair with `sparse_weight_grads` (tokens grouped by
-/// neuron, [`sparse_weight_grads`]), else from three cuBLAS GEMMs over h, dg and du
-/// scattered into dense `[m, f]` matrices.
+/// The `grads` row kernel (`twell_mlp_bwd.cu`) forms dg and du per listed slot. dx
+/// comes per active pair (the `dx` row kernel) with `sparse_dx`, else from two cuBLAS
+/// GEMMs; the weight gradients per active pair with `sparse_weight_grads` (tokens
+/// grouped by neuron, [`sparse_weight_grads_into`]), else from three GEMMs. The GEMMs
+/// read h, dg and du scattered into dense `[m, f]` matrices.
 #[allow(clippy::too_many_arguments)]
 pub fn twell_mlp_backward(
     x: &CudaStorage,
@@ -659,6 +660,7 @@ pub fn twell_mlp_backward(
     cl: &Layout,
     state: &BackwardState,
     config: TwellConfig,
+    sparse_dx: bool,
     sparse_weight_grads: bool,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     let (m, d) = xl.shape().dims2()?;
@@ -704,10 +706,11 @@ pub fn twell_mlp_backward(
     };
     // The pair lists index slots with u32.
     let sparse_weight_grads = sparse_weight_grads && m * n_tiles * (cap + 1) < u32::MAX as usize;
-    // The dense h, dg and du: the GEMMs read them whole (zeroed, every pair scattered
-    // in); the sparse path reads only overflowing tiles, which `grads` writes whole.
+    // The dense h, dg and du: GEMMs read them whole (zeroed, every pair scattered in);
+    // the per-pair kernels read only overflowing tiles, which `grads` writes whole.
+    let any_gemm = !sparse_dx || !sparse_weight_grads;
     let dense = |dev: &CudaDevice| -> Result<CudaSlice<bf16>> {
-        if sparse_weight_grads {
+        if !any_gemm {
             // SAFETY: only overflowing tiles are read, and `grads` writes them whole.
             unsafe { dev.alloc::<bf16>(m * f) }
         } else {
@@ -715,7 +718,7 @@ pub fn twell_mlp_backward(
         }
     };
     let (mut h, mut dg, mut du) = (dense(&dev)?, dense(&dev)?, dense(&dev)?);
-    let dense_all = i32::from(!sparse_weight_grads);
+    let dense_all = i32::from(any_gemm);
     // SAFETY: the row kernel writes every row of dx, and `grads` every listed slot
     // of dg_slots and du_slots (the only ones `dx` reads).
     let mut dx = unsafe { dev.alloc::<bf16>(m * d)? };
@@ -744,24 +747,50 @@ pub fn twell_mlp_backward(
     dims.push(&mut b);
     // SAFETY: one warp per row, bounds checked in the kernel.
     unsafe { b.launch(warp_launch(m)?) }.w()?;
-    let dx_rows = dev.get_or_load_custom_func(
-        &format!("twell_mlp_bwd_dx_bf16_v{v}"),
-        "twell_mlp_bwd",
-        TWELL_MLP_BWD_PTX,
-    )?;
-    let mut b = dx_rows.builder();
-    b.arg(&wgv)
-        .arg(&wudv)
-        .arg(&countv)
-        .arg(&state.indices)
-        .arg(&dg_slots)
-        .arg(&du_slots)
-        .arg(&dg)
-        .arg(&du)
-        .arg(&mut dx);
-    dims.push(&mut b);
-    // SAFETY: one warp per row, bounds checked in the kernel.
-    unsafe { b.launch(warp_launch(m)?) }.w()?;
+    if sparse_dx {
+        let dx_rows = dev.get_or_load_custom_func(
+            &format!("twell_mlp_bwd_dx_bf16_v{v}"),
+            "twell_mlp_bwd",
+            TWELL_MLP_BWD_PTX,
+        )?;
+        let mut b = dx_rows.builder();
+        b.arg(&wgv)
+            .arg(&wudv)
+            .arg(&countv)
+            .arg(&state.indices)
+            .arg(&dg_slots)
+            .arg(&du_slots)
+            .arg(&dg)
+            .arg(&du)
+            .arg(&mut dx);
+        dims.push(&mut b);
+        // SAFETY: one warp per row, bounds checked in the kernel.
+        unsafe { b.launch(warp_launch(m)?) }.w()?;
+    } else {
+        // Row-major dx [m, d] = dG [m, f] · Wg [f, d] + dU [m, f] · Wu [f, d] is
+        // column-major dxᵀ = Wgᵀ · dGᵀ + Wuᵀ · dUᵀ, each weight read as column-major
+        // [d, f] (Wu's rows are the first halves of w_ud's, ld 2d).
+        let dx_gemm = |lda: usize, beta: bf16| GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_N,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: d as i32,
+            n: m as i32,
+            k: f as i32,
+            alpha: bf16::ONE,
+            lda: lda as i32,
+            ldb: f as i32,
+            beta,
+            ldc: d as i32,
+        };
+        let blas = dev.cublas_handle();
+        // SAFETY: shapes and leading dimensions match the buffers; the first GEMM
+        // writes every element of dx, the second adds to it.
+        unsafe {
+            blas.gemm(dx_gemm(d, bf16::ZERO), &wgv, &dg, &mut dx).w()?;
+            blas.gemm(dx_gemm(2 * d, bf16::ONE), &wudv, &du, &mut dx)
+                .w()?;
+        }
+    }
 
     // SAFETY: the GEMMs or the sparse kernels below write every element.
     let mut dwg = unsafe { dev.alloc::<bf16>(f * d)? };

@@ -49,7 +49,8 @@ pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
 pub use rope::{rope, Rope, RopeTable};
 pub use twell_mlp::{
-    gate_screen, twell_mlp, twell_mlp_screened, twell_mlp_with_weight_grads, TwellMlp, WeightGrads,
+    gate_screen, twell_mlp, twell_mlp_screened, twell_mlp_with_backward_path, BackwardPath,
+    TwellMlp,
 };
 
 use std::sync::Arc;

@@ -37,31 +37,53 @@ enum Saved {
     },
 }
 
-/// How a device backward forms the three weight gradients.
+/// How a device backward forms dx and the three weight gradients. Per active (token,
+/// neuron) pair the work scales with the nonzeros but reads about 8 KB for dx and 8 KB
+/// for the weight gradients; cuBLAS GEMMs over the scattered dense `[M, d_ff]` dg, du
+/// (and h) cost the same at any density. dx's GEMMs pay off first (at lower density).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightGrads {
-    /// Per active (token, neuron) pair, tokens grouped by neuron: the work scales with
-    /// the nonzeros, about 8 KB read per pair.
+pub enum BackwardPath {
+    /// dx and the weight gradients per pair (for the weights, tokens grouped by neuron).
     Sparse,
-    /// Three cuBLAS GEMMs over the scattered dense `[M, d_ff]` h, dg and du: cheaper
-    /// above about 1.5% density ([`crate::mlp::CUDA_BREAK_EVEN_DENSITY`]).
+    /// dx by two GEMMs, the weight gradients per pair.
+    DenseDx,
+    /// dx and the weight gradients by GEMMs.
     Dense,
 }
 
-impl WeightGrads {
+/// Above this measured density the CUDA backward forms dx by GEMMs. H200, hidden 2048 /
+/// d_ff 5632, `bench mlp-train` with each path forced (docs/benchmarks.md, eighth
+/// session): per pair and by GEMMs cross at 0.60-0.63% for M = 16384 and 65536.
+pub const CUDA_DENSE_DX_DENSITY: f64 = 0.0065;
+/// Above this one the weight gradients too (the same runs cross at 1.1-1.4%).
+pub const CUDA_DENSE_WEIGHT_GRADS_DENSITY: f64 = 0.0125;
+
+impl BackwardPath {
     /// The choice for a pass at a measured density (`None`: not measured yet, when the
-    /// sparse path runs because a low density is expected). `TWELL_WEIGHT_GRADS=dense`
-    /// or `=sparse` overrides it, to measure both on one build.
+    /// sparse path runs because a low density is expected). `TWELL_BACKWARD=sparse`,
+    /// `=dense-dx` or `=dense` overrides it, to measure each on one build.
     pub fn for_density(density: Option<f64>) -> Self {
-        match std::env::var("TWELL_WEIGHT_GRADS").as_deref() {
+        match std::env::var("TWELL_BACKWARD").as_deref() {
             Ok("dense") => return Self::Dense,
+            Ok("dense-dx") => return Self::DenseDx,
             Ok("sparse") => return Self::Sparse,
             _ => {}
         }
         match density {
-            Some(d) if d > crate::mlp::CUDA_BREAK_EVEN_DENSITY => Self::Dense,
+            Some(d) if d > CUDA_DENSE_WEIGHT_GRADS_DENSITY => Self::Dense,
+            Some(d) if d > CUDA_DENSE_DX_DENSITY => Self::DenseDx,
             _ => Self::Sparse,
         }
+    }
+
+    /// Whether dx is formed per pair.
+    pub fn sparse_dx(self) -> bool {
+        self == Self::Sparse
+    }
+
+    /// Whether the weight gradients are formed per pair.
+    pub fn sparse_weight_grads(self) -> bool {
+        self != Self::Dense
     }
 }
 
@@ -76,7 +98,7 @@ pub struct TwellMlp {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     keep_for_backward: bool,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    weight_grads: WeightGrads,
+    backward_path: BackwardPath,
     saved: Arc<Mutex<Option<Saved>>>,
 }
 
@@ -185,7 +207,6 @@ impl TwellMlp {
             backward: Some(state),
         }) = self.saved()
         {
-            let sparse = self.weight_grads == WeightGrads::Sparse;
             return device_backward(
                 x,
                 gate_proj,
@@ -194,7 +215,7 @@ impl TwellMlp {
                 &counts,
                 &state,
                 self.config,
-                sparse,
+                self.backward_path,
             );
         }
         let (m, d) = x.dims2()?;
@@ -293,7 +314,7 @@ fn device_backward(
     counts: &Tensor,
     state: &crate::cuda::BackwardState,
     config: TwellConfig,
-    sparse_weight_grads: bool,
+    path: BackwardPath,
 ) -> Result<Grads3> {
     use candle_core::{op::BackpropOp, Storage};
     let grad_res = grad_res.to_dtype(x.dtype())?.contiguous()?;
@@ -319,7 +340,8 @@ fn device_backward(
         cl,
         state,
         config,
-        sparse_weight_grads,
+        path.sparse_dx(),
+        path.sparse_weight_grads(),
     )?;
     let (m, d) = x.dims2()?;
     let f = w_ud.dim(0)?;
@@ -342,19 +364,19 @@ pub fn twell_mlp(
     w_ud: &Tensor,
     config: TwellConfig,
 ) -> Result<MlpOutput> {
-    run(x, gate_proj, w_ud, config, None, WeightGrads::Sparse)
+    run(x, gate_proj, w_ud, config, None, BackwardPath::Sparse)
 }
 
-/// [`twell_mlp`] with the device backward's weight gradients formed as `weight_grads`
-/// says ([`twell_mlp`] takes [`WeightGrads::Sparse`]).
-pub fn twell_mlp_with_weight_grads(
+/// [`twell_mlp`] with the device backward taking `backward_path` ([`twell_mlp`] takes
+/// [`BackwardPath::Sparse`]).
+pub fn twell_mlp_with_backward_path(
     x: &Tensor,
     gate_proj: &Tensor,
     w_ud: &Tensor,
     config: TwellConfig,
-    weight_grads: WeightGrads,
+    backward_path: BackwardPath,
 ) -> Result<MlpOutput> {
-    run(x, gate_proj, w_ud, config, None, weight_grads)
+    run(x, gate_proj, w_ud, config, None, backward_path)
 }
 
 /// [`twell_mlp`] with an int8 screen of `gate_proj` ([`GateScreen::new`] on the same
@@ -384,7 +406,7 @@ pub fn twell_mlp_screened(
         w_ud,
         config,
         Some(screen),
-        WeightGrads::Sparse,
+        BackwardPath::Sparse,
     )
 }
 
@@ -401,7 +423,7 @@ fn run(
     w_ud: &Tensor,
     config: TwellConfig,
     screen: Option<Arc<GateScreen>>,
-    weight_grads: WeightGrads,
+    backward_path: BackwardPath,
 ) -> Result<MlpOutput> {
     let (m, d) = matrix_dims("x", x)?;
     let (f, dg) = matrix_dims("gate_proj", gate_proj)?;
@@ -423,7 +445,7 @@ fn run(
         config,
         screen,
         keep_for_backward: x.track_op() || gate_proj.track_op() || w_ud.track_op(),
-        weight_grads,
+        backward_path,
         saved: saved.clone(),
     };
     let trace = Trace::begin("forward", x.device())?;
@@ -608,17 +630,18 @@ impl candle_core::CustomOp1 for OutRows {
 
 #[cfg(test)]
 mod tests {
-    use super::WeightGrads;
+    use super::BackwardPath;
 
     /// Below the break-even (or unmeasured) the pairs are cheaper than three GEMMs.
-    /// (Run without `TWELL_WEIGHT_GRADS` set, as CI does.)
+    /// (Run without `TWELL_BACKWARD` set, as CI does.)
     #[test]
-    fn weight_grads_follow_the_measured_density() {
-        if std::env::var_os("TWELL_WEIGHT_GRADS").is_some() {
+    fn backward_path_follows_the_measured_density() {
+        if std::env::var_os("TWELL_BACKWARD").is_some() {
             return;
         }
-        assert_eq!(WeightGrads::for_density(None), WeightGrads::Sparse);
-        assert_eq!(WeightGrads::for_density(Some(0.005)), WeightGrads::Sparse);
-        assert_eq!(WeightGrads::for_density(Some(0.03)), WeightGrads::Dense);
+        assert_eq!(BackwardPath::for_density(None), BackwardPath::Sparse);
+        assert_eq!(BackwardPath::for_density(Some(0.005)), BackwardPath::Sparse);
+        assert_eq!(BackwardPath::for_density(Some(0.01)), BackwardPath::DenseDx);
+        assert_eq!(BackwardPath::for_density(Some(0.03)), BackwardPath::Dense);
     }
 }
