@@ -117,6 +117,24 @@ fn bf16_training_computes_in_bf16_on_f32_masters() {
     }
 }
 
+/// A trainer on a checkpoint's weights, resumed from its optimizer and trainer state,
+/// on the checkpoint's FFN path or on `ffn`.
+fn resume_from(
+    ck: &Checkpoint,
+    dir: &std::path::Path,
+    tc: &TrainConfig,
+    ffn: Option<FfnMode>,
+) -> Trainer {
+    let mut cfg = ck.runtime_config(&LoadOptions::default()).unwrap();
+    if let Some(ffn) = ffn {
+        cfg.ffn_mode = ffn;
+    }
+    let weights = ck.tensors(DType::F32, &Device::Cpu).unwrap();
+    let mut t = Trainer::new(cfg, weights, tc.clone(), &Device::Cpu).unwrap();
+    t.resume(dir).unwrap();
+    t
+}
+
 /// In f32 and in bf16 (where the optimizer's f32 masters are saved and restored).
 #[test]
 fn checkpoints_round_trip_and_resume_continues() {
@@ -180,15 +198,7 @@ fn checkpoint_round_trip(bf16: bool) {
     );
 
     // Resume: weights from the checkpoint, optimizer and step from its state.
-    let cfg = ck.runtime_config(&LoadOptions::default()).unwrap();
-    let mut resumed = Trainer::new(
-        cfg,
-        ck.tensors(DType::F32, &Device::Cpu).unwrap(),
-        first.cfg.clone(),
-        &Device::Cpu,
-    )
-    .unwrap();
-    resumed.resume(dir.path()).unwrap();
+    let mut resumed = resume_from(&ck, dir.path(), &first.cfg, None);
     assert_eq!(resumed.step(), 3);
     for _ in 0..3 {
         resumed.train_step(&data).unwrap();
@@ -221,16 +231,7 @@ fn fused_sparse_training_saves_hf_layout_and_resumes_on_either_path() {
     let ck = Checkpoint::open(dir.path().to_str().unwrap()).unwrap();
     let mut after = Vec::new();
     for ffn in [FfnMode::Sparse, FfnMode::Dense] {
-        let mut cfg = ck.runtime_config(&LoadOptions::default()).unwrap();
-        cfg.ffn_mode = ffn;
-        let mut resumed = Trainer::new(
-            cfg,
-            ck.tensors(DType::F32, &Device::Cpu).unwrap(),
-            first.cfg.clone(),
-            &Device::Cpu,
-        )
-        .unwrap();
-        resumed.resume(dir.path()).unwrap();
+        let mut resumed = resume_from(&ck, dir.path(), &first.cfg, Some(ffn));
         assert_eq!(resumed.step(), 2);
         resumed.train_step(&data).unwrap();
         after.push(resumed.weights().unwrap());

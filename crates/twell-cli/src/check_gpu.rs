@@ -104,8 +104,8 @@ struct BackwardResult {
     tile: usize,
     compression: usize,
     target_density: f64,
-    /// How the weight gradients were formed.
-    backward: String,
+    /// The backward path (`twell::BackwardPath`) the case ran.
+    path: String,
     overflow_tiles: usize,
     /// Relative L2 error of dx, d gate_proj, d up_proj, d down_proj.
     err: [f64; 4],
@@ -120,7 +120,7 @@ struct BackwardResult {
 fn check_backward(
     dev: &Device,
     case: Case,
-    backward: twell::BackwardPath,
+    path: twell::BackwardPath,
     seed: u64,
 ) -> Result<BackwardResult> {
     let (m, d, f, density, tile, cf) = case;
@@ -136,7 +136,7 @@ fn check_backward(
         &bf(&vars[1])?,
         &up_down_matrix(&bf(&vars[2])?, &bf(&vars[3])?)?,
         config,
-        backward,
+        path,
     )?;
     let (overflow_tiles, _) = res.overflow()?;
     let loss = ((res.out.to_dtype(DType::F32)? * &r)?.sum_all()?
@@ -171,7 +171,7 @@ fn check_backward(
         tile,
         compression: cf,
         target_density: density,
-        backward: format!("{backward:?}").to_lowercase(),
+        path: format!("{path:?}").to_lowercase(),
         overflow_tiles,
         err,
         on_device,
@@ -776,7 +776,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             let r = check_backward(&dev, case, path, 500 + k as u64)?;
             println!(
                 "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>8} {:>9} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>6} {}",
-                r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, r.backward,
+                r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, r.path,
                 r.overflow_tiles, r.err[0], r.err[1], r.err[2], r.err[3], r.on_device,
                 if r.pass { "ok" } else { "FAIL" }
             );

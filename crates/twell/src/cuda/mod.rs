@@ -875,8 +875,8 @@ struct PairCoefficients<'a> {
 /// The three weight gradients per active (token, neuron) pair: the pairs are grouped by
 /// neuron (a counting sort over chunks of tokens, `twell_wgrad_pair_*` and the two
 /// scans), then a block per neuron sums `dg x` and `du x` over its tokens' rows of x,
-/// and another `h dout` over their rows of dout. At 0.5% density this reads about
-/// 2 · 8 KB per pair where the three GEMMs cost 6 · M · d · f FLOP.
+/// and another `h dout` over their rows of dout: two rows, 2 · 2d bytes, read per pair,
+/// where the three GEMMs cost 6 · M · d · f FLOP at any density.
 fn sparse_weight_grads_into(
     dev: &CudaDevice,
     x: &CudaView<bf16>,

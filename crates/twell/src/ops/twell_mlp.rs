@@ -63,11 +63,15 @@ impl BackwardPath {
     /// sparse path runs because a low density is expected). `TWELL_BACKWARD=sparse`,
     /// `=dense-dx` or `=dense` overrides it, to measure each on one build.
     pub fn for_density(density: Option<f64>) -> Self {
-        match std::env::var("TWELL_BACKWARD").as_deref() {
-            Ok("dense") => return Self::Dense,
-            Ok("dense-dx") => return Self::DenseDx,
-            Ok("sparse") => return Self::Sparse,
-            _ => {}
+        static FORCED: std::sync::OnceLock<Option<BackwardPath>> = std::sync::OnceLock::new();
+        let forced = FORCED.get_or_init(|| match std::env::var("TWELL_BACKWARD").as_deref() {
+            Ok("dense") => Some(Self::Dense),
+            Ok("dense-dx") => Some(Self::DenseDx),
+            Ok("sparse") => Some(Self::Sparse),
+            _ => None,
+        });
+        if let Some(path) = forced {
+            return *path;
         }
         match density {
             Some(d) if d > CUDA_DENSE_WEIGHT_GRADS_DENSITY => Self::Dense,
