@@ -558,11 +558,10 @@ impl Llama {
         Ok(TrainOutput { logits, l1 })
     }
 
-    /// Weights every layer's L1 term by the down-projection norms (see
-    /// [`SparseMlp::set_l1_down_norm`]).
-    pub fn set_l1_down_norm(&mut self, on: bool) {
+    /// Sets every layer's sparsity term (see [`SparseMlp::set_l1_term`]).
+    pub fn set_l1_term(&mut self, term: twell::L1Term) {
         for b in &mut self.blocks {
-            b.mlp.set_l1_down_norm(on);
+            b.mlp.set_l1_term(term);
         }
     }
 

@@ -35,8 +35,22 @@ pub enum L1Penalty {
     Plain,
     /// `Σ_j |h_j|·‖Wd_j‖₂`: unchanged when a neuron's up/gate rows shrink and its
     /// down column grows to match, so only switching neurons off lowers it
-    /// ([`twell::SparseMlp::set_l1_down_norm`]). Needs the dense FFN while training.
+    /// ([`twell::L1Term::DownNorm`]). Needs the dense FFN while training.
     DownNorm,
+    /// `(Σ_j |h_j|)² / Σ_j h_j²` per token: a common scale of `h` cancels out of it
+    /// ([`twell::L1Term::Hoyer`]). Needs the dense FFN while training.
+    Hoyer,
+}
+
+impl L1Penalty {
+    /// The per-token term the model's MLPs compute for this penalty.
+    pub fn term(self) -> twell::L1Term {
+        match self {
+            Self::Plain => twell::L1Term::Plain,
+            Self::DownNorm => twell::L1Term::DownNorm,
+            Self::Hoyer => twell::L1Term::Hoyer,
+        }
+    }
 }
 
 impl std::str::FromStr for L1Penalty {
@@ -45,7 +59,8 @@ impl std::str::FromStr for L1Penalty {
         match s {
             "plain" => Ok(Self::Plain),
             "down-norm" => Ok(Self::DownNorm),
-            other => Err(format!("'{other}': want plain or down-norm")),
+            "hoyer" => Ok(Self::Hoyer),
+            other => Err(format!("'{other}': want plain, down-norm or hoyer")),
         }
     }
 }
@@ -391,7 +406,7 @@ impl Trainer {
         let vb = VarBuilder::from_varmap(varmap, dtype, device);
         let mut model = Llama::load(vb, model_cfg)?;
         model.record_ffn_stats(!cfg.no_activity_stats);
-        model.set_l1_down_norm(cfg.l1_penalty == L1Penalty::DownNorm);
+        model.set_l1_term(cfg.l1_penalty.term());
         Ok(model)
     }
 

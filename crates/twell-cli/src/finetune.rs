@@ -53,8 +53,9 @@ pub struct FinetuneArgs {
     /// Ramp λ up linearly over this many steps.
     #[arg(long, default_value_t = 0)]
     pub l1_warmup: usize,
-    /// The L1 term: `plain` (Σ|h_j|) or `down-norm` (Σ|h_j|·‖Wd_j‖, which rescaling the
-    /// weights cannot lower; needs --ffn dense).
+    /// The L1 term: `plain` (Σ|h_j|), `down-norm` (Σ|h_j|·‖Wd_j‖) or `hoyer`
+    /// ((Σ|h_j|)² / Σh_j², per token); rescaling the weights lowers neither of the last
+    /// two, which need --ffn dense.
     #[arg(long, default_value = "plain")]
     pub l1_penalty: String,
     #[arg(long, default_value_t = 0)]
@@ -130,8 +131,11 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         ffn_mode: Some(ffn),
     })?;
     model_cfg.ffn_mode = ffn;
-    if cfg.l1_penalty == L1Penalty::DownNorm && ffn != FfnMode::Dense {
-        bail!("--l1-penalty down-norm is computed on the dense FFN: add --ffn dense");
+    if cfg.l1_penalty != L1Penalty::Plain && ffn != FfnMode::Dense {
+        bail!(
+            "--l1-penalty {:?} is computed on the dense FFN: add --ffn dense",
+            cfg.l1_penalty
+        );
     }
 
     let text = args

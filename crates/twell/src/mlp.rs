@@ -105,6 +105,22 @@ pub const CUDA_DECODE_BREAK_EVEN_DENSITY: f64 = 0.15;
 /// In `Auto` mode on a GPU, the density is re-measured every this many calls.
 pub const AUTO_RECHECK_CALLS: usize = 32;
 
+/// The per-token sparsity term that [`SparseMlp::forward_with_l1`] returns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum L1Term {
+    /// `Σ_j |h_j|`, as in the paper; computed on either path.
+    #[default]
+    Plain,
+    /// `Σ_j |h_j|·‖Wd_j‖₂`: unchanged by the rescaling described at
+    /// [`SparseMlp::set_l1_term`]. Dense path only.
+    DownNorm,
+    /// `(Σ_j |h_j|)² / Σ_j h_j²` (Hoyer's measure): unchanged when a token's whole `h`
+    /// scales, so it too ignores that rescaling, and it does not touch `Wd` directly.
+    /// It counts active neurons (equal to L0 when they are equally large); its pull on a
+    /// small `h_j`, `2·Σ|h| / Σh²`, grows as the other activations shrink. Dense path only.
+    Hoyer,
+}
+
 /// Which path the last forward took and what it saw.
 #[derive(Clone, Debug)]
 pub struct MlpStats {
@@ -184,9 +200,8 @@ pub struct SparseMlp {
     /// `None`: the device's default break-even.
     break_even: Option<f64>,
     record_stats: bool,
-    /// Weight each neuron's `|h_j|` in the L1 term by `‖Wd_j‖` (see
-    /// [`SparseMlp::set_l1_down_norm`]).
-    l1_down_norm: bool,
+    /// The per-token sparsity term (see [`SparseMlp::set_l1_term`]).
+    l1_term: L1Term,
     calls: std::sync::atomic::AtomicUsize,
     last: Mutex<Option<LastForward>>,
     last_density: Mutex<Option<f64>>,
@@ -241,7 +256,7 @@ impl SparseMlp {
             config: TwellConfig::default(),
             break_even: None,
             record_stats: false,
-            l1_down_norm: false,
+            l1_term: L1Term::Plain,
             calls: std::sync::atomic::AtomicUsize::new(0),
             last: Mutex::new(None),
             last_density: Mutex::new(None),
@@ -320,16 +335,18 @@ impl SparseMlp {
         self
     }
 
-    /// Makes the L1 term `Σ_j |h_j|·‖Wd_j‖₂` instead of `Σ_j |h_j|`.
+    /// Chooses the per-token term that [`SparseMlp::forward_with_l1`] returns.
     ///
-    /// Why: a ReLU MLP computes the same function after `Wg_j → a·Wg_j`,
-    /// `Wu_j → b·Wu_j`, `Wd_j → Wd_j/(a·b)` (a, b > 0), which scales `h_j` by `a·b`. The
-    /// plain L1 term can therefore be lowered by shrinking `h` and growing `Wd`, without a
-    /// single new zero. `|h_j|·‖Wd_j‖` is unchanged by that rescaling: it is the size of
-    /// neuron j's contribution to the output, which only turning the neuron off removes.
-    /// Dense path only (the TwELL kernels compute the plain term).
-    pub fn set_l1_down_norm(&mut self, on: bool) {
-        self.l1_down_norm = on;
+    /// Why not always `Σ_j |h_j|`: a ReLU MLP computes the same function after
+    /// `Wg_j → a·Wg_j`, `Wu_j → b·Wu_j`, `Wd_j → Wd_j/(a·b)` (a, b > 0), which scales
+    /// `h_j` by `a·b`. The plain term can therefore be lowered by shrinking `h` and
+    /// growing `Wd`, without a single new zero. [`L1Term::DownNorm`] weighs each `|h_j|`
+    /// by `‖Wd_j‖` (the size of neuron j's contribution to the output, which only turning
+    /// the neuron off removes); [`L1Term::Hoyer`] is a ratio that a common scale of `h`
+    /// cancels out of. Both are computed on the dense path only (the TwELL kernels
+    /// compute the plain term).
+    pub fn set_l1_term(&mut self, term: L1Term) {
+        self.l1_term = term;
     }
 
     pub fn set_mode(&mut self, mode: FfnMode) -> Result<()> {
@@ -478,12 +495,12 @@ impl SparseMlp {
         let x2 = crate::ops::reshaped(x, &[rows, d])?;
         let measure = self.measure_now(x.device());
         let sparse = self.use_sparse(x2.dim(0)?, x.device());
-        if sparse && want_l1 && self.l1_down_norm {
-            return err(TwellError::Invalid(
-                "the down-norm weighted L1 term is computed on the dense path only: train with \
-                 the dense FFN (--ffn dense)"
-                    .into(),
-            ));
+        if sparse && want_l1 && self.l1_term != L1Term::Plain {
+            return err(TwellError::Invalid(format!(
+                "the {:?} sparsity term is computed on the dense path only: train with the \
+                 dense FFN (--ffn dense)",
+                self.l1_term
+            )));
         }
         if sparse {
             let res = match self.screen_for(x2.dim(0)?)? {
@@ -527,14 +544,22 @@ impl SparseMlp {
         let (up, down) = (self.up.contiguous()?, self.down.contiguous()?);
         let h = (self.activation.apply(&gate)? * x2.matmul(&up.t()?)?)?;
         let out = h.matmul(&down.t()?)?;
-        let l1 = match (want_l1, self.l1_down_norm) {
+        let l1 = match (want_l1, self.l1_term) {
             (false, _) => None,
-            (true, false) => Some(h.abs()?.sum(D::Minus1)?),
-            (true, true) => {
+            (true, L1Term::Plain) => Some(h.abs()?.sum(D::Minus1)?),
+            (true, L1Term::DownNorm) => {
                 // ‖Wd_j‖ of each neuron (a column of down [d, f]); the epsilon keeps
                 // the gradient of the square root finite at a zero column.
                 let norms = (self.down.sqr()?.sum(0)? + 1e-12)?.sqrt()?;
                 Some(h.abs()?.broadcast_mul(&norms)?.sum(D::Minus1)?)
+            }
+            (true, L1Term::Hoyer) => {
+                // In f32: Σh² of small bf16 activations would lose the ratio's digits.
+                // The epsilon makes an all-zero row 0 (its gradient is 0 there too).
+                let h32 = h.to_dtype(DType::F32)?;
+                let s1 = h32.abs()?.sum(D::Minus1)?;
+                let s2 = (h32.sqr()?.sum(D::Minus1)? + 1e-12)?;
+                Some(s1.sqr()?.div(&s2)?.to_dtype(h.dtype())?)
             }
         };
         if measure {

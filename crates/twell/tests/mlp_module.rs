@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 use common::rel_l2;
 use twell::density::{synthetic_input, synthetic_mlp};
-use twell::{Activation, FfnMode, SparseMlp};
+use twell::{Activation, FfnMode, L1Term, SparseMlp};
 
 #[test]
 fn sparse_and_auto_equal_dense_for_relu_and_batched_input() {
@@ -176,7 +176,7 @@ fn down_norm_l1_ignores_relu_rescaling() {
     let gate = w.gate.broadcast_mul(&col(&a)).unwrap();
     let up = w.up.broadcast_mul(&col(&b)).unwrap();
     let down = w.down.broadcast_mul(&row(&inv)).unwrap();
-    let run = |g: &Tensor, u: &Tensor, dn: &Tensor, weighted: bool| {
+    let run = |g: &Tensor, u: &Tensor, dn: &Tensor, term: L1Term| {
         let mut mlp = SparseMlp::new(
             g.clone(),
             u.clone(),
@@ -185,22 +185,55 @@ fn down_norm_l1_ignores_relu_rescaling() {
             FfnMode::Dense,
         )
         .unwrap();
-        mlp.set_l1_down_norm(weighted);
+        mlp.set_l1_term(term);
         mlp.forward_with_l1(&x).unwrap()
     };
-    let (out0, plain0) = run(&w.gate, &w.up, &w.down, false);
-    let (out1, plain1) = run(&gate, &up, &down, false);
-    let (_, weighted0) = run(&w.gate, &w.up, &w.down, true);
-    let (_, weighted1) = run(&gate, &up, &down, true);
+    let (out0, plain0) = run(&w.gate, &w.up, &w.down, L1Term::Plain);
+    let (out1, plain1) = run(&gate, &up, &down, L1Term::Plain);
+    let (_, weighted0) = run(&w.gate, &w.up, &w.down, L1Term::DownNorm);
+    let (_, weighted1) = run(&gate, &up, &down, L1Term::DownNorm);
     assert!(rel_l2(&out0, &out1).unwrap() < 1e-5);
     assert!(
         rel_l2(&plain0, &plain1).unwrap() > 0.1,
         "plain L1 should move"
     );
     assert!(rel_l2(&weighted0, &weighted1).unwrap() < 1e-5);
+    // Hoyer's ratio ignores one common scale of a token's h, not per-neuron scales:
+    // with the same a·b for every neuron it stays, and it counts the active neurons
+    // (between 1 and L0).
+    let c = 2.5f32;
+    let (_, hoyer0) = run(&w.gate, &w.up, &w.down, L1Term::Hoyer);
+    let scaled = |t: &Tensor| (t * c as f64).unwrap();
+    let (_, hoyer1) = run(
+        &w.gate,
+        &scaled(&w.up),
+        &(&w.down / c as f64).unwrap(),
+        L1Term::Hoyer,
+    );
+    assert!(rel_l2(&hoyer0, &hoyer1).unwrap() < 1e-5);
+    let l0 = {
+        let g = x.matmul(&w.gate.t().unwrap()).unwrap().relu().unwrap();
+        let h = (g * x.matmul(&w.up.t().unwrap()).unwrap()).unwrap();
+        h.ne(0f32)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .sum(1)
+            .unwrap()
+    };
+    let (hv, lv) = (
+        hoyer0.to_vec1::<f32>().unwrap(),
+        l0.to_vec1::<f32>().unwrap(),
+    );
+    for (h, l) in hv.iter().zip(&lv) {
+        assert!(
+            *h >= 1.0 - 1e-4 && *h <= l + 1e-3,
+            "Hoyer {h} against L0 {l}"
+        );
+    }
     let mut sparse =
         SparseMlp::new(w.gate, w.up, w.down, Activation::Relu, FfnMode::Sparse).unwrap();
-    sparse.set_l1_down_norm(true);
+    sparse.set_l1_term(L1Term::DownNorm);
     let e = sparse
         .forward_with_l1(&x)
         .expect_err("the TwELL path has no weighted term");
