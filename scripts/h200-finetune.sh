@@ -5,7 +5,7 @@
 #   scripts/h200-finetune.sh OUTDIR
 # Knobs (environment): TWELL (the binary), TWELL_DATA (model + corpus, as scripts/setup.sh
 # writes them), RUNS (space-separated DTYPE:LAMBDA:WEIGHT_DECAY[:PENALTY] entries, PENALTY
-# plain (default) or down-norm, see `twell finetune --help`), STEPS, LR, SEQ,
+# plain (default), down-norm or hoyer, see `twell finetune --help`), STEPS, LR, SEQ,
 # BATCH, TRAIN_TIMEOUT (seconds, per run), REFERENCE=0 to skip evaluating the original model,
 # PARALLEL=1 to run the fine-tunes side by side (each process keeps ~30-45 GB of pool).
 set -uo pipefail
@@ -41,7 +41,7 @@ for r in $runs; do
   [ "$penalty" = plain ] || name="$name-$penalty"
   names+=("$name")
   # Dense FFN while training: at fine-tuning densities (20-35%) it is the faster path,
-  # and the down-norm penalty is computed there.
+  # and the down-norm and hoyer penalties are computed there.
   run_limited "$train_timeout" "$twell" finetune --device cuda --dtype "$dtype" --ffn dense \
     --seq-len "$seq" --batch "$batch" --steps "$steps" --lr "$lr" --warmup 20 \
     --weight-decay "$wd" --l1 "$l" --l1-penalty "$penalty" --l1-warmup $((steps / 4)) --eval-every 50 \

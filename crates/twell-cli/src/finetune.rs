@@ -53,9 +53,9 @@ pub struct FinetuneArgs {
     /// Ramp λ up linearly over this many steps.
     #[arg(long, default_value_t = 0)]
     pub l1_warmup: usize,
-    /// The L1 term: `plain` (Σ|h_j|), `down-norm` (Σ|h_j|·‖Wd_j‖) or `hoyer`
-    /// ((Σ|h_j|)² / Σh_j², per token); rescaling the weights lowers neither of the last
-    /// two, which need --ffn dense.
+    /// The L1 term: `plain` (Σ|h_j|), `down-norm` (Σ|h_j|·‖Wd_j‖, which rescaling a
+    /// neuron's weights cannot lower) or `hoyer` ((Σ|h_j|)² / Σh_j² per token, which a
+    /// common scale of all neurons cannot lower); the last two need --ffn dense.
     #[arg(long, default_value = "plain")]
     pub l1_penalty: String,
     #[arg(long, default_value_t = 0)]
