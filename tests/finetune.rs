@@ -308,6 +308,9 @@ const L1_DOWN_NORM: f64 = 0.5;
 /// λ for the Hoyer term (it counts active neurons: about 90 here at the start); 25
 /// steps at 0.5 took L0 from 132 to 55.
 const L1_HOYER: f64 = 0.5;
+/// λ for the smooth gate count (also a count of active neurons): 25 steps at 0.1 took L0
+/// from 132 to 64 at a training CE of 0.93 against 0.76 (Hoyer at 0.5: 55 at 1.38).
+const L1_GATE_L0: f64 = 0.1;
 
 /// The scale-free Hoyer term lowers L0 too (the plain term can be paid by rescaling).
 #[test]
@@ -331,6 +334,26 @@ fn hoyer_penalty_lowers_l0_on_the_dense_ffn() {
     let mut t = trainer_with(0.01, 5, FfnMode::Sparse, L1Penalty::Hoyer);
     let e = t.train_step(&data).unwrap_err().to_string();
     assert!(e.contains("dense path"), "{e}");
+}
+
+/// The smooth count of positive gates lowers L0.
+#[test]
+fn gate_l0_penalty_lowers_l0_on_the_dense_ffn() {
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let run = |l1: f64| {
+        let mut t = trainer_with(l1, 25, FfnMode::Dense, L1Penalty::GateL0);
+        let logs: Vec<_> = (0..25).map(|_| t.train_step(&data).unwrap()).collect();
+        logs.last().unwrap().clone()
+    };
+    let (off, on) = (run(0.0), run(L1_GATE_L0));
+    assert!(on.ce.is_finite() && off.ce.is_finite());
+    assert!(
+        on.mean_l0 < 0.8 * off.mean_l0,
+        "L0 with the gate count {} vs without {}",
+        on.mean_l0,
+        off.mean_l0
+    );
+    assert_eq!("gate-l0".parse::<L1Penalty>().unwrap(), L1Penalty::GateL0);
 }
 
 #[test]

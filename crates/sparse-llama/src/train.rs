@@ -40,6 +40,9 @@ pub enum L1Penalty {
     /// `(Σ_j |h_j|)² / Σ_j h_j²` per token: a common scale of `h` cancels out of it
     /// ([`twell::L1Term::Hoyer`]). Needs the dense FFN while training.
     Hoyer,
+    /// A smooth count of the positive gates, each measured as a cosine
+    /// ([`twell::L1Term::GateL0`]). Needs the dense FFN while training.
+    GateL0,
 }
 
 impl L1Penalty {
@@ -49,6 +52,7 @@ impl L1Penalty {
             Self::Plain => twell::L1Term::Plain,
             Self::DownNorm => twell::L1Term::DownNorm,
             Self::Hoyer => twell::L1Term::Hoyer,
+            Self::GateL0 => twell::L1Term::GateL0,
         }
     }
 }
@@ -60,7 +64,10 @@ impl std::str::FromStr for L1Penalty {
             "plain" => Ok(Self::Plain),
             "down-norm" => Ok(Self::DownNorm),
             "hoyer" => Ok(Self::Hoyer),
-            other => Err(format!("'{other}': want plain, down-norm or hoyer")),
+            "gate-l0" => Ok(Self::GateL0),
+            other => Err(format!(
+                "'{other}': want plain, down-norm, hoyer or gate-l0"
+            )),
         }
     }
 }

@@ -54,8 +54,9 @@ pub struct FinetuneArgs {
     #[arg(long, default_value_t = 0)]
     pub l1_warmup: usize,
     /// The L1 term: `plain` (Σ|h_j|), `down-norm` (Σ|h_j|·‖Wd_j‖, which rescaling a
-    /// neuron's weights cannot lower) or `hoyer` ((Σ|h_j|)² / Σh_j² per token, which a
-    /// common scale of all neurons cannot lower); the last two need --ffn dense.
+    /// neuron's weights cannot lower), `hoyer` ((Σ|h_j|)² / Σh_j² per token, which a
+    /// common scale of all neurons cannot lower) or `gate-l0` (a smooth count of the
+    /// positive gates, each as a cosine); all but `plain` need --ffn dense.
     #[arg(long, default_value = "plain")]
     pub l1_penalty: String,
     #[arg(long, default_value_t = 0)]

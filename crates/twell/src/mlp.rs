@@ -117,9 +117,19 @@ pub enum L1Term {
     /// `(Σ_j |h_j|)² / Σ_j h_j²` (Hoyer's measure): unchanged when a token's whole `h`
     /// scales, so it too ignores that rescaling, and it does not touch `Wd` directly.
     /// It counts active neurons (equal to L0 when they are equally large); its pull on a
-    /// small `h_j`, `2·Σ|h| / Σh²`, grows as the other activations shrink. Dense path only.
+    /// small `h_j`, `2·Σ|h| / Σh²`, fades as the other activations grow. Dense path only.
     Hoyer,
+    /// `Σ_j φ(z_j)` with `z_j = relu(g_j)·√d / (‖x‖·‖Wg_j‖)` (the gate as a cosine,
+    /// scaled to unit spread) and `φ(z) = z / (z + ε)`, ε = [`GATE_L0_EPS`]: a smooth
+    /// count of the positive gates. Scaling `x` or a gate row changes nothing, and its
+    /// pull, `ε / (z + ε)²`, is strongest on the gates just above zero, the ones that
+    /// need the least to switch off; the large ones are barely touched. Dense path only.
+    GateL0,
 }
+
+/// ε of [`L1Term::GateL0`], in units of a gate's spread (`z` of a random gate is about
+/// a standard normal): a gate at z = ε counts one half.
+pub const GATE_L0_EPS: f64 = 0.1;
 
 /// Which path the last forward took and what it saw.
 #[derive(Clone, Debug)]
@@ -560,6 +570,18 @@ impl SparseMlp {
                 let s1 = h32.abs()?.sum(D::Minus1)?;
                 let s2 = (h32.sqr()?.sum(D::Minus1)? + 1e-12)?;
                 Some(s1.sqr()?.div(&s2)?.to_dtype(h.dtype())?)
+            }
+            (true, L1Term::GateL0) => {
+                let g32 = gate.to_dtype(DType::F32)?;
+                let x_norm =
+                    (x2.to_dtype(DType::F32)?.sqr()?.sum_keepdim(D::Minus1)? + 1e-12)?.sqrt()?;
+                let w_norm = (self.gate.to_dtype(DType::F32)?.sqr()?.sum(D::Minus1)? + 1e-12)?
+                    .sqrt()?
+                    .unsqueeze(0)?;
+                let scale = (x_norm.broadcast_mul(&w_norm)? / (d as f64).sqrt())?;
+                let z = g32.relu()?.broadcast_div(&scale)?;
+                let phi = (&z / (&z + GATE_L0_EPS)?)?;
+                Some(phi.sum(D::Minus1)?.to_dtype(h.dtype())?)
             }
         };
         if measure {

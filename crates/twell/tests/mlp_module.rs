@@ -231,6 +231,17 @@ fn down_norm_l1_ignores_relu_rescaling() {
             "Hoyer {h} against L0 {l}"
         );
     }
+    // The smooth gate count ignores per-neuron scales of the gate rows (it reads each
+    // gate as a cosine) and stays below L0.
+    let (_, count0) = run(&w.gate, &w.up, &w.down, L1Term::GateL0);
+    let (_, count1) = run(&gate, &up, &down, L1Term::GateL0);
+    assert!(rel_l2(&count0, &count1).unwrap() < 1e-5);
+    for (c, l) in count0.to_vec1::<f32>().unwrap().iter().zip(&lv) {
+        assert!(
+            *c >= 0.0 && *c <= l + 1e-3 && (*l == 0.0 || *c > 0.0),
+            "count {c} against L0 {l}"
+        );
+    }
     let mut sparse =
         SparseMlp::new(w.gate, w.up, w.down, Activation::Relu, FfnMode::Sparse).unwrap();
     sparse.set_l1_term(L1Term::DownNorm);
