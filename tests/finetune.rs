@@ -6,7 +6,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::{rel_l2, tiny_config, tiny_tokenizer, tiny_weights};
 use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
-use sparse_llama::train::{L1Penalty, PackedData, TrainConfig, Trainer};
+use sparse_llama::train::{L1Controller, L1Penalty, PackedData, TrainConfig, Trainer};
 use sparse_llama::Cache;
 use twell::FfnMode;
 
@@ -264,6 +264,20 @@ fn bad_training_settings_and_resume_dirs_are_rejected() {
             l1: f64::NAN,
             ..Default::default()
         },
+        TrainConfig {
+            l1_target_density: Some(1.5),
+            ..Default::default()
+        },
+        TrainConfig {
+            l1_target_density: Some(0.03),
+            l1: 0.0,
+            ..Default::default()
+        },
+        TrainConfig {
+            l1_target_density: Some(0.03),
+            no_activity_stats: true,
+            ..Default::default()
+        },
     ] {
         let e = Trainer::new(cfg.clone(), w.clone(), bad, &Device::Cpu)
             .err()
@@ -354,6 +368,58 @@ fn gate_l0_penalty_lowers_l0_on_the_dense_ffn() {
         off.mean_l0
     );
     assert_eq!("gate-l0".parse::<L1Penalty>().unwrap(), L1Penalty::GateL0);
+}
+
+/// The controller's step: capped at ±10%, still at the target, easing off when nothing
+/// fires.
+#[test]
+fn the_l1_controller_moves_lambda_towards_the_target_density() {
+    let step = |density: f64| {
+        let mut c = L1Controller::default();
+        c.observe(density, 0.03);
+        c.scale
+    };
+    assert!((step(0.3) - 1.1).abs() < 1e-12, "capped rise");
+    assert!((step(0.03) - 1.0).abs() < 1e-12, "at the target");
+    assert!((step(0.015) - 0.5f64.powf(0.05)).abs() < 1e-12);
+    assert!((step(0.0) - 0.9).abs() < 1e-12, "nothing fired");
+    assert!((step(1e-9) - 0.9).abs() < 1e-12, "capped fall");
+}
+
+/// With a target density λ rises while the FFN is denser than the target, and the run
+/// ends sparser than at a fixed λ; a resumed run continues from the same λ.
+#[test]
+fn a_target_density_steers_lambda_and_survives_resume() {
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let target = |t: &mut Trainer| {
+        t.cfg.l1_target_density = Some(0.05);
+    };
+    let mut fixed = trainer(0.01, 25);
+    let mut steered = trainer(0.01, 25);
+    target(&mut steered);
+    let (mut a, mut b) = (None, None);
+    for _ in 0..25 {
+        a = Some(fixed.train_step(&data).unwrap());
+        b = Some(steered.train_step(&data).unwrap());
+    }
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert!(steered.l1_scale() > 2.0, "λ factor {}", steered.l1_scale());
+    assert!(b.l1_coefficient > 2.0 * a.l1_coefficient);
+    assert!(
+        b.mean_l0 < a.mean_l0,
+        "L0 steered {} vs fixed {}",
+        b.mean_l0,
+        a.mean_l0
+    );
+    let dir = tempfile::tempdir().unwrap();
+    steered
+        .save(dir.path(), &tiny_tokenizer(), None, DType::F32)
+        .unwrap();
+    let ck = Checkpoint::open(dir.path().to_str().unwrap()).unwrap();
+    let resumed = resume_from(&ck, dir.path(), &steered.cfg, None);
+    // (JSON keeps it to the last bit or one off.)
+    let (r, s) = (resumed.l1_scale(), steered.l1_scale());
+    assert!((r - s).abs() <= 1e-12 * s, "resumed λ factor {r} vs {s}");
 }
 
 #[test]

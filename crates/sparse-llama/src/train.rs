@@ -105,6 +105,12 @@ pub struct TrainConfig {
     /// `[tokens, d_ff]` every step. The logged L0 is 0 then.
     #[serde(default)]
     pub no_activity_stats: bool,
+    /// Steer λ towards this mean FFN density (a fraction of d_ff) instead of holding it:
+    /// after each step λ is multiplied by `(density / target)^L1_TARGET_GAIN`, at most
+    /// ×1.1 or ×0.9 a step, from `l1` as its start ([`L1Controller`]). Needs the
+    /// activity statistics.
+    #[serde(default)]
+    pub l1_target_density: Option<f64>,
 }
 
 impl Default for TrainConfig {
@@ -127,6 +133,7 @@ impl Default for TrainConfig {
             bf16: false,
             profile: false,
             no_activity_stats: false,
+            l1_target_density: None,
         }
     }
 }
@@ -150,6 +157,17 @@ impl TrainConfig {
         {
             return bad("l1, weight_decay and clip_norm >= 0");
         }
+        if let Some(target) = self.l1_target_density {
+            if !(target > 0.0 && target < 1.0) {
+                return bad("the target density must be in (0, 1)");
+            }
+            if self.l1 <= 0.0 {
+                return bad("a target density needs a starting l1 > 0 to scale");
+            }
+            if self.no_activity_stats {
+                return bad("a target density needs the activity statistics (L0 per step)");
+            }
+        }
         Ok(())
     }
 
@@ -160,6 +178,37 @@ impl TrainConfig {
         } else {
             self.l1 * ((step + 1) as f64 / self.l1_warmup_steps as f64).min(1.0)
         }
+    }
+}
+
+/// How fast [`L1Controller`] moves λ: the exponent on `density / target`.
+pub const L1_TARGET_GAIN: f64 = 0.05;
+
+/// λ steered towards a target FFN density ([`TrainConfig::l1_target_density`]): a
+/// multiplicative step in log space, so λ can travel orders of magnitude in a few hundred
+/// steps, capped per step so one noisy batch cannot swing it.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
+pub struct L1Controller {
+    /// The factor on the configured λ (1 at the start).
+    pub scale: f64,
+}
+
+impl Default for L1Controller {
+    fn default() -> Self {
+        Self { scale: 1.0 }
+    }
+}
+
+impl L1Controller {
+    /// Updates the factor after a step that ran at `density`.
+    pub fn observe(&mut self, density: f64, target: f64) {
+        if !(density.is_finite() && density > 0.0) {
+            // No active neuron at all: ease off as far as a step allows.
+            self.scale *= 0.9;
+            return;
+        }
+        let factor = (density / target).powf(L1_TARGET_GAIN).clamp(0.9, 1.1);
+        self.scale *= factor;
     }
 }
 
@@ -316,6 +365,9 @@ impl<'a> PhaseClock<'a> {
 pub struct TrainerState {
     pub step: usize,
     pub config: TrainConfig,
+    /// Where [`TrainConfig::l1_target_density`] had taken λ.
+    #[serde(default)]
+    pub l1_controller: L1Controller,
 }
 
 /// A fine-tuning run: the trainable weights, the model built on them, the optimizer.
@@ -332,6 +384,7 @@ pub struct Trainer {
     /// Whether each layer's up and down weights are one trainable `[f, 2d]` matrix
     /// ([`crate::fused_mlp`]): when the TwELL FFN is what trains.
     fused_up_down: bool,
+    l1_controller: L1Controller,
 }
 
 impl Trainer {
@@ -398,6 +451,7 @@ impl Trainer {
             step: 0,
             last_fired: vec![vec![None; ffn]; layers],
             fused_up_down,
+            l1_controller: L1Controller::default(),
         })
     }
 
@@ -450,7 +504,7 @@ impl Trainer {
     /// One optimizer step over `grad_accum` micro-batches.
     pub fn train_step(&mut self, data: &PackedData) -> Result<StepLog> {
         let t0 = Instant::now();
-        let l1_coefficient = self.cfg.l1_at(self.step);
+        let l1_coefficient = self.cfg.l1_at(self.step) * self.l1_controller.scale;
         let lr = lr_at(
             self.step,
             self.cfg.steps,
@@ -513,6 +567,11 @@ impl Trainer {
         let accum = self.cfg.grad_accum as f64;
         let (ce, l1) = (ce_sum / accum, l1_sum / accum);
         let l0: Vec<f64> = l0.into_iter().map(|v| v / accum).collect();
+        let mean_l0 = l0.iter().sum::<f64>() / l0.len().max(1) as f64;
+        if let Some(target) = self.cfg.l1_target_density {
+            let density = mean_l0 / self.model_cfg.intermediate_size as f64;
+            self.l1_controller.observe(density, target);
+        }
         let tokens = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.seq_len;
         Ok(StepLog {
             step: self.step,
@@ -522,7 +581,7 @@ impl Trainer {
             loss: ce + l1_coefficient * l1,
             lr,
             grad_norm,
-            mean_l0: l0.iter().sum::<f64>() / l0.len().max(1) as f64,
+            mean_l0,
             l0,
             dead_fraction: self.dead_fraction(),
             tokens_per_sec: tokens as f64 / t0.elapsed().as_secs_f64(),
@@ -623,6 +682,7 @@ impl Trainer {
         let state = TrainerState {
             step: self.step,
             config: self.cfg.clone(),
+            l1_controller: self.l1_controller,
         };
         let text = serde_json::to_string_pretty(&state)
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
@@ -631,7 +691,8 @@ impl Trainer {
     }
 
     /// Continues from a directory written by [`Trainer::save`] (its weights must have
-    /// been loaded into this trainer): restores the optimizer and the step.
+    /// been loaded into this trainer): restores the optimizer, the step and where a
+    /// target density had taken λ.
     pub fn resume(&mut self, dir: &Path) -> Result<()> {
         let text = std::fs::read_to_string(dir.join("trainer_state.json")).map_err(|e| {
             candle_core::Error::Msg(format!(
@@ -652,6 +713,12 @@ impl Trainer {
             }
         })?;
         self.step = state.step;
+        self.l1_controller = state.l1_controller;
         Ok(())
+    }
+
+    /// The factor a target density has put on λ (1 without one).
+    pub fn l1_scale(&self) -> f64 {
+        self.l1_controller.scale
     }
 }

@@ -53,6 +53,11 @@ pub struct FinetuneArgs {
     /// Ramp λ up linearly over this many steps.
     #[arg(long, default_value_t = 0)]
     pub l1_warmup: usize,
+    /// Steer λ towards this mean FFN density (a fraction, e.g. 0.03) instead of holding
+    /// it: --l1 is where λ starts, and each step scales it by (density / target)^0.05,
+    /// by at most 10%.
+    #[arg(long)]
+    pub l1_target_density: Option<f64>,
     /// The L1 term: `plain` (Σ|h_j|), `down-norm` (Σ|h_j|·‖Wd_j‖, which rescaling a
     /// neuron's weights cannot lower), `hoyer` ((Σ|h_j|)² / Σh_j² per token, which a
     /// common scale of all neurons cannot lower) or `gate-l0` (a smooth count of the
@@ -114,6 +119,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         bf16: dtype == DType::BF16,
         profile: args.profile,
         no_activity_stats: false,
+        l1_target_density: args.l1_target_density,
     };
     cfg.validate()?;
     // Resuming reads the weights from the checkpoint being resumed.
