@@ -384,6 +384,11 @@ fn the_l1_controller_moves_lambda_towards_the_target_density() {
     assert!((step(0.015) - 0.5f64.powf(0.05)).abs() < 1e-12);
     assert!((step(0.0) - 0.9).abs() < 1e-12, "nothing fired");
     assert!((step(1e-9) - 0.9).abs() < 1e-12, "capped fall");
+    let mut c = L1Controller::default();
+    for _ in 0..10_000 {
+        c.observe(0.5, 0.03);
+    }
+    assert_eq!(c.scale, sparse_llama::train::L1_SCALE_RANGE.1, "bounded");
 }
 
 /// With a target density λ rises while the FFN is denser than the target, and the run
@@ -417,6 +422,14 @@ fn a_target_density_steers_lambda_and_survives_resume() {
         .unwrap();
     let ck = Checkpoint::open(dir.path().to_str().unwrap()).unwrap();
     let resumed = resume_from(&ck, dir.path(), &steered.cfg, None);
+    // During λ's ramp the factor stays put.
+    let mut ramping = trainer(0.01, 25);
+    ramping.cfg.l1_target_density = Some(0.05);
+    ramping.cfg.l1_warmup_steps = 10;
+    for _ in 0..10 {
+        ramping.train_step(&data).unwrap();
+    }
+    assert_eq!(ramping.l1_scale(), 1.0);
     // (JSON keeps it to the last bit or one off.)
     let (r, s) = (resumed.l1_scale(), steered.l1_scale());
     assert!((r - s).abs() <= 1e-12 * s, "resumed λ factor {r} vs {s}");

@@ -106,9 +106,9 @@ pub struct TrainConfig {
     #[serde(default)]
     pub no_activity_stats: bool,
     /// Steer λ towards this mean FFN density (a fraction of d_ff) instead of holding it:
-    /// after each step λ is multiplied by `(density / target)^L1_TARGET_GAIN`, at most
-    /// ×1.1 or ×0.9 a step, from `l1` as its start ([`L1Controller`]). Needs the
-    /// activity statistics.
+    /// after each step past λ's ramp, λ is multiplied by `(density / target)^
+    /// L1_TARGET_GAIN`, at most ×1.1 or ×0.9 a step, from `l1` as its start
+    /// ([`L1Controller`]). Needs the activity statistics.
     #[serde(default)]
     pub l1_target_density: Option<f64>,
 }
@@ -183,6 +183,8 @@ impl TrainConfig {
 
 /// How fast [`L1Controller`] moves λ: the exponent on `density / target`.
 pub const L1_TARGET_GAIN: f64 = 0.05;
+/// How far [`L1Controller`] may take λ from its start, down and up.
+pub const L1_SCALE_RANGE: (f64, f64) = (1e-4, 1e4);
 
 /// λ steered towards a target FFN density ([`TrainConfig::l1_target_density`]): a
 /// multiplicative step in log space, so λ can travel orders of magnitude in a few hundred
@@ -208,7 +210,8 @@ impl L1Controller {
             return;
         }
         let factor = (density / target).powf(L1_TARGET_GAIN).clamp(0.9, 1.1);
-        self.scale *= factor;
+        // Bounded, so a target the model cannot reach does not run λ off to infinity.
+        self.scale = (self.scale * factor).clamp(L1_SCALE_RANGE.0, L1_SCALE_RANGE.1);
     }
 }
 
@@ -568,7 +571,10 @@ impl Trainer {
         let (ce, l1) = (ce_sum / accum, l1_sum / accum);
         let l0: Vec<f64> = l0.into_iter().map(|v| v / accum).collect();
         let mean_l0 = l0.iter().sum::<f64>() / l0.len().max(1) as f64;
-        if let Some(target) = self.cfg.l1_target_density {
+        // Not during λ's ramp: the density is high then by design, and the factor
+        // would compound against the ramp.
+        let ramped = self.step > self.cfg.l1_warmup_steps;
+        if let (Some(target), true) = (self.cfg.l1_target_density, ramped) {
             let density = mean_l0 / self.model_cfg.intermediate_size as f64;
             self.l1_controller.observe(density, target);
         }
