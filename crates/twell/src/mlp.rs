@@ -353,7 +353,8 @@ impl SparseMlp {
     /// growing `Wd`, without a single new zero. [`L1Term::DownNorm`] weighs each `|h_j|`
     /// by `‖Wd_j‖` (the size of neuron j's contribution to the output, which only turning
     /// the neuron off removes); [`L1Term::Hoyer`] is a ratio that a common scale of `h`
-    /// cancels out of. Both are computed on the dense path only (the TwELL kernels
+    /// cancels out of; [`L1Term::GateL0`] counts the positive gates, each read as a
+    /// cosine. Those three are computed on the dense path only (the TwELL kernels
     /// compute the plain term).
     pub fn set_l1_term(&mut self, term: L1Term) {
         self.l1_term = term;
