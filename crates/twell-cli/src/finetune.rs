@@ -202,9 +202,10 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         }
         writeln!(log, "{}", serde_json::to_string(&entry)?)?;
         bar.set_message(format!(
-            "ce {:.3} l1 {:.1} L0 {:.1} dead {:.1}% lr {:.1e} {:.0} tok/s{}",
+            "ce {:.3} l1 {:.1} λ {:.1e} L0 {:.1} dead {:.1}% lr {:.1e} {:.0} tok/s{}",
             entry.ce,
             entry.l1,
+            entry.l1_coefficient,
             entry.mean_l0,
             100.0 * entry.dead_fraction,
             entry.lr,
