@@ -505,6 +505,57 @@ fn bad_finetune_flags_are_rejected() {
         ],
         "add --ffn dense",
     );
+    for (flag, value, needle) in [
+        (
+            "--l1-target-density",
+            "1.5",
+            "target density must be in (0, 1)",
+        ),
+        (
+            "--l1-target-density",
+            "nan",
+            "target density must be in (0, 1)",
+        ),
+    ] {
+        fails_with(
+            &[
+                "finetune", "--model", m, "--data", t, "--out", o, "--l1", "1e-3", flag, value,
+            ],
+            needle,
+        );
+    }
+    fails_with(
+        &[
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            t,
+            "--out",
+            o,
+            "--l1",
+            "0",
+            "--l1-target-density",
+            "0.03",
+        ],
+        "starting l1 > 0",
+    );
+    fails_with(
+        &[
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            t,
+            "--out",
+            o,
+            "--l1-penalty",
+            "gate-l0",
+            "--ffn",
+            "sparse",
+        ],
+        "add --ffn dense",
+    );
     // One document cannot be split into training and held-out text.
     fails_with(
         &[
