@@ -445,146 +445,43 @@ fn bad_finetune_flags_are_rejected() {
         dir.path().join("o"),
     );
     let o = o.to_str().unwrap();
-    fails_with(
-        &[
-            "finetune",
-            "--model",
-            m,
-            "--data",
-            t,
-            "--out",
-            o,
-            "--holdout",
-            "0",
-        ],
-        "--holdout",
-    );
-    fails_with(
-        &[
-            "finetune", "--model", m, "--data", t, "--out", o, "--steps", "0",
-        ],
-        "invalid training setting",
-    );
-    fails_with(
-        &["finetune", "--model", m, "--data", t, "--out", o, "--lr=-1"],
-        "invalid training setting",
-    );
-    fails_with(
-        &[
-            "finetune", "--model", m, "--data", t, "--out", o, "--lr", "0",
-        ],
-        "--lr 0 would train nothing",
-    );
-    fails_with(
-        &[
-            "finetune",
-            "--model",
-            m,
-            "--data",
-            t,
-            "--out",
-            o,
-            "--l1-penalty",
-            "l2",
-        ],
-        "--l1-penalty",
-    );
-    fails_with(
-        &[
-            "finetune",
-            "--model",
-            m,
-            "--data",
-            t,
-            "--out",
-            o,
-            "--l1-penalty",
-            "down-norm",
-            "--ffn",
-            "sparse",
-        ],
-        "add --ffn dense",
-    );
-    for (flag, value, needle) in [
+    // Each case: the flags after `finetune --model M --data T --out O`, and the words
+    // its error must contain.
+    let cases: &[(&[&str], &str)] = &[
+        (&["--holdout", "0"], "--holdout"),
+        (&["--steps", "0"], "invalid training setting"),
+        (&["--lr=-1"], "invalid training setting"),
+        (&["--lr", "0"], "--lr 0 would train nothing"),
+        (&["--l1-penalty", "l2"], "--l1-penalty"),
         (
-            "--l1-target-density",
-            "1.5",
+            &["--l1-penalty", "down-norm", "--ffn", "sparse"],
+            "add --ffn dense",
+        ),
+        (
+            &["--l1", "1e-3", "--l1-target-density", "1.5"],
             "target density must be in (0, 1)",
         ),
         (
-            "--l1-target-density",
-            "nan",
+            &["--l1", "1e-3", "--l1-target-density", "nan"],
             "target density must be in (0, 1)",
         ),
-    ] {
-        fails_with(
-            &[
-                "finetune", "--model", m, "--data", t, "--out", o, "--l1", "1e-3", flag, value,
-            ],
-            needle,
-        );
+        (
+            &["--l1", "0", "--l1-target-density", "0.03"],
+            "starting l1 > 0",
+        ),
+        (
+            &["--l1-penalty", "gate-l0", "--ffn", "sparse"],
+            "add --ffn dense",
+        ),
+        // One document cannot be split into training and held-out text.
+        (&["--holdout", "1"], "cannot hold out"),
+        (&["--resume", "/no/such/run"], "neither a directory"),
+    ];
+    for (flags, needle) in cases {
+        let mut args = vec!["finetune", "--model", m, "--data", t, "--out", o];
+        args.extend_from_slice(flags);
+        fails_with(&args, needle);
     }
-    fails_with(
-        &[
-            "finetune",
-            "--model",
-            m,
-            "--data",
-            t,
-            "--out",
-            o,
-            "--l1",
-            "0",
-            "--l1-target-density",
-            "0.03",
-        ],
-        "starting l1 > 0",
-    );
-    fails_with(
-        &[
-            "finetune",
-            "--model",
-            m,
-            "--data",
-            t,
-            "--out",
-            o,
-            "--l1-penalty",
-            "gate-l0",
-            "--ffn",
-            "sparse",
-        ],
-        "add --ffn dense",
-    );
-    // One document cannot be split into training and held-out text.
-    fails_with(
-        &[
-            "finetune",
-            "--model",
-            m,
-            "--data",
-            t,
-            "--out",
-            o,
-            "--holdout",
-            "1",
-        ],
-        "cannot hold out",
-    );
-    fails_with(
-        &[
-            "finetune",
-            "--model",
-            m,
-            "--data",
-            t,
-            "--out",
-            o,
-            "--resume",
-            "/no/such/run",
-        ],
-        "neither a directory",
-    );
     fails_with(&["finetune", "--model", m, "--data", t], "--out");
 }
 
