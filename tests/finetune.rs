@@ -278,6 +278,14 @@ fn bad_training_settings_and_resume_dirs_are_rejected() {
             no_activity_stats: true,
             ..Default::default()
         },
+        TrainConfig {
+            distill: 1.5,
+            ..Default::default()
+        },
+        TrainConfig {
+            distill: f64::NAN,
+            ..Default::default()
+        },
     ] {
         let e = Trainer::new(cfg.clone(), w.clone(), bad, &Device::Cpu)
             .err()
@@ -435,4 +443,80 @@ fn activity_statistics_can_be_switched_off_and_on() {
     }
     without.set_activity_stats(true);
     assert!(without.train_step(&data).unwrap().mean_l0 > 0.0);
+}
+
+/// The tiny SiLU model on other random weights, with its own output head: a teacher
+/// whose distribution differs from every student's start. (A random model with tied
+/// embeddings mostly predicts its input token again, as every student does at first.)
+fn tiny_teacher() -> sparse_llama::Llama {
+    let mut config = tiny_config("silu", 256);
+    config.tie_word_embeddings = Some(false);
+    let cfg = config.into_config(false).unwrap();
+    let mut weights = tiny_weights(&cfg, 29);
+    // The head of another seed's weights, so that every call builds the same teacher.
+    let head = tiny_weights(&cfg, 30)
+        .remove("model.embed_tokens.weight")
+        .unwrap();
+    weights.insert("lm_head.weight".into(), head);
+    let vb = candle_nn::VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu);
+    sparse_llama::Llama::load(vb, &cfg).unwrap()
+}
+
+/// KL(teacher ‖ student) over the first validation-ordered batch.
+fn kl_to_teacher(
+    student: &sparse_llama::Llama,
+    teacher: &sparse_llama::Llama,
+    data: &PackedData,
+) -> f64 {
+    let batch = data.ordered_batch(0, 4, &Device::Cpu).unwrap().unwrap();
+    let inputs = batch.narrow(1, 0, 32).unwrap();
+    let logits = |m: &sparse_llama::Llama| {
+        let mut cache = Cache::new(false, DType::F32, m.config(), &Device::Cpu).unwrap();
+        m.forward_all(&inputs, 0, &mut cache).unwrap()
+    };
+    let kl = sparse_llama::distill::kl_divergence(&logits(student), &logits(teacher)).unwrap();
+    kl.to_scalar::<f32>().unwrap() as f64
+}
+
+#[test]
+fn distillation_pulls_the_student_towards_the_teacher() {
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let mut plain = trainer_with(0.0, 25, FfnMode::Dense, L1Penalty::Plain);
+    let mut distilled = trainer_with(0.0, 25, FfnMode::Dense, L1Penalty::Plain);
+    distilled.cfg.distill = 1.0;
+    // Without a teacher a distilling step is refused, not run on CE alone.
+    let e = distilled.train_step(&data).unwrap_err().to_string();
+    assert!(e.contains("without a teacher"), "{e}");
+    distilled.set_teacher(tiny_teacher()).unwrap();
+    let mut kls = Vec::new();
+    for _ in 0..25 {
+        let log = distilled.train_step(&data).unwrap();
+        assert!(plain.train_step(&data).unwrap().kl.is_none());
+        let kl = log.kl.expect("a distilling step logs its KL");
+        assert!(
+            kl.is_finite() && kl >= 0.0 && (log.loss - kl).abs() < 1e-9,
+            "{log:?}"
+        );
+        kls.push(kl);
+    }
+    assert!(kls[24] < 0.5 * kls[0], "KL {} -> {}", kls[0], kls[24]);
+    let teacher = tiny_teacher();
+    let (to_plain, to_distilled) = (
+        kl_to_teacher(plain.model(), &teacher, &data),
+        kl_to_teacher(distilled.model(), &teacher, &data),
+    );
+    assert!(
+        to_distilled < 0.5 * to_plain,
+        "KL distilled {to_distilled} vs CE-only {to_plain}"
+    );
+    // A teacher must share the vocabulary.
+    let mut small = tiny_config("silu", 256);
+    small.vocab_size = 100;
+    let cfg = small.into_config(false).unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(tiny_weights(&cfg, 3), DType::F32, &Device::Cpu);
+    let e = distilled
+        .set_teacher(sparse_llama::Llama::load(vb, &cfg).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("vocabulary"), "{e}");
 }

@@ -7,6 +7,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod corpus;
+pub mod distill;
 pub mod error;
 pub mod fused_mlp;
 pub mod generate;

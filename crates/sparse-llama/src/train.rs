@@ -6,7 +6,9 @@
 //! loss = cross_entropy + λ · mean_layers( mean_tokens( Σ_j |h_j| ) )
 //! ```
 //!
-//! with `h` the input of `down_proj`. λ can ramp up linearly over the first steps.
+//! with `h` the input of `down_proj`. λ can ramp up linearly over the first steps, or
+//! be steered towards a target density. With distillation the cross-entropy is mixed
+//! with `KL(teacher ‖ student)` ([`crate::distill`]).
 //! Text is packed into fixed-length sequences, shuffled deterministically per epoch;
 //! AdamW (our own, so its state can be saved) with warm-up + cosine decay, gradient
 //! clipping and accumulation; f32 master weights. Checkpoints are HF directories plus
@@ -111,6 +113,11 @@ pub struct TrainConfig {
     /// ([`L1Controller`]). Needs the activity statistics.
     #[serde(default)]
     pub l1_target_density: Option<f64>,
+    /// α of knowledge distillation: the loss is `(1 - α)·CE + α·KL(teacher ‖ student)
+    /// + λ·L1` ([`crate::distill`]); 0 trains on the corpus' cross-entropy alone. Needs
+    /// a teacher ([`Trainer::set_teacher`]).
+    #[serde(default)]
+    pub distill: f64,
 }
 
 impl Default for TrainConfig {
@@ -134,6 +141,7 @@ impl Default for TrainConfig {
             profile: false,
             no_activity_stats: false,
             l1_target_density: None,
+            distill: 0.0,
         }
     }
 }
@@ -156,6 +164,9 @@ impl TrainConfig {
         if self.l1 < 0.0 || !self.l1.is_finite() || self.weight_decay < 0.0 || self.clip_norm < 0.0
         {
             return bad("l1, weight_decay and clip_norm >= 0");
+        }
+        if !(0.0..=1.0).contains(&self.distill) {
+            return bad("the distillation weight must be in [0, 1]");
         }
         if let Some(target) = self.l1_target_density {
             if !(target > 0.0 && target < 1.0) {
@@ -304,6 +315,9 @@ pub struct StepLog {
     pub ce: f64,
     pub l1: f64,
     pub l1_coefficient: f64,
+    /// `KL(teacher ‖ student)` per token, when distilling.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kl: Option<f64>,
     pub loss: f64,
     pub lr: f64,
     pub grad_norm: f64,
@@ -388,6 +402,8 @@ pub struct Trainer {
     /// ([`crate::fused_mlp`]): when the TwELL FFN is what trains.
     fused_up_down: bool,
     l1_controller: L1Controller,
+    /// The model distilled from ([`TrainConfig::distill`]): frozen, dense.
+    teacher: Option<Llama>,
 }
 
 impl Trainer {
@@ -455,6 +471,7 @@ impl Trainer {
             last_fired: vec![vec![None; ffn]; layers],
             fused_up_down,
             l1_controller: L1Controller::default(),
+            teacher: None,
         })
     }
 
@@ -496,6 +513,18 @@ impl Trainer {
         self.model.set_ffn_mode(mode)
     }
 
+    /// The model to distill from when [`TrainConfig::distill`] > 0: usually the
+    /// checkpoint the run started from, with its own activation. Its weights are not
+    /// trained; it must share the student's vocabulary.
+    pub fn set_teacher(&mut self, teacher: Llama) -> Result<()> {
+        let (want, got) = (self.model_cfg.vocab_size, teacher.config().vocab_size);
+        if want != got {
+            candle_core::bail!("the teacher's vocabulary ({got}) is not the student's ({want})");
+        }
+        self.teacher = Some(teacher);
+        Ok(())
+    }
+
     pub fn model(&self) -> &Llama {
         &self.model
     }
@@ -517,7 +546,13 @@ impl Trainer {
         );
         let n = self.opt.params().len();
         let mut grads: Vec<Option<Tensor>> = vec![None; n];
-        let (mut ce_sum, mut l1_sum) = (0f64, 0f64);
+        let distill = self.cfg.distill;
+        if distill > 0.0 && self.teacher.is_none() {
+            candle_core::bail!(
+                "distillation weight {distill} without a teacher: call Trainer::set_teacher"
+            );
+        }
+        let (mut ce_sum, mut l1_sum, mut kl_sum) = (0f64, 0f64, 0f64);
         let mut l0 = vec![0f64; self.model_cfg.num_hidden_layers];
         let device = self.device.clone();
         let mut clock = PhaseClock::start(&device, self.cfg.profile)?;
@@ -531,7 +566,20 @@ impl Trainer {
             let (inputs, targets) = (batch.narrow(1, 0, t)?, batch.narrow(1, 1, t)?);
             let out = self.model.forward_train(&inputs)?;
             let ce = cross_entropy(&out.logits, &targets)?;
-            let loss = ((&ce + (&out.l1 * l1_coefficient)?)? / self.cfg.grad_accum as f64)?;
+            let mut loss = (&out.l1 * l1_coefficient)?;
+            let mut kl_value = None;
+            match (&self.teacher, distill > 0.0) {
+                (Some(teacher), true) => {
+                    let dtype = out.logits.dtype();
+                    let mut cache = Cache::new(false, dtype, teacher.config(), &self.device)?;
+                    let teacher_logits = teacher.forward_all(&inputs, 0, &mut cache)?;
+                    let kl = crate::distill::kl_divergence(&out.logits, &teacher_logits)?;
+                    loss = ((loss + (&ce * (1.0 - distill))?)? + (&kl * distill)?)?;
+                    kl_value = Some(kl);
+                }
+                _ => loss = (loss + &ce)?,
+            }
+            let loss = (loss / self.cfg.grad_accum as f64)?;
             phases.forward += clock.lap()?;
             let store = loss.backward()?;
             for (k, (_, var)) in self.opt.params().iter().enumerate() {
@@ -550,6 +598,9 @@ impl Trainer {
             phases.backward += clock.lap()?;
             ce_sum += ce.to_scalar::<f32>()? as f64;
             l1_sum += out.l1.to_scalar::<f32>()? as f64;
+            if let Some(kl) = kl_value {
+                kl_sum += kl.to_scalar::<f32>()? as f64;
+            }
             if !self.cfg.no_activity_stats {
                 self.observe_activity(&mut l0)?;
             }
@@ -569,6 +620,7 @@ impl Trainer {
 
         let accum = self.cfg.grad_accum as f64;
         let (ce, l1) = (ce_sum / accum, l1_sum / accum);
+        let kl = (distill > 0.0).then_some(kl_sum / accum);
         let l0: Vec<f64> = l0.into_iter().map(|v| v / accum).collect();
         let mean_l0 = l0.iter().sum::<f64>() / l0.len().max(1) as f64;
         // Not during λ's ramp: the density is high then by design, and the factor
@@ -584,7 +636,11 @@ impl Trainer {
             ce,
             l1,
             l1_coefficient,
-            loss: ce + l1_coefficient * l1,
+            kl,
+            loss: match kl {
+                Some(kl) => (1.0 - distill) * ce + distill * kl + l1_coefficient * l1,
+                None => ce + l1_coefficient * l1,
+            },
             lr,
             grad_norm,
             mean_l0,

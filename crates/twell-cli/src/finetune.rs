@@ -64,6 +64,11 @@ pub struct FinetuneArgs {
     /// positive gates, each as a cosine); all but `plain` need --ffn dense.
     #[arg(long, default_value = "plain")]
     pub l1_penalty: String,
+    /// Distill from the --model checkpoint as loaded (its own activation, dense, frozen;
+    /// the same one when resuming): the loss becomes (1 - α)·CE + α·KL(teacher ‖
+    /// student) + λ·L1. α in [0, 1]; 0 is off.
+    #[arg(long, default_value_t = 0.0)]
+    pub distill: f64,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Validate every N steps (0: only at the end).
@@ -120,6 +125,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         profile: args.profile,
         no_activity_stats: false,
         l1_target_density: args.l1_target_density,
+        distill: args.distill,
     };
     cfg.validate()?;
     // Resuming reads the weights from the checkpoint being resumed.
@@ -168,6 +174,22 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     );
 
     let mut trainer = Trainer::new(model_cfg, ck.tensors(DType::F32, &device)?, cfg, &device)?;
+    if args.distill > 0.0 {
+        // The teacher is --model itself, not the checkpoint being resumed.
+        let teacher = args
+            .model
+            .open()?
+            .load_model(
+                dtype,
+                &device,
+                &LoadOptions {
+                    activation: None,
+                    ffn_mode: Some(FfnMode::Dense),
+                },
+            )
+            .context("loading the distillation teacher (--model)")?;
+        trainer.set_teacher(teacher)?;
+    }
     if let Some(r) = &args.resume {
         trainer.resume(r)?;
         eprintln!(
@@ -202,8 +224,9 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         }
         writeln!(log, "{}", serde_json::to_string(&entry)?)?;
         bar.set_message(format!(
-            "ce {:.3} l1 {:.1} λ {:.1e} L0 {:.1} dead {:.1}% lr {:.1e} {:.0} tok/s{}",
+            "ce {:.3}{} l1 {:.1} λ {:.1e} L0 {:.1} dead {:.1}% lr {:.1e} {:.0} tok/s{}",
             entry.ce,
+            entry.kl.map(|v| format!(" kl {v:.3}")).unwrap_or_default(),
             entry.l1,
             entry.l1_coefficient,
             entry.mean_l0,

@@ -425,6 +425,9 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
         "4",
         "--resume",
         step2.to_str().unwrap(),
+        // Resumed with distillation: the teacher is --model, the run's starting point.
+        "--distill",
+        "0.5",
     ];
     args.extend(common);
     let (ok, text) = twell(&args);
@@ -433,6 +436,17 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
         text.contains("resumed") && text.contains("at step 2"),
         "{text}"
     );
+    let log = std::fs::read_to_string(out.join("train_log.jsonl")).unwrap();
+    let resumed: Vec<serde_json::Value> = log
+        .lines()
+        .skip(4)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(resumed.len(), 2, "{log}");
+    for line in &resumed {
+        let kl = line["kl"].as_f64().expect("a distilling step logs kl");
+        assert!(kl.is_finite() && kl > 0.0, "{line}");
+    }
 }
 
 #[test]
@@ -449,6 +463,10 @@ fn bad_finetune_flags_are_rejected() {
     // its error must contain.
     let cases: &[(&[&str], &str)] = &[
         (&["--holdout", "0"], "--holdout"),
+        (
+            &["--distill", "1.5"],
+            "distillation weight must be in [0, 1]",
+        ),
         (&["--steps", "0"], "invalid training setting"),
         (&["--lr=-1"], "invalid training setting"),
         (&["--lr", "0"], "--lr 0 would train nothing"),
