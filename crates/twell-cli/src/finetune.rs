@@ -89,6 +89,10 @@ pub struct FinetuneArgs {
     /// Continue a run from a checkpoint directory it wrote (weights, optimizer, step).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Stop after the step that passes this many seconds of training, saving a
+    /// checkpoint (`step-N`) to resume from: a run longer than one job's time slot.
+    #[arg(long)]
+    pub time_limit: Option<f64>,
 }
 
 pub fn run(args: &FinetuneArgs) -> Result<()> {
@@ -100,6 +104,11 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     }
     if args.lr == 0.0 {
         bail!("--lr 0 would train nothing: give a positive learning rate");
+    }
+    if let Some(limit) = args.time_limit {
+        if !(limit > 0.0 && limit.is_finite()) {
+            bail!("--time-limit must be a positive number of seconds, not {limit}");
+        }
     }
     let device = args.model.device()?;
     let dtype = args.model.dtype(&device)?;
@@ -216,6 +225,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     } else {
         DType::BF16
     };
+    let started = std::time::Instant::now();
     while trainer.step() < args.steps {
         let mut entry = trainer.train_step(&train)?;
         let step = trainer.step();
@@ -239,9 +249,22 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
                 .unwrap_or_default()
         ));
         bar.set_position(step as u64);
-        if args.save_every > 0 && step % args.save_every == 0 && step < args.steps {
+        let out_of_time = args
+            .time_limit
+            .is_some_and(|limit| started.elapsed().as_secs_f64() >= limit);
+        let scheduled = args.save_every > 0 && step % args.save_every == 0;
+        if (scheduled || out_of_time) && step < args.steps {
             let dir = args.out.join(format!("step-{step}"));
             trainer.save(&dir, &ck.tokenizer, ck.chat_template.as_deref(), save_dtype)?;
+        }
+        if out_of_time && step < args.steps {
+            bar.abandon();
+            eprintln!(
+                "finetune: --time-limit reached at step {step} of {}; continue with --resume {}",
+                args.steps,
+                args.out.join(format!("step-{step}")).display()
+            );
+            return Ok(());
         }
     }
     bar.finish();

@@ -284,11 +284,9 @@ fn bad_eval_flags_are_rejected() {
     );
 }
 
-#[test]
-fn finetune_runs_logs_and_checkpoints_then_resumes() {
-    let dir = tempfile::tempdir().unwrap();
-    let (model, _) = tiny_checkpoint(dir.path());
-    let docs = dir.path().join("docs");
+/// Four short documents in `dir/docs`: a corpus to split into training and held-out text.
+fn tiny_corpus(dir: &std::path::Path) -> std::path::PathBuf {
+    let docs = dir.join("docs");
     std::fs::create_dir_all(&docs).unwrap();
     for k in 0..4 {
         std::fs::write(
@@ -297,6 +295,59 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
         )
         .unwrap();
     }
+    docs
+}
+
+#[test]
+fn finetune_stops_at_its_time_limit_with_a_checkpoint_to_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = tiny_checkpoint(dir.path());
+    let docs = tiny_corpus(dir.path());
+    let out = dir.path().join("run");
+    let common = [
+        "finetune",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        docs.to_str().unwrap(),
+        "--holdout",
+        "1",
+        "--seq-len",
+        "32",
+        "--batch",
+        "2",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    // Any step passes a limit of a microsecond: the run stops after its first.
+    let mut args = common.to_vec();
+    args.extend(["--steps", "50", "--time-limit", "1e-6"]);
+    let (ok, text) = twell(&args);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("--time-limit reached at step 1 of 50"),
+        "{text}"
+    );
+    assert!(out.join("step-1/trainer_state.json").exists());
+    assert!(!out.join("final").exists());
+    let step1 = out.join("step-1");
+    let mut args = common.to_vec();
+    args.extend(["--steps", "2", "--resume", step1.to_str().unwrap()]);
+    let (ok, text) = twell(&args);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("at step 1") && out.join("final").exists(),
+        "{text}"
+    );
+    let log = std::fs::read_to_string(out.join("train_log.jsonl")).unwrap();
+    assert_eq!(log.lines().count(), 2, "{log}");
+}
+
+#[test]
+fn finetune_runs_logs_and_checkpoints_then_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = tiny_checkpoint(dir.path());
+    let docs = tiny_corpus(dir.path());
     let out = dir.path().join("run");
     let (m, d, o) = (
         model.to_str().unwrap(),
@@ -467,6 +518,7 @@ fn bad_finetune_flags_are_rejected() {
             &["--distill", "1.5"],
             "distillation weight must be in [0, 1]",
         ),
+        (&["--time-limit", "0"], "--time-limit must be a positive"),
         (&["--steps", "0"], "invalid training setting"),
         (&["--lr=-1"], "invalid training setting"),
         (&["--lr", "0"], "--lr 0 would train nothing"),
