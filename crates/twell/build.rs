@@ -27,6 +27,7 @@ fn main() {
         "add_rms_norm",
         "rope",
         "embedding",
+        "gate_l0",
     ] {
         let src = kernels.join(format!("{name}.cu"));
         let ptx = out.join(format!("{name}.ptx"));

@@ -583,6 +583,67 @@ fn check_cross_entropy(
     })
 }
 
+#[derive(Serialize, Debug)]
+struct GateL0Result {
+    /// `(N, f)`.
+    dims: (usize, usize),
+    /// Relative errors of the counts and of the gradients in the gates, the token norms
+    /// and the gate-row norms.
+    err: [f64; 4],
+    pass: bool,
+}
+
+/// The fused smooth gate count (bf16 gates) and its backward against the same term as
+/// candle ops in f32, on the GPU: the counts, weighted by a random vector, are
+/// differentiated in all three inputs.
+fn check_gate_l0(dev: &Device, (n, f): (usize, usize), seed: u64) -> Result<GateL0Result> {
+    dev.set_seed(seed)?;
+    let gate = Tensor::randn(0f32, 1.0, (n, f), dev)?;
+    let x_norm = (Tensor::rand(0f32, 1.0, n, dev)? + 2.0)?;
+    let w_norm = (Tensor::rand(0f32, 1.0, f, dev)? + 0.5)?;
+    let weights = Tensor::randn(0f32, 1.0, n, dev)?;
+    let scale = (f as f64).sqrt();
+    let run = |fused: bool| -> Result<Vec<Tensor>> {
+        let dtype = if fused { DType::BF16 } else { DType::F32 };
+        // The reference reads the same bf16-rounded gates.
+        let rounded = gate.to_dtype(DType::BF16)?.to_dtype(dtype)?;
+        let g = Var::from_tensor(&rounded)?;
+        let (xn, wn) = (Var::from_tensor(&x_norm)?, Var::from_tensor(&w_norm)?);
+        let count = if fused {
+            twell::ops::gate_l0(g.as_tensor(), xn.as_tensor(), wn.as_tensor(), scale, 0.1)?
+        } else {
+            twell::ops::gate_l0_reference(
+                g.as_tensor(),
+                xn.as_tensor(),
+                wn.as_tensor(),
+                scale,
+                0.1,
+            )?
+        };
+        let grads = (&count * &weights)?.sum_all()?.backward()?;
+        let mut out = vec![count];
+        for v in [&g, &xn, &wn] {
+            out.push(
+                grads
+                    .get(v.as_tensor())
+                    .context("no gradient")?
+                    .to_dtype(DType::F32)?,
+            );
+        }
+        Ok(out)
+    };
+    let (got, want) = (run(true)?, run(false)?);
+    let mut err = [0f64; 4];
+    for (e, (a, b)) in err.iter_mut().zip(got.iter().zip(&want)) {
+        *e = rel_l2(a, b)?;
+    }
+    Ok(GateL0Result {
+        dims: (n, f),
+        err,
+        pass: err.iter().all(|&e| e < TOLERANCE),
+    })
+}
+
 /// The AdamW checks' hyper-parameters at `step`.
 fn adamw_hp(step: usize) -> twell::ops::AdamwStep {
     twell::ops::AdamwStep {
@@ -681,6 +742,7 @@ struct Report {
     add_rms_norm: Vec<NormResult>,
     rope: Vec<RopeResult>,
     cross_entropy: Vec<CrossEntropyResult>,
+    gate_l0: Vec<GateL0Result>,
     /// Parameter, m and v after three steps, GPU against CPU.
     adamw_err: [f64; 3],
     /// Master, m, v and the bf16 variable after three mixed-precision steps, and a
@@ -858,6 +920,21 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         cross_entropy.push(r);
     }
+    let mut gate_l0 = Vec::new();
+    for (k, &dims) in [(1, 1536), (333, 1000), (4096, 5632)].iter().enumerate() {
+        let r = check_gate_l0(&dev, dims, 1100 + k as u64)?;
+        println!(
+            "gate_l0 (N, f) = {:?}: count rel err {:.2e}, gradients: gates {:.2e}, token \
+             norms {:.2e}, gate-row norms {:.2e} {}",
+            r.dims,
+            r.err[0],
+            r.err[1],
+            r.err[2],
+            r.err[3],
+            if r.pass { "ok" } else { "FAIL" }
+        );
+        gate_l0.push(r);
+    }
     let adamw_err = check_adamw(&dev, 5_000_001, 995)?;
     let adamw_ok = adamw_err.iter().all(|&e| e < 1e-5);
     println!(
@@ -914,6 +991,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         + add_rms_norm.iter().filter(|r| !r.pass).count()
         + rope.iter().filter(|r| !r.pass).count()
         + cross_entropy.iter().filter(|r| !r.pass).count()
+        + gate_l0.iter().filter(|r| !r.pass).count()
         + usize::from(!adamw_ok)
         + usize::from(!adamw_mixed_ok)
         + usize::from(!embedding_ok)
@@ -925,6 +1003,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         + add_rms_norm.len()
         + rope.len()
         + cross_entropy.len()
+        + gate_l0.len()
         + 5;
     if let Some(path) = &args.json {
         let report = Report {
@@ -934,6 +1013,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             add_rms_norm,
             rope,
             cross_entropy,
+            gate_l0,
             adamw_err,
             adamw_mixed_err,
             embedding_grad_err,

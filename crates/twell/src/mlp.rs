@@ -573,16 +573,14 @@ impl SparseMlp {
                 Some(s1.sqr()?.div(&s2)?.to_dtype(h.dtype())?)
             }
             (true, L1Term::GateL0) => {
-                let g32 = gate.to_dtype(DType::F32)?;
-                let x_norm =
-                    (x2.to_dtype(DType::F32)?.sqr()?.sum_keepdim(D::Minus1)? + 1e-12)?.sqrt()?;
-                let w_norm = (self.gate.to_dtype(DType::F32)?.sqr()?.sum(D::Minus1)? + 1e-12)?
-                    .sqrt()?
-                    .unsqueeze(0)?;
-                let scale = (x_norm.broadcast_mul(&w_norm)? / (d as f64).sqrt())?;
-                let z = g32.relu()?.broadcast_div(&scale)?;
-                let phi = (&z / (&z + GATE_L0_EPS)?)?;
-                Some(phi.sum(D::Minus1)?.to_dtype(h.dtype())?)
+                // The norms in f32 (two small passes); the count over [tokens, d_ff] is
+                // one op (`ops::gate_l0`).
+                let norm =
+                    |t: &Tensor| (t.to_dtype(DType::F32)?.sqr()?.sum(D::Minus1)? + 1e-12)?.sqrt();
+                let (x_norm, w_norm) = (norm(&x2)?, norm(&self.gate)?);
+                let count =
+                    crate::ops::gate_l0(&gate, &x_norm, &w_norm, (d as f64).sqrt(), GATE_L0_EPS)?;
+                Some(count.to_dtype(h.dtype())?)
             }
         };
         if measure {

@@ -21,6 +21,7 @@ mod add_rms_norm;
 mod attention_softmax_grad;
 mod cross_entropy;
 mod embedding;
+mod gate_l0;
 mod rope;
 mod twell_mlp_decode;
 pub use adamw::{adamw_mixed, adamw_moment, adamw_update, bf16_from_master, sum_squares};
@@ -28,6 +29,7 @@ pub use add_rms_norm::{add_rms_norm, rms_norm_bwd, MAX_HIDDEN as ADD_RMS_NORM_MA
 pub use attention_softmax_grad::{attention_row_dot, attention_softmax_grad};
 pub use cross_entropy::{cross_entropy, cross_entropy_bwd};
 pub use embedding::embedding_grad;
+pub use gate_l0::{gate_l0, gate_l0_grad_gate, gate_l0_grad_norms};
 pub use rope::rope;
 use twell_mlp_decode::{twell_mlp_decode, use_fused_decode};
 

@@ -11,6 +11,8 @@
 //! * [`rope`]: rotary position embedding of its queries and keys;
 //! * [`cross_entropy`]: the language-model loss over its logits, and [`embedding`] the
 //!   token embedding at its input (a one-pass backward);
+//! * [`gate_l0`]: the smooth count of positive gates that fine-tuning can penalise
+//!   ([`crate::L1Term::GateL0`]);
 //! * [`adamw_step`] and [`adamw_step_mixed`]: the optimizer's update of one parameter, in
 //!   place (f32, or a bf16 variable on an f32 master), and [`sum_squares`] for the
 //!   gradient norm.
@@ -31,6 +33,7 @@ mod attention_softmax_grad;
 mod causal_attention;
 mod cross_entropy;
 mod embedding;
+mod gate_l0;
 mod gate_pack;
 mod gated_t2d;
 mod rope;
@@ -45,6 +48,7 @@ pub use causal_attention::{
 };
 pub use cross_entropy::{cross_entropy, CrossEntropy};
 pub use embedding::{embedding, Embedding};
+pub use gate_l0::{gate_l0, gate_l0_reference, GateL0};
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
 pub use rope::{rope, Rope, RopeTable};
