@@ -96,11 +96,23 @@ fn counts_positive_gates_and_is_zero_without_them() {
     let gate = Tensor::new(&[[1e4f32, -3.0, 1e4, 0.0], [-1.0, -2.0, -3.0, -4.0]], &dev).unwrap();
     let ones = Tensor::ones(2, DType::F32, &dev).unwrap();
     let wn = Tensor::ones(4, DType::F32, &dev).unwrap();
-    let c = gate_l0(&gate, &ones, &wn, 1.0, 0.1)
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let var = Var::from_tensor(&gate).unwrap();
+    let count = gate_l0(var.as_tensor(), &ones, &wn, 1.0, 0.1).unwrap();
+    let c = count.to_vec1::<f32>().unwrap();
     assert!((c[0] - 2.0).abs() < 1e-3 && c[1] == 0.0, "{c:?}");
+    // A gate at exactly 0 is off, and so is its gradient (the subgradient 0 of the kink,
+    // where candle's relu would pass the right-hand slope); negative gates get none.
+    let grads = count.sum_all().unwrap().backward().unwrap();
+    let g = grads
+        .get(var.as_tensor())
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    assert!(g[0][0] > 0.0 && g[0][2] > 0.0, "{g:?}");
+    assert!(
+        g[0][1] == 0.0 && g[0][3] == 0.0 && g[1].iter().all(|v| *v == 0.0),
+        "{g:?}"
+    );
 }
 
 #[test]
