@@ -7,7 +7,9 @@
 # writes them), RUNS (space-separated DTYPE:LAMBDA:WEIGHT_DECAY[:PENALTY] entries, PENALTY
 # plain (default), down-norm, hoyer or gate-l0, see `twell finetune --help`), STEPS, LR, SEQ,
 # BATCH, TARGET (a mean FFN density that steers λ, --l1-target-density; each run's λ is
-# then where it starts), DISTILL (α of --distill: distil from the starting model), TRAIN_TIMEOUT (seconds, per run), REFERENCE=0 to skip evaluating the original model,
+# then where it starts), DISTILL (α of --distill: distil from the starting model),
+# TIME_LIMIT (seconds: each run stops with a step-N checkpoint; running the same command
+# again resumes every run that has no final checkpoint yet), TRAIN_TIMEOUT (seconds, per run), REFERENCE=0 to skip evaluating the original model,
 # PARALLEL=1 to run the fine-tunes side by side (each process keeps ~30-45 GB of pool).
 set -uo pipefail
 
@@ -41,13 +43,22 @@ for r in $runs; do
   name="$dtype-l1-$l-wd-$wd"
   [ "$penalty" = plain ] || name="$name-$penalty"
   names+=("$name")
+  resume=()
+  if [ -d "$out/$name/final" ]; then
+    echo "$name: finished, skipped" >&2
+    continue
+  fi
+  # The latest step-N checkpoint, if an earlier call stopped at its time limit.
+  last=$(ls -d "$out/$name"/step-* 2>/dev/null | sort -V | tail -1)
+  [ -n "$last" ] && resume=(--resume "$last")
   # Dense FFN while training: at fine-tuning densities (20-35%) it is the faster path,
   # and the down-norm and hoyer penalties are computed there.
   run_limited "$train_timeout" "$twell" finetune --device cuda --dtype "$dtype" --ffn dense \
     --seq-len "$seq" --batch "$batch" --steps "$steps" --lr "$lr" --warmup 20 \
     --weight-decay "$wd" --l1 "$l" --l1-penalty "$penalty" --l1-warmup $((steps / 4)) --eval-every 50 \
     ${TARGET:+--l1-target-density "$TARGET"} ${DISTILL:+--distill "$DISTILL"} \
-    --eval-batches 8 --out "$out/$name" >"$out/finetune-$name.log" 2>&1 &
+    ${TIME_LIMIT:+--time-limit "$TIME_LIMIT"} ${resume[@]+"${resume[@]}"} \
+    --eval-batches 8 --out "$out/$name" >>"$out/finetune-$name.log" 2>&1 &
   [ "${PARALLEL:-0}" = 1 ] || wait
 done
 wait

@@ -64,11 +64,16 @@ pub struct FinetuneArgs {
     /// positive gates, each as a cosine); all but `plain` need --ffn dense.
     #[arg(long, default_value = "plain")]
     pub l1_penalty: String,
-    /// Distill from the --model checkpoint as loaded (its own activation, dense, frozen;
-    /// the same one when resuming): the loss becomes (1 - α)·CE + α·KL(teacher ‖
-    /// student) + λ·L1. α in [0, 1]; 0 is off.
+    /// Distill from a teacher (--teacher, else the --model checkpoint as loaded: its own
+    /// activation, dense, frozen, the same one when resuming): the loss becomes
+    /// (1 - α)·CE + α·KL(teacher ‖ student) + λ·L1. α in [0, 1]; 0 is off.
     #[arg(long, default_value_t = 0.0)]
     pub distill: f64,
+    /// The model to distill from (an HF directory, a .gguf file or a hub id), when it is
+    /// not --model: e.g. the original model while fine-tuning an already sparse one. It
+    /// must share the tokenizer's vocabulary.
+    #[arg(long)]
+    pub teacher: Option<String>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Validate every N steps (0: only at the end).
@@ -104,6 +109,9 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     }
     if args.lr == 0.0 {
         bail!("--lr 0 would train nothing: give a positive learning rate");
+    }
+    if args.teacher.is_some() && args.distill == 0.0 {
+        bail!("--teacher is only read with --distill α > 0");
     }
     if let Some(limit) = args.time_limit {
         if !(limit > 0.0 && limit.is_finite()) {
@@ -160,6 +168,29 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         );
     }
 
+    // Opened before the corpus is read, so a bad --teacher fails fast.
+    let teacher = if args.distill > 0.0 {
+        // The teacher is --teacher, or --model itself: not the checkpoint being resumed.
+        let mut teacher_args = args.model.clone();
+        if let Some(t) = &args.teacher {
+            teacher_args.model = Some(t.clone());
+        }
+        let teacher = teacher_args
+            .open()?
+            .load_model(
+                dtype,
+                &device,
+                &LoadOptions {
+                    activation: None,
+                    ffn_mode: Some(FfnMode::Dense),
+                },
+            )
+            .context("loading the distillation teacher")?;
+        Some(teacher)
+    } else {
+        None
+    };
+
     let text = args
         .data
         .clone()
@@ -183,20 +214,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     );
 
     let mut trainer = Trainer::new(model_cfg, ck.tensors(DType::F32, &device)?, cfg, &device)?;
-    if args.distill > 0.0 {
-        // The teacher is --model itself, not the checkpoint being resumed.
-        let teacher = args
-            .model
-            .open()?
-            .load_model(
-                dtype,
-                &device,
-                &LoadOptions {
-                    activation: None,
-                    ffn_mode: Some(FfnMode::Dense),
-                },
-            )
-            .context("loading the distillation teacher (--model)")?;
+    if let Some(teacher) = teacher {
         trainer.set_teacher(teacher)?;
     }
     if let Some(r) = &args.resume {

@@ -331,8 +331,11 @@ fn finetune_stops_at_its_time_limit_with_a_checkpoint_to_resume() {
     assert!(out.join("step-1/trainer_state.json").exists());
     assert!(!out.join("final").exists());
     let step1 = out.join("step-1");
+    let step1 = step1.to_str().unwrap();
+    // Resumed, and distilled from a teacher other than --model (the step-1 checkpoint).
     let mut args = common.to_vec();
-    args.extend(["--steps", "2", "--resume", step1.to_str().unwrap()]);
+    args.extend(["--steps", "2", "--resume", step1]);
+    args.extend(["--distill", "1", "--teacher", step1]);
     let (ok, text) = twell(&args);
     assert!(ok, "{text}");
     assert!(
@@ -340,7 +343,15 @@ fn finetune_stops_at_its_time_limit_with_a_checkpoint_to_resume() {
         "{text}"
     );
     let log = std::fs::read_to_string(out.join("train_log.jsonl")).unwrap();
-    assert_eq!(log.lines().count(), 2, "{log}");
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{log}");
+    assert!(lines[0]["kl"].is_null(), "{log}");
+    // The student starts as the teacher: its first distilled step is near KL 0.
+    let kl = lines[1]["kl"].as_f64().expect("the distilled step logs kl");
+    assert!((0.0..0.05).contains(&kl), "{log}");
 }
 
 #[test]
@@ -519,6 +530,11 @@ fn bad_finetune_flags_are_rejected() {
             "distillation weight must be in [0, 1]",
         ),
         (&["--time-limit", "0"], "--time-limit must be a positive"),
+        (&["--teacher", m], "only read with --distill"),
+        (
+            &["--distill", "0.5", "--teacher", "/no/such/teacher"],
+            "neither a directory",
+        ),
         (&["--steps", "0"], "invalid training setting"),
         (&["--lr=-1"], "invalid training setting"),
         (&["--lr", "0"], "--lr 0 would train nothing"),
