@@ -182,6 +182,15 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// The compute dtype: bf16 (on f32 masters) or f32.
+    pub fn dtype(&self) -> DType {
+        if self.bf16 {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+
     /// λ at `step`.
     pub fn l1_at(&self, step: usize) -> f64 {
         if self.l1_warmup_steps == 0 {
@@ -403,7 +412,14 @@ pub struct Trainer {
     fused_up_down: bool,
     l1_controller: L1Controller,
     /// The model distilled from ([`TrainConfig::distill`]): frozen, dense.
-    teacher: Option<Llama>,
+    teacher: Option<Teacher>,
+}
+
+/// The distillation teacher and the cache its forward passes reuse (no keys and values
+/// are kept, so only its RoPE tables and masks, built once instead of every step).
+struct Teacher {
+    model: Llama,
+    cache: Cache,
 }
 
 impl Trainer {
@@ -433,7 +449,7 @@ impl Trainer {
         if fused_up_down {
             masters = crate::fused_mlp::fuse_map(masters)?;
         }
-        let dtype = if cfg.bf16 { DType::BF16 } else { DType::F32 };
+        let dtype = cfg.dtype();
         let varmap = VarMap::new();
         {
             let mut data = varmap.data().lock().expect("varmap lock");
@@ -483,7 +499,7 @@ impl Trainer {
         cfg: &TrainConfig,
         device: &Device,
     ) -> Result<Llama> {
-        let dtype = if cfg.bf16 { DType::BF16 } else { DType::F32 };
+        let dtype = cfg.dtype();
         let vb = VarBuilder::from_varmap(varmap, dtype, device);
         let mut model = Llama::load(vb, model_cfg)?;
         model.record_ffn_stats(!cfg.no_activity_stats);
@@ -521,7 +537,11 @@ impl Trainer {
         if want != got {
             candle_core::bail!("the teacher's vocabulary ({got}) is not the student's ({want})");
         }
-        self.teacher = Some(teacher);
+        let cache = Cache::new(false, self.cfg.dtype(), teacher.config(), &self.device)?;
+        self.teacher = Some(Teacher {
+            model: teacher,
+            cache,
+        });
         Ok(())
     }
 
@@ -568,11 +588,10 @@ impl Trainer {
             let ce = cross_entropy(&out.logits, &targets)?;
             let mut loss = (&out.l1 * l1_coefficient)?;
             let mut kl_value = None;
-            match (&self.teacher, distill > 0.0) {
+            match (&mut self.teacher, distill > 0.0) {
                 (Some(teacher), true) => {
-                    let dtype = out.logits.dtype();
-                    let mut cache = Cache::new(false, dtype, teacher.config(), &self.device)?;
-                    let teacher_logits = teacher.forward_all(&inputs, 0, &mut cache)?;
+                    let teacher_logits =
+                        teacher.model.forward_all(&inputs, 0, &mut teacher.cache)?;
                     let kl = crate::distill::kl_divergence(&out.logits, &teacher_logits)?;
                     loss = ((loss + (&ce * (1.0 - distill))?)? + (&kl * distill)?)?;
                     kl_value = Some(kl);
@@ -681,18 +700,15 @@ impl Trainer {
 
     /// Mean cross-entropy over up to `batches` validation batches (no gradients).
     pub fn validate(&self, data: &PackedData, batches: usize) -> Result<f64> {
-        let dtype = if self.cfg.bf16 {
-            DType::BF16
-        } else {
-            DType::F32
-        };
+        // Without keys and values a cache holds only RoPE tables and masks: one serves
+        // every batch.
+        let mut cache = Cache::new(false, self.cfg.dtype(), &self.model_cfg, &self.device)?;
         let (mut sum, mut n) = (0f64, 0usize);
         for k in 0..batches {
             let Some(batch) = data.ordered_batch(k, self.cfg.batch_size, &self.device)? else {
                 break;
             };
             let t = batch.dim(1)? - 1;
-            let mut cache = Cache::new(false, dtype, &self.model_cfg, &self.device)?;
             let logits = self
                 .model
                 .forward_all(&batch.narrow(1, 0, t)?, 0, &mut cache)?;

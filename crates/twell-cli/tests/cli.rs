@@ -284,6 +284,15 @@ fn bad_eval_flags_are_rejected() {
     );
 }
 
+/// The steps of a fine-tune's `train_log.jsonl` in `out`, each a JSON object.
+fn train_log(out: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("train_log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 /// Four short documents in `dir/docs`: a corpus to split into training and held-out text.
 fn tiny_corpus(dir: &std::path::Path) -> std::path::PathBuf {
     let docs = dir.join("docs");
@@ -342,16 +351,12 @@ fn finetune_stops_at_its_time_limit_with_a_checkpoint_to_resume() {
         text.contains("at step 1") && out.join("final").exists(),
         "{text}"
     );
-    let log = std::fs::read_to_string(out.join("train_log.jsonl")).unwrap();
-    let lines: Vec<serde_json::Value> = log
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(lines.len(), 2, "{log}");
-    assert!(lines[0]["kl"].is_null(), "{log}");
+    let lines = train_log(&out);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines[0]["kl"].is_null(), "{lines:?}");
     // The student starts as the teacher: its first distilled step is near KL 0.
     let kl = lines[1]["kl"].as_f64().expect("the distilled step logs kl");
-    assert!((0.0..0.05).contains(&kl), "{log}");
+    assert!((0.0..0.05).contains(&kl), "{lines:?}");
 }
 
 #[test]
@@ -395,11 +400,7 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
     args.extend(common);
     let (ok, text) = twell(&args);
     assert!(ok, "{text}");
-    let log = std::fs::read_to_string(out.join("train_log.jsonl")).unwrap();
-    let lines: Vec<serde_json::Value> = log
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = train_log(&out);
     assert_eq!(lines.len(), 4);
     assert!(lines[1]["val_ce"].as_f64().is_some() && lines[3]["val_ce"].as_f64().is_some());
     assert!(lines[0]["l0"].as_array().unwrap().len() == 2);
@@ -498,13 +499,8 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
         text.contains("resumed") && text.contains("at step 2"),
         "{text}"
     );
-    let log = std::fs::read_to_string(out.join("train_log.jsonl")).unwrap();
-    let resumed: Vec<serde_json::Value> = log
-        .lines()
-        .skip(4)
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(resumed.len(), 2, "{log}");
+    let resumed = train_log(&out).split_off(4);
+    assert_eq!(resumed.len(), 2, "{resumed:?}");
     for line in &resumed {
         let kl = line["kl"].as_f64().expect("a distilling step logs kl");
         assert!(kl.is_finite() && kl > 0.0, "{line}");
