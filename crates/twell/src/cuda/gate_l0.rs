@@ -1,9 +1,9 @@
 //! Launchers of `kernels/gate_l0.cu`: the smooth count of positive gates and its backward.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CudaStorage, DType, Layout, Result};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result};
 use half::bf16;
 
 use super::{bf16_view, typed_view};
@@ -16,6 +16,64 @@ const THREADS: u32 = 256;
 const CHUNK: usize = 64;
 
 type Input<'a> = (&'a CudaStorage, &'a Layout);
+
+/// The arguments all but the last kernel share, in their order: the gates, two f32
+/// vectors (the norms, then the output gradient or `w_norm`), the output, `n`, `f`,
+/// `scale`, `eps`. The kernels write inside `out` by row (or chunk) and column only,
+/// so it may be longer than they need.
+struct GateArgs<'a> {
+    gate: &'a CudaView<'a, bf16>,
+    first: &'a CudaView<'a, f32>,
+    second: &'a CudaView<'a, f32>,
+    n: i32,
+    f: i32,
+    scale: f32,
+    eps: f32,
+}
+
+impl<'a> GateArgs<'a> {
+    fn new(
+        gate: &'a CudaView<'a, bf16>,
+        first: &'a CudaView<'a, f32>,
+        second: &'a CudaView<'a, f32>,
+        (n, f): (usize, usize),
+        (scale, eps): (f32, f32),
+    ) -> Self {
+        Self {
+            gate,
+            first,
+            second,
+            n: n as i32,
+            f: f as i32,
+            scale,
+            eps,
+        }
+    }
+
+    /// Launches kernel `name` of `kernels/gate_l0.cu` over `cfg`, writing `out`.
+    fn launch<T>(
+        &self,
+        dev: &CudaDevice,
+        name: &str,
+        out: &mut CudaSlice<T>,
+        cfg: LaunchConfig,
+    ) -> Result<()> {
+        let func = dev.get_or_load_custom_func(name, "gate_l0", GATE_L0_PTX)?;
+        let mut b = func.builder();
+        b.arg(self.gate)
+            .arg(self.first)
+            .arg(self.second)
+            .arg(out)
+            .arg(&self.n)
+            .arg(&self.f)
+            .arg(&self.scale)
+            .arg(&self.eps);
+        // SAFETY: each kernel bounds its rows by n and its columns by f; the shapes and
+        // lengths were checked by the op, and `out` holds at least what it writes.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
 
 /// `gate [n, f]` bf16, `x_norm [n]` and `w_norm [f]` f32: each row's count, `[n]` f32.
 pub fn gate_l0(
@@ -32,19 +90,13 @@ pub fn gate_l0(
     // SAFETY: the kernel writes every row.
     let mut out = unsafe { dev.alloc::<f32>(n)? };
     if n > 0 {
-        let func = dev.get_or_load_custom_func("gate_l0_fwd_bf16", "gate_l0", GATE_L0_PTX)?;
-        let (n_i, f_i) = (n as i32, f as i32);
-        let mut b = func.builder();
-        b.arg(&gv)
-            .arg(&xv)
-            .arg(&wv)
-            .arg(&mut out)
-            .arg(&n_i)
-            .arg(&f_i)
-            .arg(&scale)
-            .arg(&eps);
-        // SAFETY: a block per row, columns bounded by f; shapes checked by the op.
-        unsafe { b.launch(super::grid_1d(n, THREADS)) }.w()?;
+        let args = GateArgs::new(&gv, &xv, &wv, (n, f), (scale, eps));
+        args.launch(
+            &dev,
+            "gate_l0_fwd_bf16",
+            &mut out,
+            super::grid_1d(n, THREADS),
+        )?;
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
@@ -65,19 +117,13 @@ pub fn gate_l0_grad_gate(
     // SAFETY: the kernel writes every element.
     let mut out = unsafe { dev.alloc::<bf16>(n * f)? };
     if n > 0 && f > 0 {
-        let func = dev.get_or_load_custom_func("gate_l0_grad_gate_bf16", "gate_l0", GATE_L0_PTX)?;
-        let (n_i, f_i) = (n as i32, f as i32);
-        let mut b = func.builder();
-        b.arg(&gv)
-            .arg(&nv)
-            .arg(&ov)
-            .arg(&mut out)
-            .arg(&n_i)
-            .arg(&f_i)
-            .arg(&scale)
-            .arg(&eps);
-        // SAFETY: a block per row, columns bounded by f; shapes checked by the op.
-        unsafe { b.launch(super::grid_1d(n, THREADS)) }.w()?;
+        let args = GateArgs::new(&gv, &nv, &ov, (n, f), (scale, eps));
+        args.launch(
+            &dev,
+            "gate_l0_grad_gate_bf16",
+            &mut out,
+            super::grid_1d(n, THREADS),
+        )?;
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
@@ -100,50 +146,25 @@ pub fn gate_l0_grad_norms(
     if n == 0 || f == 0 {
         return Ok(CudaStorage::wrap_cuda_slice(out, dev));
     }
-    let (n_i, f_i) = (n as i32, f as i32);
-    {
-        let func = dev.get_or_load_custom_func("gate_l0_grad_rows_bf16", "gate_l0", GATE_L0_PTX)?;
-        let mut rows = out.slice_mut(0..n);
-        let mut b = func.builder();
-        b.arg(&gv)
-            .arg(&nv)
-            .arg(&ov)
-            .arg(&mut rows)
-            .arg(&n_i)
-            .arg(&f_i)
-            .arg(&scale)
-            .arg(&eps);
-        // SAFETY: a block per row, columns bounded by f; shapes checked by the op.
-        unsafe { b.launch(super::grid_1d(n, THREADS)) }.w()?;
-    }
+    let args = GateArgs::new(&gv, &nv, &ov, (n, f), (scale, eps));
+    // The rows' gradients fill the first n entries; the columns' come after them.
+    args.launch(
+        &dev,
+        "gate_l0_grad_rows_bf16",
+        &mut out,
+        super::grid_1d(n, THREADS),
+    )?;
     let chunks = n.div_ceil(CHUNK);
     let column_blocks = f.div_ceil(THREADS as usize) as u32;
     // SAFETY: the partials kernel writes every (chunk, column) before the sum reads it.
     let mut partial = unsafe { dev.alloc::<f32>(chunks * f)? };
-    {
-        let func = dev.get_or_load_custom_func(
-            "gate_l0_grad_column_partials_bf16",
-            "gate_l0",
-            GATE_L0_PTX,
-        )?;
-        let mut b = func.builder();
-        b.arg(&gv)
-            .arg(&nv)
-            .arg(&ov)
-            .arg(&mut partial)
-            .arg(&n_i)
-            .arg(&f_i)
-            .arg(&scale)
-            .arg(&eps);
-        let cfg = LaunchConfig {
-            grid_dim: (column_blocks, chunks as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: a thread per column (bounded by f) and a block row per chunk of rows
-        // (bounded by n).
-        unsafe { b.launch(cfg) }.w()?;
-    }
+    // A thread per column and a block row per chunk of rows.
+    let cfg = LaunchConfig {
+        grid_dim: (column_blocks, chunks as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    args.launch(&dev, "gate_l0_grad_column_partials_bf16", &mut partial, cfg)?;
     {
         let func = dev.get_or_load_custom_func("gate_l0_grad_columns", "gate_l0", GATE_L0_PTX)?;
         let mut columns = out.slice_mut(n..n + f);
@@ -152,8 +173,8 @@ pub fn gate_l0_grad_norms(
         b.arg(&partial)
             .arg(&nv)
             .arg(&mut columns)
-            .arg(&n_i)
-            .arg(&f_i)
+            .arg(&args.n)
+            .arg(&args.f)
             .arg(&chunks_i);
         // SAFETY: a thread per column, bounded by f.
         unsafe { b.launch(super::grid_1d(column_blocks as usize, THREADS)) }.w()?;
