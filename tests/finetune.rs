@@ -279,6 +279,10 @@ fn bad_training_settings_and_resume_dirs_are_rejected() {
             ..Default::default()
         },
         TrainConfig {
+            l1_target_anneal_steps: 100,
+            ..Default::default()
+        },
+        TrainConfig {
             distill: 1.5,
             ..Default::default()
         },
@@ -373,6 +377,69 @@ fn the_l1_controller_moves_lambda_towards_the_target_density() {
         c.observe(0.5, 0.03);
     }
     assert_eq!(c.scale, sparse_llama::train::L1_SCALE_RANGE.1, "bounded");
+}
+
+/// An annealed target starts at the density of the first steered step, falls
+/// geometrically to the final target and stays there; later densities do not move its
+/// start.
+#[test]
+fn an_annealed_target_falls_geometrically_from_the_first_density() {
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b;
+    let mut c = L1Controller::default();
+    assert!(close(c.annealed_target(0.32, 0.02, 1, 100), 0.32));
+    assert_eq!(c.anneal_from, Some(0.32));
+    // Halfway: the geometric mean of 0.32 and 0.02.
+    assert!(close(c.annealed_target(0.9, 0.02, 51, 100), 0.08));
+    assert!(close(c.annealed_target(0.01, 0.02, 101, 100), 0.02));
+    assert!(close(c.annealed_target(0.5, 0.02, 5000, 100), 0.02));
+    let mut sparse = L1Controller::default();
+    assert!(close(sparse.annealed_target(0.01, 0.02, 1, 100), 0.02));
+    let mut silent = L1Controller::default();
+    assert!(close(silent.annealed_target(f64::NAN, 0.02, 1, 100), 0.02));
+    let mut plain = L1Controller::default();
+    assert_eq!(plain.annealed_target(0.32, 0.02, 1, 0), 0.02);
+    assert_eq!(plain.anneal_from, None, "no anneal, nothing remembered");
+}
+
+/// With the target annealed over many steps λ barely moves at first, where the final
+/// target at once drives it up; the log carries the target, and the anneal's start
+/// survives resume.
+#[test]
+fn an_annealed_target_raises_lambda_slowly_and_survives_resume() {
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let mut at_once = trainer(0.01, 25);
+    at_once.cfg.l1_target_density = Some(0.05);
+    let mut annealed = trainer(0.01, 25);
+    annealed.cfg.l1_target_density = Some(0.05);
+    annealed.cfg.l1_target_anneal_steps = 1000;
+    let mut targets = Vec::new();
+    for _ in 0..10 {
+        at_once.train_step(&data).unwrap();
+        targets.push(annealed.train_step(&data).unwrap().l1_target.unwrap());
+    }
+    assert!(
+        annealed.l1_scale() < at_once.l1_scale(),
+        "λ factor annealed {} vs at once {}",
+        annealed.l1_scale(),
+        at_once.l1_scale()
+    );
+    assert!(
+        targets[0] > 0.05,
+        "starts at the first density: {targets:?}"
+    );
+    assert!(targets.windows(2).all(|w| w[1] < w[0]), "{targets:?}");
+    let dir = tempfile::tempdir().unwrap();
+    annealed
+        .save(dir.path(), &tiny_tokenizer(), None, DType::F32)
+        .unwrap();
+    let ck = Checkpoint::open(dir.path().to_str().unwrap()).unwrap();
+    let mut resumed = resume_from(&ck, dir.path(), &annealed.cfg, None);
+    let next = resumed.train_step(&data).unwrap().l1_target.unwrap();
+    let expected = annealed.train_step(&data).unwrap().l1_target.unwrap();
+    assert!(
+        (next - expected).abs() <= 1e-9 * expected,
+        "resumed target {next} vs {expected}"
+    );
 }
 
 /// With a target density λ rises while the FFN is denser than the target, and the run

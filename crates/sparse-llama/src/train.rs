@@ -113,6 +113,12 @@ pub struct TrainConfig {
     /// ([`L1Controller`]). Needs the activity statistics.
     #[serde(default)]
     pub l1_target_density: Option<f64>,
+    /// Lower the target gradually: from the density at which steering begins (the end of
+    /// λ's ramp) geometrically down to [`Self::l1_target_density`] over this many steps
+    /// (0: the final target at once). A target that moves slowly lets the weights follow
+    /// instead of λ overshooting and silencing neurons for good.
+    #[serde(default)]
+    pub l1_target_anneal_steps: usize,
     /// α of knowledge distillation: the loss is `(1 - α)·CE + α·KL(teacher ‖ student)
     /// + λ·L1` ([`crate::distill`]); 0 trains on the corpus' cross-entropy alone. Needs
     /// a teacher ([`Trainer::set_teacher`]).
@@ -141,6 +147,7 @@ impl Default for TrainConfig {
             profile: false,
             no_activity_stats: false,
             l1_target_density: None,
+            l1_target_anneal_steps: 0,
             distill: 0.0,
         }
     }
@@ -178,6 +185,8 @@ impl TrainConfig {
             if self.no_activity_stats {
                 return bad("a target density needs the activity statistics (L0 per step)");
             }
+        } else if self.l1_target_anneal_steps > 0 {
+            return bad("annealing the target density needs a target density");
         }
         Ok(())
     }
@@ -213,15 +222,43 @@ pub const L1_SCALE_RANGE: (f64, f64) = (1e-4, 1e4);
 pub struct L1Controller {
     /// The factor on the configured λ (1 at the start).
     pub scale: f64,
+    /// The density at the first steered step: where an annealed target starts.
+    #[serde(default)]
+    pub anneal_from: Option<f64>,
 }
 
 impl Default for L1Controller {
     fn default() -> Self {
-        Self { scale: 1.0 }
+        Self {
+            scale: 1.0,
+            anneal_from: None,
+        }
     }
 }
 
 impl L1Controller {
+    /// The density to steer to `steps_in` steps after steering began (1 at the first
+    /// steered step): geometric from the density seen at that first step (`density`,
+    /// remembered) down to `target` over `anneal_steps`, then `target`.
+    pub fn annealed_target(
+        &mut self,
+        density: f64,
+        target: f64,
+        steps_in: usize,
+        anneal_steps: usize,
+    ) -> f64 {
+        if anneal_steps == 0 {
+            return target;
+        }
+        // Already sparser than the target (or nothing measured): nothing to anneal.
+        let usable = density.is_finite() && density > target;
+        let from = *self
+            .anneal_from
+            .get_or_insert(if usable { density } else { target });
+        let progress = (steps_in.saturating_sub(1) as f64 / anneal_steps as f64).min(1.0);
+        from * (target / from).powf(progress)
+    }
+
     /// Updates the factor after a step that ran at `density`.
     pub fn observe(&mut self, density: f64, target: f64) {
         if !(density.is_finite() && density > 0.0) {
@@ -324,6 +361,9 @@ pub struct StepLog {
     pub ce: f64,
     pub l1: f64,
     pub l1_coefficient: f64,
+    /// The density λ was steered towards after this step, with a target density.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub l1_target: Option<f64>,
     /// `KL(teacher ‖ student)` per token, when distilling.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl: Option<f64>,
@@ -645,9 +685,17 @@ impl Trainer {
         // Not during λ's ramp: the density is high then by design, and the factor
         // would compound against the ramp.
         let ramped = self.step > self.cfg.l1_warmup_steps;
+        let mut l1_target = None;
         if let (Some(target), true) = (self.cfg.l1_target_density, ramped) {
             let density = mean_l0 / self.model_cfg.intermediate_size as f64;
-            self.l1_controller.observe(density, target);
+            let goal = self.l1_controller.annealed_target(
+                density,
+                target,
+                self.step - self.cfg.l1_warmup_steps,
+                self.cfg.l1_target_anneal_steps,
+            );
+            self.l1_controller.observe(density, goal);
+            l1_target = Some(goal);
         }
         let tokens = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.seq_len;
         Ok(StepLog {
@@ -655,6 +703,7 @@ impl Trainer {
             ce,
             l1,
             l1_coefficient,
+            l1_target,
             kl,
             loss: match kl {
                 Some(kl) => (1.0 - distill) * ce + distill * kl + l1_coefficient * l1,

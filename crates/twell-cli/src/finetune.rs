@@ -58,6 +58,10 @@ pub struct FinetuneArgs {
     /// by at most 10%.
     #[arg(long)]
     pub l1_target_density: Option<f64>,
+    /// Lower the target gradually: from the density when steering begins (after
+    /// --l1-warmup) geometrically down to --l1-target-density over this many steps.
+    #[arg(long, default_value_t = 0)]
+    pub l1_target_anneal: usize,
     /// The L1 term: `plain` (Σ|h_j|), `down-norm` (Σ|h_j|·‖Wd_j‖, which rescaling a
     /// neuron's weights cannot lower), `hoyer` ((Σ|h_j|)² / Σh_j² per token, which a
     /// common scale of all neurons cannot lower) or `gate-l0` (a smooth count of the
@@ -142,6 +146,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         profile: args.profile,
         no_activity_stats: false,
         l1_target_density: args.l1_target_density,
+        l1_target_anneal_steps: args.l1_target_anneal,
         distill: args.distill,
     };
     cfg.validate()?;

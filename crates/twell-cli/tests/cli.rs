@@ -552,6 +552,11 @@ fn bad_finetune_flags_are_rejected() {
             "starting l1 > 0",
         ),
         (
+            &["--l1-target-anneal", "500"],
+            "annealing the target density needs a target density",
+        ),
+        (&["--l1-target-anneal", "many"], "--l1-target-anneal"),
+        (
             &["--l1-penalty", "gate-l0", "--ffn", "sparse"],
             "add --ffn dense",
         ),
