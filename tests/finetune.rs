@@ -434,12 +434,14 @@ fn an_annealed_target_raises_lambda_slowly_and_survives_resume() {
         .unwrap();
     let ck = Checkpoint::open(dir.path().to_str().unwrap()).unwrap();
     let mut resumed = resume_from(&ck, dir.path(), &annealed.cfg, None);
-    let next = resumed.train_step(&data).unwrap().l1_target.unwrap();
-    let expected = annealed.train_step(&data).unwrap().l1_target.unwrap();
-    assert!(
-        (next - expected).abs() <= 1e-9 * expected,
-        "resumed target {next} vs {expected}"
+    let (next, expected) = (
+        resumed.train_step(&data).unwrap(),
+        annealed.train_step(&data).unwrap(),
     );
+    let (t, e) = (next.l1_target.unwrap(), expected.l1_target.unwrap());
+    assert!((t - e).abs() <= 1e-9 * e, "resumed target {t} vs {e}");
+    // The neurons' last firing steps are resumed too: the same dead fraction.
+    assert_eq!(next.dead_fraction, expected.dead_fraction);
 }
 
 /// With a target density λ rises while the FFN is denser than the target, and the run

@@ -434,6 +434,10 @@ pub struct TrainerState {
     /// Where [`TrainConfig::l1_target_density`] had taken λ.
     #[serde(default)]
     pub l1_controller: L1Controller,
+    /// Per layer, per neuron: the last step it fired, so that the dead fraction after a
+    /// resume counts the same window as before it (not every neuron dead until it fires).
+    #[serde(default)]
+    pub last_fired: Vec<Vec<Option<usize>>>,
 }
 
 /// A fine-tuning run: the trainable weights, the model built on them, the optimizer.
@@ -810,6 +814,7 @@ impl Trainer {
             step: self.step,
             config: self.cfg.clone(),
             l1_controller: self.l1_controller,
+            last_fired: self.last_fired.clone(),
         };
         let text = serde_json::to_string_pretty(&state)
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
@@ -841,6 +846,16 @@ impl Trainer {
         })?;
         self.step = state.step;
         self.l1_controller = state.l1_controller;
+        // Checkpoints from before this was saved, or of another shape, start afresh.
+        let same_shape = state.last_fired.len() == self.last_fired.len()
+            && state
+                .last_fired
+                .iter()
+                .zip(&self.last_fired)
+                .all(|(a, b)| a.len() == b.len());
+        if same_shape {
+            self.last_fired = state.last_fired;
+        }
         Ok(())
     }
 
