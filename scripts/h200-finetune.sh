@@ -6,7 +6,7 @@
 # Knobs (environment): TWELL (the binary), TWELL_DATA (model + corpus, as scripts/setup.sh
 # writes them), RUNS (space-separated DTYPE:LAMBDA:WEIGHT_DECAY[:PENALTY] entries, PENALTY
 # plain (default), down-norm, hoyer or gate-l0, see `twell finetune --help`), STEPS, LR, SEQ,
-# BATCH, TARGET (a mean FFN density that steers λ, --l1-target-density; each run's λ is
+# BATCH, L1_WARMUP (steps of λ's ramp, default STEPS / 4), TARGET (a mean FFN density that steers λ, --l1-target-density; each run's λ is
 # then where it starts), ANNEAL (steps over which that target is lowered, --l1-target-anneal), DISTILL (α of --distill: distil from the starting model),
 # TIME_LIMIT (seconds: each run stops with a step-N checkpoint; running the same command
 # again resumes every run that has no final checkpoint yet), TRAIN_TIMEOUT (seconds, per run), REFERENCE=0 to skip evaluating the original model,
@@ -55,7 +55,7 @@ for r in $runs; do
   # and the down-norm and hoyer penalties are computed there.
   run_limited "$train_timeout" "$twell" finetune --device cuda --dtype "$dtype" --ffn dense \
     --seq-len "$seq" --batch "$batch" --steps "$steps" --lr "$lr" --warmup 20 \
-    --weight-decay "$wd" --l1 "$l" --l1-penalty "$penalty" --l1-warmup $((steps / 4)) --eval-every 50 \
+    --weight-decay "$wd" --l1 "$l" --l1-penalty "$penalty" --l1-warmup "${L1_WARMUP:-$((steps / 4))}" --eval-every 50 \
     ${TARGET:+--l1-target-density "$TARGET"} ${ANNEAL:+--l1-target-anneal "$ANNEAL"} ${DISTILL:+--distill "$DISTILL"} \
     ${TIME_LIMIT:+--time-limit "$TIME_LIMIT"} ${resume[@]+"${resume[@]}"} \
     --eval-batches 8 --out "$out/$name" >>"$out/finetune-$name.log" 2>&1 &
