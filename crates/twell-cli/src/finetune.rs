@@ -218,6 +218,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         val_docs.files.len()
     );
 
+    let d_ff = model_cfg.intermediate_size;
     let mut trainer = Trainer::new(model_cfg, ck.tensors(DType::F32, &device)?, cfg, &device)?;
     if let Some(teacher) = teacher {
         trainer.set_teacher(teacher)?;
@@ -257,12 +258,17 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         }
         writeln!(log, "{}", serde_json::to_string(&entry)?)?;
         bar.set_message(format!(
-            "ce {:.3}{} l1 {:.1} λ {:.1e} L0 {:.1} dead {:.1}% lr {:.1e} {:.0} tok/s{}",
+            "ce {:.3}{} l1 {:.1} λ {:.1e} L0 {:.1}{} dead {:.1}% lr {:.1e} {:.0} tok/s{}",
             entry.ce,
             entry.kl.map(|v| format!(" kl {v:.3}")).unwrap_or_default(),
             entry.l1,
             entry.l1_coefficient,
             entry.mean_l0,
+            // The steered target as an L0, to read against the one measured.
+            entry
+                .l1_target
+                .map(|t| format!(" (target {:.1})", t * d_ff as f64))
+                .unwrap_or_default(),
             100.0 * entry.dead_fraction,
             entry.lr,
             entry.tokens_per_sec,
