@@ -121,8 +121,7 @@ fn tiny_mlp_bench_runs_and_writes_json() {
         svg.to_str().unwrap(),
     ]);
     assert!(ok, "{text}");
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let report = read_json(&json);
     assert_eq!(report["rows"].as_array().unwrap().len(), 2);
     assert!(report["rows"][0]["speedup"].as_f64().unwrap() > 0.0);
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
@@ -157,8 +156,7 @@ fn tiny_mlp_train_bench_runs_and_writes_json() {
     ]);
     assert!(ok, "{text}");
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let report = read_json(&json);
     let rows = report["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 4);
     for row in rows {
@@ -230,8 +228,7 @@ fn eval_reports_perplexity_and_per_layer_sparsity() {
     ]);
     assert!(ok, "{out}");
     assert!(out.contains("perplexity"));
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let report = read_json(&json);
     let ppl = report["perplexity"]["perplexity"].as_f64().unwrap();
     assert!(ppl.is_finite() && ppl > 1.0, "{ppl}");
     let layers = report["layers"].as_array().unwrap();
@@ -282,6 +279,12 @@ fn bad_eval_flags_are_rejected() {
         &["eval", "--model", m, "--text", t, "--context", "100000"],
         "exceeds",
     );
+}
+
+/// A JSON file the command wrote.
+fn read_json(path: &std::path::Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// The steps of a fine-tune's `train_log.jsonl` in `out`, each a JSON object.
@@ -404,9 +407,7 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
     assert_eq!(lines.len(), 4);
     assert!(lines[1]["val_ce"].as_f64().is_some() && lines[3]["val_ce"].as_f64().is_some());
     assert!(lines[0]["l0"].as_array().unwrap().len() == 2);
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("final/config.json")).unwrap())
-            .unwrap();
+    let cfg = read_json(&out.join("final/config.json"));
     assert_eq!(cfg["hidden_act"], "relu");
     let curve = std::fs::read_to_string(out.join("train_curve.svg")).unwrap();
     assert!(curve.contains("validation perplexity") && curve.contains("mean L0"));
@@ -605,8 +606,7 @@ fn model_bench_runs_one_ffn_path_alone() {
         json.to_str().unwrap(),
     ]);
     assert!(ok, "{text}");
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let report = read_json(&json);
     let rows = report["measurements"].as_array().unwrap();
     assert!(!rows.is_empty());
     assert!(rows.iter().all(|m| m["ffn"] == "sparse"), "{rows:?}");
@@ -648,8 +648,7 @@ fn model_bench_runs_all_phases_on_a_random_shape() {
         svg.to_str().unwrap(),
     ]);
     assert!(ok, "{text}");
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let report = read_json(&json);
     let phases: Vec<String> = report["measurements"]
         .as_array()
         .unwrap()
