@@ -285,15 +285,15 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         if (scheduled || out_of_time) && step < args.steps {
             let dir = args.out.join(format!("step-{step}"));
             trainer.save(&dir, &ck.tokenizer, ck.chat_template.as_deref(), save_dtype)?;
-        }
-        if out_of_time && step < args.steps {
-            bar.abandon();
-            eprintln!(
-                "finetune: --time-limit reached at step {step} of {}; continue with --resume {}",
-                args.steps,
-                args.out.join(format!("step-{step}")).display()
-            );
-            return Ok(());
+            if out_of_time {
+                bar.abandon();
+                eprintln!(
+                    "finetune: --time-limit reached at step {step} of {}; continue with --resume {}",
+                    args.steps,
+                    dir.display()
+                );
+                return Ok(());
+            }
         }
     }
     bar.finish();
