@@ -1,8 +1,10 @@
 //! Launchers of `kernels/gate_l0.cu`: the smooth count of positive gates and its backward.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::WrapErr;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result};
 use half::bf16;
 
@@ -22,9 +24,10 @@ type Input<'a> = (&'a CudaStorage, &'a Layout);
 /// `scale`, `eps`. The kernels write inside `out` by row (or chunk) and column only,
 /// so it may be longer than they need.
 struct GateArgs<'a> {
-    gate: &'a CudaView<'a, bf16>,
-    first: &'a CudaView<'a, f32>,
-    second: &'a CudaView<'a, f32>,
+    dev: CudaDevice,
+    gate: CudaView<'a, bf16>,
+    first: CudaView<'a, f32>,
+    second: CudaView<'a, f32>,
     n: i32,
     f: i32,
     scale: f32,
@@ -32,37 +35,35 @@ struct GateArgs<'a> {
 }
 
 impl<'a> GateArgs<'a> {
+    /// Views of the bf16 gate and the two f32 vectors, each named for its error.
     fn new(
-        gate: &'a CudaView<'a, bf16>,
-        first: &'a CudaView<'a, f32>,
-        second: &'a CudaView<'a, f32>,
+        (gs, gl): Input<'a>,
+        ((fs, fl), first_what): (Input<'a>, &'static str),
+        ((ss, sl), second_what): (Input<'a>, &'static str),
         (n, f): (usize, usize),
         (scale, eps): (f32, f32),
-    ) -> Self {
-        Self {
-            gate,
-            first,
-            second,
+    ) -> Result<Self> {
+        Ok(Self {
+            dev: gs.device().clone(),
+            gate: bf16_view("gate_l0: gate", gs, gl)?,
+            first: typed_view::<f32>(first_what, fs, fl, DType::F32)?,
+            second: typed_view::<f32>(second_what, ss, sl, DType::F32)?,
             n: n as i32,
             f: f as i32,
             scale,
             eps,
-        }
+        })
     }
 
     /// Launches kernel `name` of `kernels/gate_l0.cu` over `cfg`, writing `out`.
-    fn launch<T>(
-        &self,
-        dev: &CudaDevice,
-        name: &str,
-        out: &mut CudaSlice<T>,
-        cfg: LaunchConfig,
-    ) -> Result<()> {
-        let func = dev.get_or_load_custom_func(name, "gate_l0", GATE_L0_PTX)?;
+    fn launch<T>(&self, name: &str, out: &mut CudaSlice<T>, cfg: LaunchConfig) -> Result<()> {
+        let func = self
+            .dev
+            .get_or_load_custom_func(name, "gate_l0", GATE_L0_PTX)?;
         let mut b = func.builder();
-        b.arg(self.gate)
-            .arg(self.first)
-            .arg(self.second)
+        b.arg(&self.gate)
+            .arg(&self.first)
+            .arg(&self.second)
             .arg(out)
             .arg(&self.n)
             .arg(&self.f)
@@ -73,83 +74,85 @@ impl<'a> GateArgs<'a> {
         unsafe { b.launch(cfg) }.w()?;
         Ok(())
     }
+
+    /// A kernel with a block per row that writes every one of its `len` outputs.
+    fn run_rows<T: CudaDType + DeviceRepr>(&self, name: &str, len: usize) -> Result<CudaStorage> {
+        // SAFETY: the kernel writes every element before anything reads it.
+        let mut out = unsafe { self.dev.alloc::<T>(len)? };
+        if len > 0 {
+            let cfg = super::grid_1d(self.n as usize, THREADS);
+            self.launch(name, &mut out, cfg)?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, self.dev.clone()))
+    }
 }
 
 /// `gate [n, f]` bf16, `x_norm [n]` and `w_norm [f]` f32: each row's count, `[n]` f32.
 pub fn gate_l0(
-    (gs, gl): Input,
-    (xs, xl): Input,
-    (ws, wl): Input,
-    (n, f): (usize, usize),
-    (scale, eps): (f32, f32),
+    gate: Input,
+    x_norm: Input,
+    w_norm: Input,
+    dims: (usize, usize),
+    consts: (f32, f32),
 ) -> Result<CudaStorage> {
-    let gv = bf16_view("gate_l0: gate", gs, gl)?;
-    let xv = typed_view::<f32>("gate_l0: x_norm", xs, xl, DType::F32)?;
-    let wv = typed_view::<f32>("gate_l0: w_norm", ws, wl, DType::F32)?;
-    let dev = gs.device().clone();
-    // SAFETY: the kernel writes every row.
-    let mut out = unsafe { dev.alloc::<f32>(n)? };
-    if n > 0 {
-        let args = GateArgs::new(&gv, &xv, &wv, (n, f), (scale, eps));
-        args.launch(
-            &dev,
-            "gate_l0_fwd_bf16",
-            &mut out,
-            super::grid_1d(n, THREADS),
-        )?;
-    }
-    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    let args = GateArgs::new(
+        gate,
+        (x_norm, "gate_l0: x_norm"),
+        (w_norm, "gate_l0: w_norm"),
+        dims,
+        consts,
+    )?;
+    args.run_rows::<f32>("gate_l0_fwd_bf16", dims.0)
 }
 
-/// The gates' gradient, `[n, f]` bf16: `gate [n, f]` bf16, `norms [n + f]` (x_norm then
+/// The views of a backward call: `gate [n, f]` bf16, `norms [n + f]` (x_norm then
 /// w_norm) and `go [n]` f32.
+fn backward_args<'a>(
+    gate: Input<'a>,
+    norms: Input<'a>,
+    go: Input<'a>,
+    dims: (usize, usize),
+    consts: (f32, f32),
+) -> Result<GateArgs<'a>> {
+    GateArgs::new(
+        gate,
+        (norms, "gate_l0: norms"),
+        (go, "gate_l0: output gradient"),
+        dims,
+        consts,
+    )
+}
+
+/// The gates' gradient, `[n, f]` bf16; inputs as [`backward_args`].
 pub fn gate_l0_grad_gate(
-    (gs, gl): Input,
-    (ns, nl): Input,
-    (os, ol): Input,
+    gate: Input,
+    norms: Input,
+    go: Input,
     (n, f): (usize, usize),
-    (scale, eps): (f32, f32),
+    consts: (f32, f32),
 ) -> Result<CudaStorage> {
-    let gv = bf16_view("gate_l0: gate", gs, gl)?;
-    let nv = typed_view::<f32>("gate_l0: norms", ns, nl, DType::F32)?;
-    let ov = typed_view::<f32>("gate_l0: output gradient", os, ol, DType::F32)?;
-    let dev = gs.device().clone();
-    // SAFETY: the kernel writes every element.
-    let mut out = unsafe { dev.alloc::<bf16>(n * f)? };
-    if n > 0 && f > 0 {
-        let args = GateArgs::new(&gv, &nv, &ov, (n, f), (scale, eps));
-        args.launch(
-            &dev,
-            "gate_l0_grad_gate_bf16",
-            &mut out,
-            super::grid_1d(n, THREADS),
-        )?;
-    }
-    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    let args = backward_args(gate, norms, go, (n, f), consts)?;
+    args.run_rows::<bf16>("gate_l0_grad_gate_bf16", n * f)
 }
 
 /// The norms' gradients, `[n + f]` f32 (x_norm's, then w_norm's); inputs as
-/// [`gate_l0_grad_gate`].
+/// [`backward_args`].
 pub fn gate_l0_grad_norms(
-    (gs, gl): Input,
-    (ns, nl): Input,
-    (os, ol): Input,
+    gate: Input,
+    norms: Input,
+    go: Input,
     (n, f): (usize, usize),
-    (scale, eps): (f32, f32),
+    consts: (f32, f32),
 ) -> Result<CudaStorage> {
-    let gv = bf16_view("gate_l0: gate", gs, gl)?;
-    let nv = typed_view::<f32>("gate_l0: norms", ns, nl, DType::F32)?;
-    let ov = typed_view::<f32>("gate_l0: output gradient", os, ol, DType::F32)?;
-    let dev = gs.device().clone();
+    let args = backward_args(gate, norms, go, (n, f), consts)?;
+    let dev = args.dev.clone();
     // Zeros: with no rows the columns' gradients are 0, and the other way round.
     let mut out = dev.alloc_zeros::<f32>(n + f)?;
     if n == 0 || f == 0 {
         return Ok(CudaStorage::wrap_cuda_slice(out, dev));
     }
-    let args = GateArgs::new(&gv, &nv, &ov, (n, f), (scale, eps));
     // The rows' gradients fill the first n entries; the columns' come after them.
     args.launch(
-        &dev,
         "gate_l0_grad_rows_bf16",
         &mut out,
         super::grid_1d(n, THREADS),
@@ -164,14 +167,14 @@ pub fn gate_l0_grad_norms(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    args.launch(&dev, "gate_l0_grad_column_partials_bf16", &mut partial, cfg)?;
+    args.launch("gate_l0_grad_column_partials_bf16", &mut partial, cfg)?;
     {
         let func = dev.get_or_load_custom_func("gate_l0_grad_columns", "gate_l0", GATE_L0_PTX)?;
         let mut columns = out.slice_mut(n..n + f);
         let chunks_i = chunks as i32;
         let mut b = func.builder();
         b.arg(&partial)
-            .arg(&nv)
+            .arg(&args.first)
             .arg(&mut columns)
             .arg(&args.n)
             .arg(&args.f)

@@ -171,8 +171,12 @@ impl CustomOp3 for GateL0 {
         // The backward ops take both norms as one [N + f] input (a CustomOp has three).
         let norms = Tensor::cat(&[x_norm, w_norm], 0)?;
         let go = grad_res.to_dtype(DType::F32)?.contiguous()?;
-        let grad_gate = gate.apply_op3_no_bwd(&norms, &go, &GateL0GradGate(self.term()))?;
-        let sums = gate.apply_op3_no_bwd(&norms, &go, &GateL0GradNorms(self.term()))?;
+        let grad = |of| GateL0Grad {
+            term: self.term(),
+            of,
+        };
+        let grad_gate = gate.apply_op3_no_bwd(&norms, &go, &grad(GradOf::Gate))?;
+        let sums = gate.apply_op3_no_bwd(&norms, &go, &grad(GradOf::Norms))?;
         Ok((
             Some(grad_gate),
             Some(sums.narrow(0, 0, n)?),
@@ -235,23 +239,25 @@ impl<'a> BackwardInputs<'a> {
     }
 }
 
-/// `∂/∂g`, shaped and typed like the gate: inputs `(gate, [x_norm | w_norm], go [N])`.
-struct GateL0GradGate(Term);
+/// Which gradient a backward op returns.
+#[derive(Clone, Copy)]
+enum GradOf {
+    /// `∂/∂g`, shaped and typed like the gate.
+    Gate,
+    /// `[∂/∂x_norm | ∂/∂w_norm]`, `[N + f]` f32.
+    Norms,
+}
 
-impl CustomOp3 for GateL0GradGate {
-    fn name(&self) -> &'static str {
-        "gate-l0-grad-gate"
-    }
+/// A backward op of the term: inputs `(gate, [x_norm | w_norm], go [N])`. The two
+/// gradients are two ops because each is one pass of its own over the gates.
+struct GateL0Grad {
+    term: Term,
+    of: GradOf,
+}
 
-    fn cpu_fwd(
-        &self,
-        gs: &CpuStorage,
-        gl: &Layout,
-        ns: &CpuStorage,
-        nl: &Layout,
-        os: &CpuStorage,
-        ol: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+impl GateL0Grad {
+    /// `∂/∂g` on the CPU.
+    fn gate_cpu(&self, inp: BackwardInputs) -> Result<(CpuStorage, Shape)> {
         let BackwardInputs {
             n,
             f,
@@ -260,8 +266,8 @@ impl CustomOp3 for GateL0GradGate {
             x_norm,
             w_norm,
             go,
-        } = BackwardInputs::read((gs, gl), (ns, nl), (os, ol))?;
-        let term = self.0;
+        } = inp;
+        let term = self.term;
         let mut out = vec![0f32; n * f];
         out.par_chunks_mut(f.max(1))
             .zip(gate.par_chunks(f.max(1)))
@@ -276,45 +282,8 @@ impl CustomOp3 for GateL0GradGate {
         Ok((storage_from_f32(out, dtype)?, Shape::from((n, f))))
     }
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        gs: &candle_core::CudaStorage,
-        gl: &Layout,
-        ns: &candle_core::CudaStorage,
-        nl: &Layout,
-        os: &candle_core::CudaStorage,
-        ol: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (n, f) = gl.shape().dims2()?;
-        let out = crate::cuda::gate_l0_grad_gate(
-            (gs, gl),
-            (ns, nl),
-            (os, ol),
-            (n, f),
-            (self.0.scale, self.0.eps),
-        )?;
-        Ok((out, Shape::from((n, f))))
-    }
-}
-
-/// `[∂/∂x_norm | ∂/∂w_norm]`, `[N + f]` f32: inputs `(gate, [x_norm | w_norm], go [N])`.
-struct GateL0GradNorms(Term);
-
-impl CustomOp3 for GateL0GradNorms {
-    fn name(&self) -> &'static str {
-        "gate-l0-grad-norms"
-    }
-
-    fn cpu_fwd(
-        &self,
-        gs: &CpuStorage,
-        gl: &Layout,
-        ns: &CpuStorage,
-        nl: &Layout,
-        os: &CpuStorage,
-        ol: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    /// The norms' gradients on the CPU.
+    fn norms_cpu(&self, inp: BackwardInputs) -> Result<(CpuStorage, Shape)> {
         let BackwardInputs {
             n,
             f,
@@ -323,8 +292,8 @@ impl CustomOp3 for GateL0GradNorms {
             w_norm,
             go,
             ..
-        } = BackwardInputs::read((gs, gl), (ns, nl), (os, ol))?;
-        let term = self.0;
+        } = inp;
+        let term = self.term;
         // t_ij = φ'(z)·z per row; the rows' sums weighted by go_i give the columns'.
         let rows: Vec<Vec<f32>> = gate
             .par_chunks(f.max(1))
@@ -349,6 +318,31 @@ impl CustomOp3 for GateL0GradNorms {
         }
         Ok((CpuStorage::F32(out), Shape::from(n + f)))
     }
+}
+
+impl CustomOp3 for GateL0Grad {
+    fn name(&self) -> &'static str {
+        match self.of {
+            GradOf::Gate => "gate-l0-grad-gate",
+            GradOf::Norms => "gate-l0-grad-norms",
+        }
+    }
+
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        ns: &CpuStorage,
+        nl: &Layout,
+        os: &CpuStorage,
+        ol: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let inp = BackwardInputs::read((gs, gl), (ns, nl), (os, ol))?;
+        match self.of {
+            GradOf::Gate => self.gate_cpu(inp),
+            GradOf::Norms => self.norms_cpu(inp),
+        }
+    }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -361,14 +355,18 @@ impl CustomOp3 for GateL0GradNorms {
         ol: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (n, f) = gl.shape().dims2()?;
-        let out = crate::cuda::gate_l0_grad_norms(
-            (gs, gl),
-            (ns, nl),
-            (os, ol),
-            (n, f),
-            (self.0.scale, self.0.eps),
-        )?;
-        Ok((out, Shape::from(n + f)))
+        let consts = (self.term.scale, self.term.eps);
+        let (g, nm, o) = ((gs, gl), (ns, nl), (os, ol));
+        Ok(match self.of {
+            GradOf::Gate => {
+                let out = crate::cuda::gate_l0_grad_gate(g, nm, o, (n, f), consts)?;
+                (out, Shape::from((n, f)))
+            }
+            GradOf::Norms => {
+                let out = crate::cuda::gate_l0_grad_norms(g, nm, o, (n, f), consts)?;
+                (out, Shape::from(n + f))
+            }
+        })
     }
 }
 
