@@ -28,6 +28,7 @@ fn main() {
         "rope",
         "embedding",
         "gate_l0",
+        "kl_divergence",
     ] {
         let src = kernels.join(format!("{name}.cu"));
         let ptx = out.join(format!("{name}.ptx"));

@@ -7,50 +7,16 @@
 //! why pruning and distillation go together; mixed with the corpus' cross-entropy it
 //! also keeps the student from drifting far from the checkpoint it started as.
 
-use candle_core::{DType, Result, Tensor, D};
-
 /// Mean over positions of `KL(p ‖ q)`, `p = softmax(teacher)`, `q = softmax(student)`,
-/// computed in f32 from logits of any dtype and leading shape (`[.., vocab]`).
-///
-/// Differentiable in `student` only: the teacher's logits are detached. Its gradient
-/// per position is `(q - p) / positions`.
-pub fn kl_divergence(student: &Tensor, teacher: &Tensor) -> Result<Tensor> {
-    if student.dims() != teacher.dims() {
-        candle_core::bail!(
-            "distillation: student logits {:?} and teacher logits {:?} differ in shape",
-            student.dims(),
-            teacher.dims()
-        );
-    }
-    let vocab = student.dim(D::Minus1)?;
-    let positions = student.elem_count() / vocab.max(1);
-    if positions == 0 || vocab == 0 {
-        candle_core::bail!("distillation: empty logits {:?}", student.dims());
-    }
-    let student = student.reshape((positions, vocab))?.to_dtype(DType::F32)?;
-    let teacher = teacher
-        .detach()
-        .reshape((positions, vocab))?
-        .to_dtype(DType::F32)?;
-    let log_q = log_softmax_rows(&student)?;
-    let log_p = log_softmax_rows(&teacher)?.detach();
-    let p = log_p.exp()?;
-    // A p that underflows to 0 meets a finite log p, so its terms are 0, never NaN.
-    (p * (log_p - log_q)?)?.sum(1)?.mean(0)
-}
-
-/// `log softmax` of each row, shifted by the row's detached maximum (the shift cancels
-/// out of the value and the gradient, and keeps `exp` finite).
-fn log_softmax_rows(x: &Tensor) -> Result<Tensor> {
-    let shifted = x.broadcast_sub(&x.max_keepdim(1)?.detach())?;
-    let log_sum = shifted.exp()?.sum_keepdim(1)?.log()?;
-    shifted.broadcast_sub(&log_sum)
-}
+/// computed in f32 from logits of any dtype and leading shape (`[.., vocab]`), and
+/// differentiable in the student only: one op, which reads the `[tokens, vocab]` logits
+/// a few times instead of making some twenty-five f32 passes over them.
+pub use twell::ops::kl_divergence;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Tensor, Var};
 
     /// KL computed row by row in f64, the plain definition.
     fn reference(student: &[Vec<f64>], teacher: &[Vec<f64>]) -> f64 {

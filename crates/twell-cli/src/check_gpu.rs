@@ -535,8 +535,9 @@ fn check_embedding(
     rel_l2(&grad(dev, DType::BF16)?, &grad(&Device::Cpu, DType::F32)?)
 }
 
+/// A fused loss over `[N, V]` logits against its reference, value and gradient.
 #[derive(Serialize, Debug)]
-struct CrossEntropyResult {
+struct LossResult {
     /// `(N, V)`.
     dims: (usize, usize),
     loss_err: f64,
@@ -546,11 +547,7 @@ struct CrossEntropyResult {
 
 /// The fused cross-entropy (bf16 logits) and its backward against candle's
 /// `loss::cross_entropy` on f32 logits, on the GPU.
-fn check_cross_entropy(
-    dev: &Device,
-    (n, v): (usize, usize),
-    seed: u64,
-) -> Result<CrossEntropyResult> {
+fn check_cross_entropy(dev: &Device, (n, v): (usize, usize), seed: u64) -> Result<LossResult> {
     dev.set_seed(seed)?;
     let logits = (Tensor::randn(0f32, 1.0, (n, v), dev)? * 3.0)?;
     let targets = Tensor::rand(0f32, v as f32, n, dev)?
@@ -575,7 +572,40 @@ fn check_cross_entropy(
     let ((got, g), (want, w)) = (run(true)?, run(false)?);
     let loss_err = ((got - want) / want).abs();
     let grad_err = rel_l2(&g, &w)?;
-    Ok(CrossEntropyResult {
+    Ok(LossResult {
+        dims: (n, v),
+        loss_err,
+        grad_err,
+        pass: loss_err < TOLERANCE && grad_err < TOLERANCE,
+    })
+}
+
+/// The fused distillation loss (bf16 logits) and its backward against the same loss as
+/// candle ops on f32 logits, on the GPU.
+fn check_kl_divergence(dev: &Device, (n, v): (usize, usize), seed: u64) -> Result<LossResult> {
+    dev.set_seed(seed)?;
+    let student = (Tensor::randn(0f32, 1.0, (n, v), dev)? * 3.0)?;
+    let teacher = (Tensor::randn(0f32, 1.0, (n, v), dev)? * 4.0)?;
+    let run = |fused: bool| -> Result<(f64, Tensor)> {
+        let dtype = if fused { DType::BF16 } else { DType::F32 };
+        let var = Var::from_tensor(&student.to_dtype(dtype)?)?;
+        let t = teacher.to_dtype(dtype)?;
+        let loss = if fused {
+            twell::ops::kl_divergence(var.as_tensor(), &t)?
+        } else {
+            twell::ops::kl_divergence_reference(var.as_tensor(), &t)?
+        };
+        let value = loss.to_scalar::<f32>()? as f64;
+        let grads = loss.backward()?;
+        Ok((
+            value,
+            grads.get(var.as_tensor()).cloned().context("no gradient")?,
+        ))
+    };
+    let ((got, g), (want, w)) = (run(true)?, run(false)?);
+    let loss_err = ((got - want) / want).abs();
+    let grad_err = rel_l2(&g, &w)?;
+    Ok(LossResult {
         dims: (n, v),
         loss_err,
         grad_err,
@@ -744,7 +774,8 @@ struct Report {
     attention: Vec<AttentionResult>,
     add_rms_norm: Vec<NormResult>,
     rope: Vec<RopeResult>,
-    cross_entropy: Vec<CrossEntropyResult>,
+    cross_entropy: Vec<LossResult>,
+    kl_divergence: Vec<LossResult>,
     gate_l0: Vec<GateL0Result>,
     /// Parameter, m and v after three steps, GPU against CPU.
     adamw_err: [f64; 3],
@@ -923,6 +954,18 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         cross_entropy.push(r);
     }
+    let mut kl_divergence = Vec::new();
+    for (k, &dims) in [(1, 49152), (333, 1000), (4096, 49152)].iter().enumerate() {
+        let r = check_kl_divergence(&dev, dims, 1200 + k as u64)?;
+        println!(
+            "kl_divergence (N, V) = {:?}: loss rel err {:.2e}, gradient rel err {:.2e} {}",
+            r.dims,
+            r.loss_err,
+            r.grad_err,
+            if r.pass { "ok" } else { "FAIL" }
+        );
+        kl_divergence.push(r);
+    }
     let mut gate_l0 = Vec::new();
     for (k, &dims) in [(1, 1536), (333, 1000), (4096, 5632)].iter().enumerate() {
         let r = check_gate_l0(&dev, dims, 1100 + k as u64)?;
@@ -994,6 +1037,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         + add_rms_norm.iter().filter(|r| !r.pass).count()
         + rope.iter().filter(|r| !r.pass).count()
         + cross_entropy.iter().filter(|r| !r.pass).count()
+        + kl_divergence.iter().filter(|r| !r.pass).count()
         + gate_l0.iter().filter(|r| !r.pass).count()
         + usize::from(!adamw_ok)
         + usize::from(!adamw_mixed_ok)
@@ -1006,6 +1050,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         + add_rms_norm.len()
         + rope.len()
         + cross_entropy.len()
+        + kl_divergence.len()
         + gate_l0.len()
         + 5;
     if let Some(path) = &args.json {
@@ -1016,6 +1061,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             add_rms_norm,
             rope,
             cross_entropy,
+            kl_divergence,
             gate_l0,
             adamw_err,
             adamw_mixed_err,

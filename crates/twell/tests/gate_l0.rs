@@ -8,11 +8,7 @@ use twell::ops::{gate_l0, gate_l0_reference};
 
 type Count = fn(&Tensor, &Tensor, &Tensor, f64, f64) -> candle_core::Result<Tensor>;
 
-/// `common::uniform` with the seed spread over all bits (nearby seeds there give nearly
-/// the same values).
-fn uniform(shape: &[usize], seed: u64, half_width: f32) -> Tensor {
-    common::uniform(shape, seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), half_width)
-}
+use common::uniform_unrelated as uniform;
 
 /// Positive norms of `n` values around `mean`.
 fn norms(n: usize, seed: u64, mean: f64) -> Tensor {

@@ -22,6 +22,7 @@ mod attention_softmax_grad;
 mod cross_entropy;
 mod embedding;
 mod gate_l0;
+mod kl_divergence;
 mod rope;
 mod twell_mlp_decode;
 pub use adamw::{adamw_mixed, adamw_moment, adamw_update, bf16_from_master, sum_squares};
@@ -30,6 +31,7 @@ pub use attention_softmax_grad::{attention_row_dot, attention_softmax_grad};
 pub use cross_entropy::{cross_entropy, cross_entropy_bwd};
 pub use embedding::embedding_grad;
 pub use gate_l0::{gate_l0, gate_l0_grad_gate, gate_l0_grad_norms};
+pub use kl_divergence::{kl_divergence, kl_divergence_bwd};
 pub use rope::rope;
 use twell_mlp_decode::{twell_mlp_decode, use_fused_decode};
 

@@ -11,6 +11,7 @@
 //! * [`rope`]: rotary position embedding of its queries and keys;
 //! * [`cross_entropy`]: the language-model loss over its logits, and [`embedding`] the
 //!   token embedding at its input (a one-pass backward);
+//! * [`kl_divergence`]: the distillation loss between a teacher's and a student's logits;
 //! * [`gate_l0`]: the smooth count of positive gates that fine-tuning can penalise
 //!   ([`crate::L1Term::GateL0`]);
 //! * [`adamw_step`] and [`adamw_step_mixed`]: the optimizer's update of one parameter, in
@@ -36,6 +37,7 @@ mod embedding;
 mod gate_l0;
 mod gate_pack;
 mod gated_t2d;
+mod kl_divergence;
 mod rope;
 mod twell_mlp;
 
@@ -51,6 +53,7 @@ pub use embedding::{embedding, Embedding};
 pub use gate_l0::{gate_l0, gate_l0_reference, GateL0};
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
+pub use kl_divergence::{kl_divergence, kl_divergence_reference, KlDivergence};
 pub use rope::{rope, Rope, RopeTable};
 pub use twell_mlp::{
     gate_screen, twell_mlp, twell_mlp_screened, twell_mlp_with_backward_path, BackwardPath,

@@ -34,6 +34,12 @@ pub fn uniform(shape: &[usize], seed: u64, half_width: f32) -> Tensor {
     Tensor::from_vec(values, shape, &Device::Cpu).expect("a shape that holds the values")
 }
 
+/// [`uniform`] with the seed spread over all bits: nearby seeds there give nearly the
+/// same values, here unrelated ones.
+pub fn uniform_unrelated(shape: &[usize], seed: u64, half_width: f32) -> Tensor {
+    uniform(shape, seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), half_width)
+}
+
 /// Dense ReGLU MLP through plain candle ops: `(out [M, d], l1 [M])`.
 pub fn dense_reglu(x: &Tensor, wg: &Tensor, wu: &Tensor, wd: &Tensor) -> Result<(Tensor, Tensor)> {
     let g = x.matmul(&wg.t()?)?.relu()?;

@@ -1,0 +1,123 @@
+//! The fused distillation loss against the same loss as candle ops, forward and backward,
+//! and its bad-input errors.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor, Var};
+use twell::ops::{kl_divergence, kl_divergence_reference};
+
+type Loss = fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>;
+
+/// The loss and the student's gradient through `f` (the loss scaled by 3, so a gradient
+/// that ignored the incoming one would show).
+fn loss_and_grad(f: Loss, student: &Tensor, teacher: &Tensor) -> (f32, Tensor) {
+    let var = Var::from_tensor(student).unwrap();
+    let loss = f(var.as_tensor(), teacher).unwrap();
+    assert_eq!(loss.dtype(), DType::F32);
+    let value = loss.to_scalar::<f32>().unwrap();
+    let grads = (loss * 3.0).unwrap().backward().unwrap();
+    let grad = grads.get(var.as_tensor()).expect("a gradient").clone();
+    (value, grad)
+}
+
+#[test]
+fn matches_the_candle_op_loss_forward_and_backward() {
+    // (N, V): one row, odd sizes, a vocabulary wider than a block's threads, and rows
+    // whose logits sit far from zero (the shift by the maximum matters).
+    for (k, &(n, v, offset)) in [
+        (1, 5, 0.0),
+        (7, 33, 0.0),
+        (16, 1000, 40.0),
+        (3, 3001, -60.0),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let student = (common::uniform_unrelated(&[n, v], 30 + k as u64, 4.0) + offset).unwrap();
+        let teacher = (common::uniform_unrelated(&[n, v], 60 + k as u64, 6.0) - offset).unwrap();
+        let (want, want_grad) = loss_and_grad(kl_divergence_reference, &student, &teacher);
+        assert!(
+            want > 0.1,
+            "the case needs distributions that differ: {want}"
+        );
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 3e-2)] {
+            let (s, t) = (
+                student.to_dtype(dtype).unwrap(),
+                teacher.to_dtype(dtype).unwrap(),
+            );
+            let (got, grad) = loss_and_grad(kl_divergence, &s, &t);
+            // The bf16 case rounds the logits the reference read in f32.
+            let (ref_loss, ref_grad) = if dtype == DType::F32 {
+                (want, want_grad.clone())
+            } else {
+                loss_and_grad(kl_divergence_reference, &s, &t)
+            };
+            assert!(
+                ((got - ref_loss) / ref_loss).abs() < tol as f32,
+                "({n}, {v}) {dtype:?}: loss {got} vs {ref_loss}"
+            );
+            assert_eq!(grad.dims(), &[n, v]);
+            assert_eq!(grad.dtype(), dtype);
+            let err = common::rel_l2(
+                &grad.to_dtype(DType::F32).unwrap(),
+                &ref_grad.to_dtype(DType::F32).unwrap(),
+            )
+            .unwrap();
+            assert!(err < tol, "({n}, {v}) {dtype:?}: gradient rel err {err}");
+        }
+    }
+}
+
+#[test]
+fn is_zero_between_equal_distributions_and_reads_any_leading_shape() {
+    let s = common::uniform_unrelated(&[2, 3, 50], 5, 3.0);
+    let same = kl_divergence(&s, &s).unwrap().to_scalar::<f32>().unwrap();
+    assert!(same.abs() < 1e-6, "{same}");
+    // A shift of every logit of a row leaves its softmax, so the loss is 0 again.
+    let shifted = (&s + 7.0).unwrap();
+    let kl = kl_divergence(&shifted, &s)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(kl.abs() < 1e-5, "{kl}");
+    // [2, 3, 50] is six positions: the same loss as the rows laid out flat.
+    let t = common::uniform_unrelated(&[2, 3, 50], 6, 3.0);
+    let batched = kl_divergence(&s, &t).unwrap().to_scalar::<f32>().unwrap();
+    let flat = kl_divergence(&s.reshape((6, 50)).unwrap(), &t.reshape((6, 50)).unwrap())
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(batched > 0.1 && (batched - flat).abs() < 1e-6);
+}
+
+#[test]
+fn the_teacher_gets_no_gradient_and_may_come_in_another_dtype() {
+    let s = Var::from_tensor(&common::uniform_unrelated(&[4, 40], 7, 3.0)).unwrap();
+    let t = Var::from_tensor(&common::uniform_unrelated(&[4, 40], 8, 3.0)).unwrap();
+    let loss = kl_divergence(s.as_tensor(), t.as_tensor()).unwrap();
+    let grads = loss.backward().unwrap();
+    assert!(grads.get(s.as_tensor()).is_some());
+    assert!(grads.get(t.as_tensor()).is_none());
+    // An f32 teacher for a bf16 student is read in bf16.
+    let bf16_student = s.as_tensor().to_dtype(DType::BF16).unwrap();
+    let mixed = kl_divergence(&bf16_student, t.as_tensor())
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let want = loss.to_scalar::<f32>().unwrap();
+    assert!((mixed - want).abs() < 3e-2 * want, "{mixed} vs {want}");
+}
+
+#[test]
+fn bad_input_is_rejected() {
+    let msg = |r: candle_core::Result<Tensor>| r.expect_err("expected an error").to_string();
+    let s = common::uniform_unrelated(&[4, 10], 1, 1.0);
+    let wider = common::uniform_unrelated(&[4, 11], 2, 1.0);
+    assert!(msg(kl_divergence(&s, &wider)).contains("differ in shape"));
+    let empty = Tensor::zeros((0, 10), DType::F32, &Device::Cpu).unwrap();
+    assert!(msg(kl_divergence(&empty, &empty)).contains("empty logits"));
+    let no_vocab = Tensor::zeros((4, 0), DType::F32, &Device::Cpu).unwrap();
+    assert!(msg(kl_divergence(&no_vocab, &no_vocab)).contains("empty logits"));
+    let ids = Tensor::zeros((4, 10), DType::U32, &Device::Cpu).unwrap();
+    assert!(!msg(kl_divergence(&ids, &ids)).is_empty());
+}

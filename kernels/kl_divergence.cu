@@ -1,0 +1,87 @@
+// kl_divergence: per-row KL(p ‖ q) of a teacher's and a student's logits [N, V], p and q
+// their softmaxes, and its backward, for distillation.
+//
+// As candle ops (two log-softmaxes, exp, subtract, multiply, sum) the loss and its
+// backward make some twenty-five f32 passes over [tokens, vocab] tensors (0.8 GB each at
+// 4,096 × 49,152) and keep several of them for the backward. Here the forward reads
+// both rows twice (online max and sum, then the weighted sum) and writes three floats
+// per row: the KL and both log-sum-exps; the backward reads both rows once more and
+// writes g · (q − p).
+#include "twell_common.cuh"
+
+#define KL_THREADS 256
+
+// Each row's (max, sum of exp(x − max)) of the block's threads merged, in every thread.
+__device__ __forceinline__ void block_max_sum(float& m, float& l) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(FULL_MASK, m, o);
+        const float l2 = __shfl_xor_sync(FULL_MASK, l, o);
+        merge_max_sum(m, l, m2, l2);
+    }
+    __shared__ float2 partial[KL_THREADS / 32];
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = make_float2(m, l);
+    __syncthreads();
+    float mm = -INFINITY, ll = 0.f;
+    for (int w = 0; w < KL_THREADS / 32; ++w) merge_max_sum(mm, ll, partial[w].x, partial[w].y);
+    __syncthreads();
+    m = mm;
+    l = ll;
+}
+
+extern "C" __global__ void __launch_bounds__(KL_THREADS) kl_divergence_fwd_bf16(
+    const __nv_bfloat16* __restrict__ student,  // [N, V]
+    const __nv_bfloat16* __restrict__ teacher,  // [N, V]
+    float* __restrict__ out,                    // [3, N]: KL, student lse, teacher lse
+    int N, int V) {
+    const long long row = blockIdx.x;
+    if (row >= N) return;
+    const __nv_bfloat16* s = student + row * V;
+    const __nv_bfloat16* t = teacher + row * V;
+    float ms = -INFINITY, ls = 0.f, mt = -INFINITY, lt = 0.f;
+    for (int j = threadIdx.x; j < V; j += KL_THREADS) {
+        online_max_sum(ms, ls, __bfloat162float(s[j]));
+        online_max_sum(mt, lt, __bfloat162float(t[j]));
+    }
+    block_max_sum(ms, ls);
+    block_max_sum(mt, lt);
+    const float lse_s = ms + __logf(ls), lse_t = mt + __logf(lt);
+    // Σ_j p_j (log p_j − log q_j); a p_j that underflows to 0 adds 0.
+    float acc = 0.f;
+    for (int j = threadIdx.x; j < V; j += KL_THREADS) {
+        const float log_p = __bfloat162float(t[j]) - lse_t;
+        const float log_q = __bfloat162float(s[j]) - lse_s;
+        acc += __expf(log_p) * (log_p - log_q);
+    }
+    acc = warp_sum(acc);
+    __shared__ float partial[KL_THREADS / 32];
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sum = 0.f;
+        for (int w = 0; w < KL_THREADS / 32; ++w) sum += partial[w];
+        // KL ≥ 0; near a student that matches its teacher the f32 sum can round below.
+        out[row] = fmaxf(sum, 0.f);
+        out[N + row] = lse_s;
+        out[2LL * N + row] = lse_t;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(KL_THREADS) kl_divergence_bwd_bf16(
+    const __nv_bfloat16* __restrict__ student,  // [N, V]
+    const __nv_bfloat16* __restrict__ teacher,  // [N, V]
+    const float* __restrict__ aux,              // [3, N]: student lse, teacher lse, g
+    __nv_bfloat16* __restrict__ out,            // [N, V]: g · (q − p)
+    int N, int V) {
+    const long long row = blockIdx.x;
+    if (row >= N) return;
+    const __nv_bfloat16* s = student + row * V;
+    const __nv_bfloat16* t = teacher + row * V;
+    __nv_bfloat16* o = out + row * V;
+    const float lse_s = aux[row], lse_t = aux[N + row], g = aux[2LL * N + row];
+    for (int j = threadIdx.x; j < V; j += KL_THREADS) {
+        const float q = __expf(__bfloat162float(s[j]) - lse_s);
+        const float p = __expf(__bfloat162float(t[j]) - lse_t);
+        o[j] = __float2bfloat16(g * (q - p));
+    }
+}
