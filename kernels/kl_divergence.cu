@@ -11,24 +11,6 @@
 
 #define KL_THREADS 256
 
-// Each row's (max, sum of exp(x − max)) of the block's threads merged, in every thread.
-__device__ __forceinline__ void block_max_sum(float& m, float& l) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(FULL_MASK, m, o);
-        const float l2 = __shfl_xor_sync(FULL_MASK, l, o);
-        merge_max_sum(m, l, m2, l2);
-    }
-    __shared__ float2 partial[KL_THREADS / 32];
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = make_float2(m, l);
-    __syncthreads();
-    float mm = -INFINITY, ll = 0.f;
-    for (int w = 0; w < KL_THREADS / 32; ++w) merge_max_sum(mm, ll, partial[w].x, partial[w].y);
-    __syncthreads();
-    m = mm;
-    l = ll;
-}
-
 extern "C" __global__ void __launch_bounds__(KL_THREADS) kl_divergence_fwd_bf16(
     const __nv_bfloat16* __restrict__ student,  // [N, V]
     const __nv_bfloat16* __restrict__ teacher,  // [N, V]
@@ -43,8 +25,8 @@ extern "C" __global__ void __launch_bounds__(KL_THREADS) kl_divergence_fwd_bf16(
         online_max_sum(ms, ls, __bfloat162float(s[j]));
         online_max_sum(mt, lt, __bfloat162float(t[j]));
     }
-    block_max_sum(ms, ls);
-    block_max_sum(mt, lt);
+    block_max_sum<KL_THREADS>(ms, ls);
+    block_max_sum<KL_THREADS>(mt, lt);
     const float lse_s = ms + __logf(ls), lse_t = mt + __logf(lt);
     // Σ_j p_j (log p_j − log q_j); a p_j that underflows to 0 adds 0.
     float acc = 0.f;

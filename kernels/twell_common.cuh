@@ -122,6 +122,26 @@ __device__ __forceinline__ void merge_max_sum(float& m, float& l, float m2, floa
     m = mx;
 }
 
+// The online-softmax states of a block of THREADS threads merged, in every thread (a
+// block per row). Calls may follow each other: each ends on a barrier.
+template <int THREADS>
+__device__ __forceinline__ void block_max_sum(float& m, float& l) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(FULL_MASK, m, o);
+        const float l2 = __shfl_xor_sync(FULL_MASK, l, o);
+        merge_max_sum(m, l, m2, l2);
+    }
+    __shared__ float2 partial[THREADS / 32];
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = make_float2(m, l);
+    __syncthreads();
+    float mm = -INFINITY, ll = 0.f;
+    for (int w = 0; w < THREADS / 32; ++w) merge_max_sum(mm, ll, partial[w].x, partial[w].y);
+    __syncthreads();
+    m = mm;
+    l = ll;
+}
+
 __device__ __forceinline__ long long global_warp() {
     return (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
 }

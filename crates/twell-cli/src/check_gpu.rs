@@ -545,6 +545,31 @@ struct LossResult {
     pass: bool,
 }
 
+/// A loss of logits `[N, V]` and its gradient, fused in bf16 (`fused`) or the
+/// reference in f32: the value and the logits' gradient.
+type LossRun<'a> = dyn Fn(bool) -> Result<(f64, Tensor)> + 'a;
+
+/// The value and the gradient in `var` of a scalar `loss`.
+fn value_and_grad(loss: &Tensor, var: &Var) -> Result<(f64, Tensor)> {
+    let value = loss.to_scalar::<f32>()? as f64;
+    let grads = loss.backward()?;
+    let grad = grads.get(var.as_tensor()).cloned().context("no gradient")?;
+    Ok((value, grad))
+}
+
+/// The fused run of a loss against its reference.
+fn compare_losses(dims: (usize, usize), run: &LossRun) -> Result<LossResult> {
+    let ((got, g), (want, w)) = (run(true)?, run(false)?);
+    let loss_err = ((got - want) / want).abs();
+    let grad_err = rel_l2(&g, &w)?;
+    Ok(LossResult {
+        dims,
+        loss_err,
+        grad_err,
+        pass: loss_err < TOLERANCE && grad_err < TOLERANCE,
+    })
+}
+
 /// The fused cross-entropy (bf16 logits) and its backward against candle's
 /// `loss::cross_entropy` on f32 logits, on the GPU.
 fn check_cross_entropy(dev: &Device, (n, v): (usize, usize), seed: u64) -> Result<LossResult> {
@@ -554,7 +579,7 @@ fn check_cross_entropy(dev: &Device, (n, v): (usize, usize), seed: u64) -> Resul
         .floor()?
         .clamp(0f32, (v - 1) as f32)?
         .to_dtype(DType::U32)?;
-    let run = |fused: bool| -> Result<(f64, Tensor)> {
+    compare_losses((n, v), &|fused| {
         let var =
             Var::from_tensor(&logits.to_dtype(if fused { DType::BF16 } else { DType::F32 })?)?;
         let loss = if fused {
@@ -562,21 +587,7 @@ fn check_cross_entropy(dev: &Device, (n, v): (usize, usize), seed: u64) -> Resul
         } else {
             candle_nn::loss::cross_entropy(var.as_tensor(), &targets)?
         };
-        let value = loss.to_scalar::<f32>()? as f64;
-        let grads = loss.backward()?;
-        Ok((
-            value,
-            grads.get(var.as_tensor()).cloned().context("no gradient")?,
-        ))
-    };
-    let ((got, g), (want, w)) = (run(true)?, run(false)?);
-    let loss_err = ((got - want) / want).abs();
-    let grad_err = rel_l2(&g, &w)?;
-    Ok(LossResult {
-        dims: (n, v),
-        loss_err,
-        grad_err,
-        pass: loss_err < TOLERANCE && grad_err < TOLERANCE,
+        value_and_grad(&loss, &var)
     })
 }
 
@@ -586,7 +597,7 @@ fn check_kl_divergence(dev: &Device, (n, v): (usize, usize), seed: u64) -> Resul
     dev.set_seed(seed)?;
     let student = (Tensor::randn(0f32, 1.0, (n, v), dev)? * 3.0)?;
     let teacher = (Tensor::randn(0f32, 1.0, (n, v), dev)? * 4.0)?;
-    let run = |fused: bool| -> Result<(f64, Tensor)> {
+    compare_losses((n, v), &|fused| {
         let dtype = if fused { DType::BF16 } else { DType::F32 };
         let var = Var::from_tensor(&student.to_dtype(dtype)?)?;
         let t = teacher.to_dtype(dtype)?;
@@ -595,21 +606,7 @@ fn check_kl_divergence(dev: &Device, (n, v): (usize, usize), seed: u64) -> Resul
         } else {
             twell::ops::kl_divergence_reference(var.as_tensor(), &t)?
         };
-        let value = loss.to_scalar::<f32>()? as f64;
-        let grads = loss.backward()?;
-        Ok((
-            value,
-            grads.get(var.as_tensor()).cloned().context("no gradient")?,
-        ))
-    };
-    let ((got, g), (want, w)) = (run(true)?, run(false)?);
-    let loss_err = ((got - want) / want).abs();
-    let grad_err = rel_l2(&g, &w)?;
-    Ok(LossResult {
-        dims: (n, v),
-        loss_err,
-        grad_err,
-        pass: loss_err < TOLERANCE && grad_err < TOLERANCE,
+        value_and_grad(&loss, &var)
     })
 }
 

@@ -20,6 +20,65 @@ fn loss_and_grad(f: Loss, student: &Tensor, teacher: &Tensor) -> (f32, Tensor) {
     (value, grad)
 }
 
+/// KL computed row by row in f64, the plain definition.
+fn reference(student: &[Vec<f64>], teacher: &[Vec<f64>]) -> f64 {
+    let softmax = |row: &[f64]| {
+        let m = row.iter().cloned().fold(f64::MIN, f64::max);
+        let e: Vec<f64> = row.iter().map(|v| (v - m).exp()).collect();
+        let s: f64 = e.iter().sum();
+        e.into_iter().map(|v| v / s).collect::<Vec<_>>()
+    };
+    let mut total = 0.0;
+    for (s, t) in student.iter().zip(teacher) {
+        let (q, p) = (softmax(s), softmax(t));
+        total += p
+            .iter()
+            .zip(&q)
+            .map(|(p, q)| if *p > 0.0 { p * (p / q).ln() } else { 0.0 })
+            .sum::<f64>();
+    }
+    total / student.len() as f64
+}
+
+fn rows(t: &Tensor) -> Vec<Vec<f64>> {
+    t.to_dtype(DType::F64).unwrap().to_vec2().unwrap()
+}
+
+#[test]
+fn matches_the_definition_and_its_gradient_is_q_minus_p() {
+    let device = Device::Cpu;
+    let (n, v) = (5, 37);
+    // Wide logits, so some probabilities are tiny and the shift matters.
+    let s = (Tensor::randn(0f32, 4.0, (n, v), &device).unwrap() + 30.0).unwrap();
+    let t = (Tensor::randn(0f32, 6.0, (n, v), &device).unwrap() - 50.0).unwrap();
+    let s = Var::from_tensor(&s).unwrap();
+    let kl = kl_divergence(s.as_tensor(), &t).unwrap();
+    let want = reference(&rows(s.as_tensor()), &rows(&t));
+    let got = kl.to_scalar::<f32>().unwrap() as f64;
+    assert!(
+        want > 0.1,
+        "the test needs distributions that differ: {want}"
+    );
+    assert!((got - want).abs() < 1e-4 * want.max(1.0), "{got} vs {want}");
+
+    let grads = kl.backward().unwrap();
+    let g = rows(grads.get(s.as_tensor()).unwrap());
+    let softmax = |x: &Tensor| rows(&candle_nn::ops::softmax_last_dim(x).unwrap());
+    let (q, p) = (softmax(s.as_tensor()), softmax(&t));
+    for i in 0..n {
+        for j in 0..v {
+            let want = (q[i][j] - p[i][j]) / n as f64;
+            assert!(
+                (g[i][j] - want).abs() < 1e-6,
+                "[{i}, {j}] {} vs {want}",
+                g[i][j]
+            );
+        }
+    }
+    // The teacher gets no gradient.
+    assert!(grads.get(&t).is_none());
+}
+
 #[test]
 fn matches_the_candle_op_loss_forward_and_backward() {
     // (N, V): one row, odd sizes, a vocabulary wider than a block's threads, and rows
