@@ -785,12 +785,57 @@ struct Report {
     model_training: ModelTrainResult,
 }
 
+/// How many checks ran and how many failed, counted where each prints its verdict.
+#[derive(Default)]
+struct Tally {
+    total: usize,
+    failed: usize,
+}
+
+impl Tally {
+    /// Counts one check and returns its verdict for the report line.
+    fn record(&mut self, pass: bool) -> &'static str {
+        self.total += 1;
+        if pass {
+            "ok"
+        } else {
+            self.failed += 1;
+            "FAIL"
+        }
+    }
+}
+
+/// A fused loss's checks at each `(N, V)` of `cases` (seeded `seed`, `seed + 1`, …),
+/// each printed as a line of the report.
+fn run_loss_checks(
+    name: &str,
+    cases: &[(usize, usize)],
+    seed: u64,
+    tally: &mut Tally,
+    check: impl Fn((usize, usize), u64) -> Result<LossResult>,
+) -> Result<Vec<LossResult>> {
+    let mut results = Vec::new();
+    for (k, &dims) in cases.iter().enumerate() {
+        let r = check(dims, seed + k as u64)?;
+        println!(
+            "{name} (N, V) = {:?}: loss rel err {:.2e}, gradient rel err {:.2e} {}",
+            r.dims,
+            r.loss_err,
+            r.grad_err,
+            tally.record(r.pass)
+        );
+        results.push(r);
+    }
+    Ok(results)
+}
+
 pub fn run(args: &CheckGpuArgs) -> Result<()> {
     if !candle_core::utils::cuda_is_available() {
         bail!("check-gpu needs a build with --features cuda");
     }
     let dev = crate::device::parse_device(&format!("cuda:{}", args.ordinal))?;
     std::env::set_var("TWELL_POISON", "1");
+    let mut tally = Tally::default();
     #[rustfmt::skip]
     let cases: &[Case] = &[
         (1, 2048, 5632, 0.01, 256, 8),
@@ -828,7 +873,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         println!(
             "{:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>7.2}% {:>9} {:>9.2e} {:>9.2e} {:>10} {:>10} {}",
             r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, 100.0 * r.density,
-            r.overflow_tiles, r.err_out, r.err_l1, r.nnz_gpu, r.nnz_reference, if r.pass { "ok" } else { "FAIL" }
+            r.overflow_tiles, r.err_out, r.err_l1, r.nnz_gpu, r.nnz_reference, tally.record(r.pass)
         );
         results.push(r);
     }
@@ -871,7 +916,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
                 "backward: {:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>8} {:>9} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>6} {}",
                 r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, r.path,
                 r.overflow_tiles, r.err[0], r.err[1], r.err[2], r.err[3], r.on_device,
-                if r.pass { "ok" } else { "FAIL" }
+                tally.record(r.pass)
             );
             backward.push(r);
         }
@@ -901,7 +946,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             r.grad_err[0],
             r.grad_err[1],
             r.grad_err[2],
-            if r.pass { "ok" } else { "FAIL" }
+            tally.record(r.pass)
         );
         attention.push(r);
     }
@@ -920,7 +965,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             r.grad_err[0],
             r.grad_err[1],
             r.grad_err[2],
-            if r.pass { "ok" } else { "FAIL" }
+            tally.record(r.pass)
         );
         add_rms_norm.push(r);
     }
@@ -935,34 +980,18 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             r.dims,
             r.err,
             r.grad_err,
-            if r.pass { "ok" } else { "FAIL" }
+            tally.record(r.pass)
         );
         rope.push(r);
     }
-    let mut cross_entropy = Vec::new();
-    for (k, &dims) in [(1, 49152), (333, 1000), (8192, 49152)].iter().enumerate() {
-        let r = check_cross_entropy(&dev, dims, 990 + k as u64)?;
-        println!(
-            "cross_entropy (N, V) = {:?}: loss rel err {:.2e}, gradient rel err {:.2e} {}",
-            r.dims,
-            r.loss_err,
-            r.grad_err,
-            if r.pass { "ok" } else { "FAIL" }
-        );
-        cross_entropy.push(r);
-    }
-    let mut kl_divergence = Vec::new();
-    for (k, &dims) in [(1, 49152), (333, 1000), (4096, 49152)].iter().enumerate() {
-        let r = check_kl_divergence(&dev, dims, 1200 + k as u64)?;
-        println!(
-            "kl_divergence (N, V) = {:?}: loss rel err {:.2e}, gradient rel err {:.2e} {}",
-            r.dims,
-            r.loss_err,
-            r.grad_err,
-            if r.pass { "ok" } else { "FAIL" }
-        );
-        kl_divergence.push(r);
-    }
+    let loss_cases = [(1, 49152), (333, 1000), (8192, 49152)];
+    let cross_entropy = run_loss_checks("cross_entropy", &loss_cases, 990, &mut tally, |d, s| {
+        check_cross_entropy(&dev, d, s)
+    })?;
+    let kl_cases = [(1, 49152), (333, 1000), (4096, 49152)];
+    let kl_divergence = run_loss_checks("kl_divergence", &kl_cases, 1200, &mut tally, |d, s| {
+        check_kl_divergence(&dev, d, s)
+    })?;
     let mut gate_l0 = Vec::new();
     for (k, &dims) in [(1, 1536), (333, 1000), (4096, 5632)].iter().enumerate() {
         let r = check_gate_l0(&dev, dims, 1100 + k as u64)?;
@@ -974,7 +1003,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             r.err[1],
             r.err[2],
             r.err[3],
-            if r.pass { "ok" } else { "FAIL" }
+            tally.record(r.pass)
         );
         gate_l0.push(r);
     }
@@ -985,7 +1014,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         adamw_err[0],
         adamw_err[1],
         adamw_err[2],
-        if adamw_ok { "ok" } else { "FAIL" }
+        tally.record(adamw_ok)
     );
     let adamw_mixed_err = check_adamw_mixed(&dev, 5_000_001, 996)?;
     // The bf16 variable may round a master that differs in its last f32 bits to the
@@ -1001,21 +1030,21 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         adamw_mixed_err[2],
         adamw_mixed_err[3],
         adamw_mixed_err[4],
-        if adamw_mixed_ok { "ok" } else { "FAIL" }
+        tally.record(adamw_mixed_ok)
     );
     let embedding_grad_err = check_embedding(&dev, (8192, 1000, 2048), 997)?;
     let embedding_ok = embedding_grad_err < TOLERANCE;
     println!(
         "embedding backward (8,192 ids over a vocabulary of 1,000, width 2,048) GPU bf16 vs \
          CPU f32: weight gradient rel err {embedding_grad_err:.2e} {}",
-        if embedding_ok { "ok" } else { "FAIL" }
+        tally.record(embedding_ok)
     );
     let model_attention_err = check_model_attention(&dev)?;
     let model_ok = model_attention_err < TOLERANCE;
     println!(
         "model (2 layers, hd 64, GQA 8/2, 2 x 96 tokens in two cached chunks): inference vs \
          the CPU's f32 training path, logits rel err {model_attention_err:.2e} {}",
-        if model_ok { "ok" } else { "FAIL" }
+        tally.record(model_ok)
     );
     let model_training = check_model_training(&dev)?;
     println!(
@@ -1026,30 +1055,8 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         model_training.grad_err,
         model_training.worst_grad_err,
         model_training.worst_param,
-        if model_training.pass { "ok" } else { "FAIL" }
+        tally.record(model_training.pass)
     );
-    let failed = results.iter().filter(|r| !r.pass).count()
-        + backward.iter().filter(|r| !r.pass).count()
-        + attention.iter().filter(|r| !r.pass).count()
-        + add_rms_norm.iter().filter(|r| !r.pass).count()
-        + rope.iter().filter(|r| !r.pass).count()
-        + cross_entropy.iter().filter(|r| !r.pass).count()
-        + kl_divergence.iter().filter(|r| !r.pass).count()
-        + gate_l0.iter().filter(|r| !r.pass).count()
-        + usize::from(!adamw_ok)
-        + usize::from(!adamw_mixed_ok)
-        + usize::from(!embedding_ok)
-        + usize::from(!model_ok)
-        + usize::from(!model_training.pass);
-    let total = results.len()
-        + backward.len()
-        + attention.len()
-        + add_rms_norm.len()
-        + rope.len()
-        + cross_entropy.len()
-        + kl_divergence.len()
-        + gate_l0.len()
-        + 5;
     if let Some(path) = &args.json {
         let report = Report {
             forward: results,
@@ -1068,9 +1075,9 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
     }
-    if failed > 0 {
-        bail!("{failed} GPU check(s) failed");
+    if tally.failed > 0 {
+        bail!("{} of {} GPU checks failed", tally.failed, tally.total);
     }
-    println!("all {total} GPU checks passed");
+    println!("all {} GPU checks passed", tally.total);
     Ok(())
 }
