@@ -22,9 +22,19 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS) cross_entropy_fwd_bf16(
     for (int j = threadIdx.x; j < V; j += CE_THREADS) {
         online_max_sum(m, l, __bfloat162float(x[j]));
     }
-    block_max_sum<CE_THREADS>(m, l);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(FULL_MASK, m, o);
+        const float l2 = __shfl_xor_sync(FULL_MASK, l, o);
+        merge_max_sum(m, l, m2, l2);
+    }
+    __shared__ float2 partial[CE_THREADS / 32];
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = make_float2(m, l);
+    __syncthreads();
     if (threadIdx.x == 0) {
-        const float lse = m + __logf(l);
+        float mm = -INFINITY, ll = 0.f;
+        for (int w = 0; w < CE_THREADS / 32; ++w) merge_max_sum(mm, ll, partial[w].x, partial[w].y);
+        const float lse = mm + __logf(ll);
         const unsigned int target = targets[row];
         // A target outside the vocabulary is caught on the host before the launch.
         out[row] = lse - __bfloat162float(x[target]);

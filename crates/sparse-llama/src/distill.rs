@@ -8,7 +8,8 @@
 //! also keeps the student from drifting far from the checkpoint it started as.
 
 /// Mean over positions of `KL(p ‖ q)`, `p = softmax(teacher)`, `q = softmax(student)`,
-/// computed in f32 from logits of any dtype and leading shape (`[.., vocab]`), and
-/// differentiable in the student only: one op, which reads the `[tokens, vocab]` logits
-/// a few times instead of making some twenty-five f32 passes over them.
+/// from logits of any dtype and leading shape (`[.., vocab]`), and differentiable in the
+/// student only: on the CPU one op, which reads the `[tokens, vocab]` logits a few times
+/// instead of making some twenty-five f32 passes over them (on CUDA still the passes,
+/// until the op's kernel has been checked on the GPU).
 pub use twell::ops::kl_divergence;

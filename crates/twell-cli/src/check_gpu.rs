@@ -602,7 +602,7 @@ fn check_kl_divergence(dev: &Device, (n, v): (usize, usize), seed: u64) -> Resul
         let var = Var::from_tensor(&student.to_dtype(dtype)?)?;
         let t = teacher.to_dtype(dtype)?;
         let loss = if fused {
-            twell::ops::kl_divergence(var.as_tensor(), &t)?
+            twell::ops::kl_divergence_fused(var.as_tensor(), &t)?
         } else {
             twell::ops::kl_divergence_reference(var.as_tensor(), &t)?
         };

@@ -6,7 +6,9 @@
 //! multiply, sum) the loss and its backward make some twenty-five f32 passes over
 //! `[tokens, vocab]` tensors and keep several of them alive for the backward, in a step
 //! where the vocabulary is the widest axis (49,152 for SmolLM2). The op reads both
-//! logits twice forward and once backward, and keeps three floats per row.
+//! logits twice forward and once backward, and keeps three floats per row. Its CUDA
+//! kernel is built but has not run on a GPU yet, so [`kl_divergence`] takes the op on
+//! the CPU only; `twell check-gpu` runs the kernel through [`kl_divergence_fused`].
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
@@ -230,14 +232,21 @@ fn as_rows(student: &Tensor, teacher: &Tensor) -> Result<(Tensor, Tensor)> {
 
 /// Mean over positions of `KL(p ‖ q)`, `p = softmax(teacher)`, `q = softmax(student)`,
 /// from logits of any leading shape (`[.., vocab]`), as a scalar f32. Differentiable in
-/// `student` only: its gradient per position is `(q − p) / positions`. One op on the CPU
-/// (f32 math) and, for bf16 logits, on CUDA; CUDA in other dtypes takes
-/// [`kl_divergence_reference`]. The teacher is read in the student's dtype.
+/// `student` only: its gradient per position is `(q − p) / positions`. On the CPU the
+/// op ([`kl_divergence_fused`]); on CUDA [`kl_divergence_reference`], until `twell
+/// check-gpu` has run the op's CUDA kernel on the GPU (it is built, not yet checked).
 pub fn kl_divergence(student: &Tensor, teacher: &Tensor) -> Result<Tensor> {
-    let (student, teacher) = as_rows(student, teacher)?;
-    if student.device().is_cuda() && student.dtype() != DType::BF16 {
-        return kl_divergence_reference(&student, &teacher);
+    if student.device().is_cuda() {
+        return kl_divergence_reference(student, teacher);
     }
+    kl_divergence_fused(student, teacher)
+}
+
+/// [`kl_divergence`] as one op on any device: f64 sums on the CPU, the bf16 kernel of
+/// `kernels/kl_divergence.cu` on CUDA (other dtypes there are an error). The teacher is
+/// read in the student's dtype.
+pub fn kl_divergence_fused(student: &Tensor, teacher: &Tensor) -> Result<Tensor> {
+    let (student, teacher) = as_rows(student, teacher)?;
     let teacher = teacher.to_dtype(student.dtype())?.contiguous()?;
     let rows = student.contiguous()?.apply_op2(&teacher, KlDivergence)?;
     rows.get(0)?.mean_all()

@@ -53,7 +53,9 @@ pub use embedding::{embedding, Embedding};
 pub use gate_l0::{gate_l0, gate_l0_reference, GateL0};
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
-pub use kl_divergence::{kl_divergence, kl_divergence_reference, KlDivergence};
+pub use kl_divergence::{
+    kl_divergence, kl_divergence_fused, kl_divergence_reference, KlDivergence,
+};
 pub use rope::{rope, Rope, RopeTable};
 pub use twell_mlp::{
     gate_screen, twell_mlp, twell_mlp_screened, twell_mlp_with_backward_path, BackwardPath,
