@@ -7,23 +7,29 @@
 // both rows twice (online max and sum, then the weighted sum) and writes three floats
 // per row: the KL and both log-sum-exps; the backward reads both rows once more and
 // writes g · (q − p).
+//
+// The student is bf16; the teacher is bf16 or f32 (a teacher's logits kept in f32 are
+// read as they are, so the fused loss sees the same targets as the f32 reference).
 #include "twell_common.cuh"
 
 #define KL_THREADS 256
 
-extern "C" __global__ void __launch_bounds__(KL_THREADS) kl_divergence_fwd_bf16(
-    const __nv_bfloat16* __restrict__ student,  // [N, V]
-    const __nv_bfloat16* __restrict__ teacher,  // [N, V]
-    float* __restrict__ out,                    // [3, N]: KL, student lse, teacher lse
-    int N, int V) {
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+
+template <typename Teacher>
+__device__ __forceinline__ void kl_fwd(const __nv_bfloat16* __restrict__ student,  // [N, V]
+                                       const Teacher* __restrict__ teacher,         // [N, V]
+                                       float* __restrict__ out,  // [3, N]: KL, student lse, teacher lse
+                                       int N, int V) {
     const long long row = blockIdx.x;
     if (row >= N) return;
     const __nv_bfloat16* s = student + row * V;
-    const __nv_bfloat16* t = teacher + row * V;
+    const Teacher* t = teacher + row * V;
     float ms = -INFINITY, ls = 0.f, mt = -INFINITY, lt = 0.f;
     for (int j = threadIdx.x; j < V; j += KL_THREADS) {
         online_max_sum(ms, ls, __bfloat162float(s[j]));
-        online_max_sum(mt, lt, __bfloat162float(t[j]));
+        online_max_sum(mt, lt, to_float(t[j]));
     }
     block_max_sum<KL_THREADS>(ms, ls);
     block_max_sum<KL_THREADS>(mt, lt);
@@ -31,7 +37,7 @@ extern "C" __global__ void __launch_bounds__(KL_THREADS) kl_divergence_fwd_bf16(
     // Σ_j p_j (log p_j − log q_j); a p_j that underflows to 0 adds 0.
     float acc = 0.f;
     for (int j = threadIdx.x; j < V; j += KL_THREADS) {
-        const float log_p = __bfloat162float(t[j]) - lse_t;
+        const float log_p = to_float(t[j]) - lse_t;
         const float log_q = __bfloat162float(s[j]) - lse_s;
         acc += __expf(log_p) * (log_p - log_q);
     }
@@ -49,21 +55,41 @@ extern "C" __global__ void __launch_bounds__(KL_THREADS) kl_divergence_fwd_bf16(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(KL_THREADS) kl_divergence_bwd_bf16(
-    const __nv_bfloat16* __restrict__ student,  // [N, V]
-    const __nv_bfloat16* __restrict__ teacher,  // [N, V]
-    const float* __restrict__ aux,              // [3, N]: student lse, teacher lse, g
-    __nv_bfloat16* __restrict__ out,            // [N, V]: g · (q − p)
-    int N, int V) {
+template <typename Teacher>
+__device__ __forceinline__ void kl_bwd(const __nv_bfloat16* __restrict__ student,  // [N, V]
+                                       const Teacher* __restrict__ teacher,         // [N, V]
+                                       const float* __restrict__ aux,  // [3, N]: student lse, teacher lse, g
+                                       __nv_bfloat16* __restrict__ out,  // [N, V]: g · (q − p)
+                                       int N, int V) {
     const long long row = blockIdx.x;
     if (row >= N) return;
     const __nv_bfloat16* s = student + row * V;
-    const __nv_bfloat16* t = teacher + row * V;
+    const Teacher* t = teacher + row * V;
     __nv_bfloat16* o = out + row * V;
     const float lse_s = aux[row], lse_t = aux[N + row], g = aux[2LL * N + row];
     for (int j = threadIdx.x; j < V; j += KL_THREADS) {
         const float q = __expf(__bfloat162float(s[j]) - lse_s);
-        const float p = __expf(__bfloat162float(t[j]) - lse_t);
+        const float p = __expf(to_float(t[j]) - lse_t);
         o[j] = __float2bfloat16(g * (q - p));
     }
+}
+
+// Entry points: the suffix names the student's and the teacher's dtypes.
+extern "C" __global__ void __launch_bounds__(KL_THREADS)
+    kl_divergence_fwd_bf16(const __nv_bfloat16* student, const __nv_bfloat16* teacher, float* out, int N, int V) {
+    kl_fwd(student, teacher, out, N, V);
+}
+extern "C" __global__ void __launch_bounds__(KL_THREADS)
+    kl_divergence_fwd_bf16_f32(const __nv_bfloat16* student, const float* teacher, float* out, int N, int V) {
+    kl_fwd(student, teacher, out, N, V);
+}
+extern "C" __global__ void __launch_bounds__(KL_THREADS)
+    kl_divergence_bwd_bf16(const __nv_bfloat16* student, const __nv_bfloat16* teacher, const float* aux,
+                           __nv_bfloat16* out, int N, int V) {
+    kl_bwd(student, teacher, aux, out, N, V);
+}
+extern "C" __global__ void __launch_bounds__(KL_THREADS)
+    kl_divergence_bwd_bf16_f32(const __nv_bfloat16* student, const float* teacher, const float* aux,
+                               __nv_bfloat16* out, int N, int V) {
+    kl_bwd(student, teacher, aux, out, N, V);
 }

@@ -54,6 +54,9 @@ enum BenchCommand {
     /// A whole model: prefill, decode and training step, dense vs TwELL FFN, with peak
     /// memory and energy on GPUs.
     Model(bench::model::ModelBenchArgs),
+    /// The training losses over the vocabulary (cross-entropy, distillation KL),
+    /// forward + backward: candle ops vs the fused ops, with peak device memory.
+    Loss(bench::loss::LossBenchArgs),
 }
 
 fn main() -> Result<()> {
@@ -78,6 +81,13 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Mlp(args)) => {
             let report = bench::mlp::run(&args)?;
             bench::mlp::print(&report);
+        }
+        Command::Bench(BenchCommand::Loss(args)) => {
+            let report = bench::loss::run(&args)?;
+            bench::loss::print(&report);
+            if let Some(path) = &args.json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
         }
         Command::Bench(BenchCommand::MlpTrain(args)) => {
             let report = bench::mlp_train::run(&args)?;

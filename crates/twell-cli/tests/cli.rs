@@ -716,3 +716,55 @@ fn bad_model_bench_flags_are_rejected() {
     model(&["--heads", "4", "--decode-batch", "0"], "at least 1");
     model(&["--heads", "4", "--energy-secs=-1"], "--energy-secs");
 }
+
+#[test]
+fn tiny_loss_bench_runs_and_writes_json() {
+    let dir = std::env::temp_dir().join(format!("twell-cli-loss-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("loss.json");
+    let (ok, text) = twell(&[
+        "bench",
+        "loss",
+        "--tokens",
+        "1,17",
+        "--vocab",
+        "50",
+        "--dtype",
+        "f32",
+        "--reps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    let report = read_json(&json);
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    let losses: Vec<&str> = rows.iter().map(|r| r["loss"].as_str().unwrap()).collect();
+    assert_eq!(
+        losses,
+        [
+            "cross_entropy",
+            "kl_divergence",
+            "cross_entropy",
+            "kl_divergence"
+        ]
+    );
+    for row in rows {
+        assert!(row["candle_ms"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["fused_ms"].as_f64().unwrap() > 0.0, "{row}");
+        // No GPU here: no device memory to measure, and the row says so.
+        assert!(row["fused_peak_bytes"].is_null(), "{row}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bad_loss_bench_flags_are_rejected() {
+    fails_with(&["bench", "loss", "--tokens", "0"], "--tokens");
+    fails_with(&["bench", "loss", "--vocab", "1"], "--vocab");
+    fails_with(&["bench", "loss", "--reps", "0"], "--reps");
+    fails_with(&["bench", "loss", "--dtype", "f64"], "--dtype");
+}

@@ -6,9 +6,8 @@
 //! multiply, sum) the loss and its backward make some twenty-five f32 passes over
 //! `[tokens, vocab]` tensors and keep several of them alive for the backward, in a step
 //! where the vocabulary is the widest axis (49,152 for SmolLM2). The op reads both
-//! logits twice forward and once backward, and keeps three floats per row. Its CUDA
-//! kernel is built but has not run on a GPU yet, so [`kl_divergence`] takes the op on
-//! the CPU only; `twell check-gpu` runs the kernel through [`kl_divergence_fused`].
+//! logits twice forward and once backward, and keeps three floats per row. `twell
+//! check-gpu` checks its CUDA kernel against the reference.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
@@ -16,8 +15,8 @@ use rayon::prelude::*;
 use crate::cpu::float::{storage_from_f32, Rows};
 use crate::error::{err, TwellError};
 
-/// The op behind [`kl_divergence`]: inputs `(student [N, V], teacher [N, V])` of one
-/// dtype, output `[3, N]` f32: each row's KL (never below 0, where rounding would put
+/// The op behind [`kl_divergence`]: inputs `(student [N, V], teacher [N, V])`, the
+/// teacher in the student's dtype or in f32, output `[3, N]` f32: each row's KL (never below 0, where rounding would put
 /// it), then the student's and the teacher's log-sum-exps (kept for the backward). Only
 /// the student gets a gradient.
 pub struct KlDivergence;
@@ -232,22 +231,27 @@ fn as_rows(student: &Tensor, teacher: &Tensor) -> Result<(Tensor, Tensor)> {
 
 /// Mean over positions of `KL(p ‖ q)`, `p = softmax(teacher)`, `q = softmax(student)`,
 /// from logits of any leading shape (`[.., vocab]`), as a scalar f32. Differentiable in
-/// `student` only: its gradient per position is `(q − p) / positions`. On the CPU the
-/// op ([`kl_divergence_fused`]); on CUDA [`kl_divergence_reference`], until `twell
-/// check-gpu` has run the op's CUDA kernel on the GPU (it is built, not yet checked).
+/// `student` only: its gradient per position is `(q − p) / positions`. The op
+/// ([`kl_divergence_fused`]) wherever it has a kernel: the CPU, and CUDA for bf16
+/// student logits; [`kl_divergence_reference`] for other dtypes on CUDA.
 pub fn kl_divergence(student: &Tensor, teacher: &Tensor) -> Result<Tensor> {
-    if student.device().is_cuda() {
+    if student.device().is_cuda() && student.dtype() != DType::BF16 {
         return kl_divergence_reference(student, teacher);
     }
     kl_divergence_fused(student, teacher)
 }
 
-/// [`kl_divergence`] as one op on any device: f64 sums on the CPU, the bf16 kernel of
-/// `kernels/kl_divergence.cu` on CUDA (other dtypes there are an error). The teacher is
-/// read in the student's dtype.
+/// [`kl_divergence`] as one op on any device: f64 sums on the CPU, the kernels of
+/// `kernels/kl_divergence.cu` on CUDA (a bf16 student; other dtypes there are an
+/// error). An f32 teacher is read as it is (rounding a peaked teacher to bf16 moves its
+/// probabilities by a few percent); any other is read in the student's dtype.
 pub fn kl_divergence_fused(student: &Tensor, teacher: &Tensor) -> Result<Tensor> {
     let (student, teacher) = as_rows(student, teacher)?;
-    let teacher = teacher.to_dtype(student.dtype())?.contiguous()?;
+    let teacher = match teacher.dtype() {
+        DType::F32 => teacher,
+        _ => teacher.to_dtype(student.dtype())?,
+    }
+    .contiguous()?;
     let rows = student.contiguous()?.apply_op2(&teacher, KlDivergence)?;
     rows.get(0)?.mean_all()
 }
