@@ -98,10 +98,9 @@ fn convert_needs_an_output_and_a_model() {
 
 #[test]
 fn tiny_mlp_bench_runs_and_writes_json() {
-    let dir = std::env::temp_dir().join(format!("twell-cli-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("bench.json");
-    let svg = dir.join("bench.svg");
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let svg = dir.path().join("bench.svg");
     let (ok, text) = twell(&[
         "bench",
         "mlp",
@@ -125,15 +124,13 @@ fn tiny_mlp_bench_runs_and_writes_json() {
     assert_eq!(report["rows"].as_array().unwrap().len(), 2);
     assert!(report["rows"][0]["speedup"].as_f64().unwrap() > 0.0);
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
 fn tiny_mlp_train_bench_runs_and_writes_json() {
-    let dir = std::env::temp_dir().join(format!("twell-cli-train-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("train.json");
-    let svg = dir.join("train.svg");
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("train.json");
+    let svg = dir.path().join("train.svg");
     let (ok, text) = twell(&[
         "bench",
         "mlp-train",
@@ -167,7 +164,6 @@ fn tiny_mlp_train_bench_runs_and_writes_json() {
         // No GPU here: the backward ran on the host, and says so.
         assert_eq!(row["sparse_backward_on_device"], false);
     }
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -719,9 +715,8 @@ fn bad_model_bench_flags_are_rejected() {
 
 #[test]
 fn tiny_loss_bench_runs_and_writes_json() {
-    let dir = std::env::temp_dir().join(format!("twell-cli-loss-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("loss.json");
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("loss.json");
     let (ok, text) = twell(&[
         "bench",
         "loss",
@@ -758,7 +753,6 @@ fn tiny_loss_bench_runs_and_writes_json() {
         // No GPU here: no device memory to measure, and the row says so.
         assert!(row["fused_peak_bytes"].is_null(), "{row}");
     }
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

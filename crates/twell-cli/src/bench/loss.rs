@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use serde::Serialize;
 
 use super::memory::MemoryProbe;
-use super::timing::interleaved_medians;
+use super::timing::{interleaved_medians, Rounds};
 use crate::device::{parse_dtype, DeviceArg};
 
 #[derive(clap::Args, Debug)]
@@ -27,12 +27,8 @@ pub struct LossBenchArgs {
     pub dtype: String,
     #[command(flatten)]
     pub device: DeviceArg,
-    /// Untimed rounds before timing.
-    #[arg(long, default_value_t = 3)]
-    pub warmup: usize,
-    /// Timed rounds; the median is reported.
-    #[arg(long, default_value_t = 11)]
-    pub reps: usize,
+    #[command(flatten)]
+    pub rounds: Rounds,
     /// Write the rows as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -81,12 +77,7 @@ fn compare(
 ) -> Result<[f64; 2]> {
     let mut candle_run = |_: usize| step(candle, logits);
     let mut fused_run = |_: usize| step(fused, logits);
-    let t = interleaved_medians(
-        device,
-        args.warmup,
-        args.reps,
-        &mut [&mut candle_run, &mut fused_run],
-    )?;
+    let t = interleaved_medians(device, args.rounds, &mut [&mut candle_run, &mut fused_run])?;
     Ok([t[0], t[1]])
 }
 
@@ -100,9 +91,13 @@ fn peak(device: &Device, loss: &LossFn, logits: &Var) -> Result<Option<u64>> {
 pub fn run(args: &LossBenchArgs) -> Result<LossReport> {
     let device = args.device.device()?;
     let dtype = parse_dtype(&args.dtype)?;
-    if args.tokens.is_empty() || args.tokens.contains(&0) || args.vocab < 2 || args.reps == 0 {
-        bail!("--tokens must be >= 1 each, --vocab >= 2 and --reps >= 1");
+    if args.tokens.is_empty() || args.tokens.contains(&0) {
+        bail!("--tokens: token counts must be at least 1");
     }
+    if args.vocab < 2 {
+        bail!("--vocab {}: must be at least 2", args.vocab);
+    }
+    args.rounds.check()?;
     let mut rows = Vec::new();
     for &n in &args.tokens {
         // Random logits: the timings do not depend on their values (and the CPU's rng

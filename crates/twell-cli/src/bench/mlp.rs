@@ -12,7 +12,7 @@ use twell::density::{synthetic_input, synthetic_mlp, MlpWeights};
 use twell::{Activation, FfnMode, SparseMlp};
 
 use super::memory::MemoryProbe;
-use super::timing::{host_read_bandwidth, interleaved_medians};
+use super::timing::{host_read_bandwidth, interleaved_medians, Rounds};
 use crate::device::{parse_dtype, DeviceArg};
 
 #[derive(clap::Args, Debug)]
@@ -31,12 +31,8 @@ pub struct MlpBenchArgs {
     pub dtype: String,
     #[command(flatten)]
     pub device: DeviceArg,
-    /// Untimed rounds before timing.
-    #[arg(long, default_value_t = 3)]
-    pub warmup: usize,
-    /// Timed rounds; the median is reported.
-    #[arg(long, default_value_t = 11)]
-    pub reps: usize,
+    #[command(flatten)]
+    pub rounds: Rounds,
     /// Run the sparse variants without the int8 gate screen (CPU, few tokens), to
     /// measure what the screen itself gains.
     #[arg(long)]
@@ -113,13 +109,12 @@ pub fn parse_shape(s: &str) -> Result<(usize, usize)> {
     Ok((hidden, ffn))
 }
 
-/// The `--shape`, `--density`, `--tokens` and `--reps` of a layer sweep, checked;
-/// returns the shapes as `(hidden, d_ff)`.
+/// The `--shape`, `--density` and `--tokens` of a layer sweep, checked; returns the
+/// shapes as `(hidden, d_ff)`.
 pub fn check_sweep(
     shapes: &[String],
     densities: &[f64],
     tokens: &[usize],
-    reps: usize,
 ) -> Result<Vec<(usize, usize)>> {
     let shapes = shapes
         .iter()
@@ -132,9 +127,6 @@ pub fn check_sweep(
     }
     if tokens.contains(&0) {
         bail!("--tokens: token counts must be at least 1");
-    }
-    if reps == 0 {
-        bail!("--reps must be at least 1");
     }
     Ok(shapes)
 }
@@ -175,7 +167,8 @@ impl DenseMlp {
 pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
     let device = args.device.device()?;
     let dtype = parse_dtype(&args.dtype)?;
-    let shapes = check_sweep(&args.shape, &args.density, &args.tokens, args.reps)?;
+    let shapes = check_sweep(&args.shape, &args.density, &args.tokens)?;
+    args.rounds.check()?;
     if args.weight_sets == 0 {
         bail!("--weight-sets must be at least 1");
     }
@@ -247,8 +240,7 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                 take_stages();
                 let t = interleaved_medians(
                     &device,
-                    args.warmup,
-                    args.reps,
+                    args.rounds,
                     &mut [&mut dense_run, &mut sparse_run, &mut auto_run],
                 )?;
                 let stages_ms = take_stages();

@@ -13,7 +13,7 @@ use twell::{Activation, FfnMode, SparseMlp};
 
 use super::memory::MemoryProbe;
 use super::mlp::{check_sweep, probe};
-use super::timing::interleaved_medians;
+use super::timing::{interleaved_medians, Rounds};
 use crate::device::{parse_dtype, DeviceArg};
 
 #[derive(clap::Args, Debug)]
@@ -36,12 +36,8 @@ pub struct MlpTrainBenchArgs {
     /// the dense variant trains without one, as a plain fine-tune would).
     #[arg(long, default_value_t = 1e-3)]
     pub l1: f64,
-    /// Untimed rounds before timing.
-    #[arg(long, default_value_t = 3)]
-    pub warmup: usize,
-    /// Timed rounds; the median is reported.
-    #[arg(long, default_value_t = 11)]
-    pub reps: usize,
+    #[command(flatten)]
+    pub rounds: Rounds,
     /// Write the rows as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -131,7 +127,8 @@ fn step(mlp: &SparseMlp, x: &Var, l1: Option<f64>) -> candle_core::Result<()> {
 pub fn run(args: &MlpTrainBenchArgs) -> Result<MlpTrainReport> {
     let device = args.device.device()?;
     let dtype = parse_dtype(&args.dtype)?;
-    let shapes = check_sweep(&args.shape, &args.density, &args.tokens, args.reps)?;
+    let shapes = check_sweep(&args.shape, &args.density, &args.tokens)?;
+    args.rounds.check()?;
     if !(args.l1 >= 0.0 && args.l1.is_finite()) {
         bail!("--l1 {}: must be a finite number >= 0", args.l1);
     }
@@ -166,8 +163,7 @@ pub fn run(args: &MlpTrainBenchArgs) -> Result<MlpTrainReport> {
                     |round: usize| step(&layers[(round + 1) % 2].sparse, &x, lambda);
                 let t = interleaved_medians(
                     &device,
-                    args.warmup,
-                    args.reps,
+                    args.rounds,
                     &mut [&mut dense_run, &mut sparse_run],
                 )?;
                 let memory = MemoryProbe::start(&device)?;

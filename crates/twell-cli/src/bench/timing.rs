@@ -4,6 +4,27 @@ use std::time::Instant;
 
 use candle_core::{Device, Result};
 
+/// `--warmup` and `--reps` of the benchmarks that time variants side by side.
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct Rounds {
+    /// Untimed rounds before timing.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Timed rounds; the median is reported.
+    #[arg(long, default_value_t = 11)]
+    pub reps: usize,
+}
+
+impl Rounds {
+    /// A median needs at least one timed round.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.reps == 0 {
+            anyhow::bail!("--reps must be at least 1");
+        }
+        Ok(())
+    }
+}
+
 /// Waits for queued device work, so a host clock brackets it exactly.
 pub fn sync(device: &Device) -> Result<()> {
     device.synchronize()
@@ -13,8 +34,7 @@ pub fn sync(device: &Device) -> Result<()> {
 /// `warmup` untimed rounds; returns each variant's median in seconds.
 pub fn interleaved_medians(
     device: &Device,
-    warmup: usize,
-    reps: usize,
+    Rounds { warmup, reps }: Rounds,
     variants: &mut [&mut dyn FnMut(usize) -> Result<()>],
 ) -> Result<Vec<f64>> {
     for round in 0..warmup {
