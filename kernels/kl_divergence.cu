@@ -4,18 +4,88 @@
 // As candle ops (two log-softmaxes, exp, subtract, multiply, sum) the loss and its
 // backward make some twenty-five f32 passes over [tokens, vocab] tensors (0.8 GB each at
 // 4,096 × 49,152) and keep several of them for the backward. Here the forward reads
-// both rows twice (online max and sum, then the weighted sum) and writes three floats
-// per row: the KL and both log-sum-exps; the backward reads both rows once more and
-// writes g · (q − p).
+// both rows once and writes three floats per row: the KL and both log-sum-exps; the
+// backward reads both rows once more and writes g · (q − p).
+//
+// One forward pass: with t the teacher's and s the student's logits,
+//   KL = Σ_j p_j (t_j − s_j) − lse_t + lse_s      (as Σ_j p_j = 1),
+// and Σ_j p_j (t_j − s_j) = Σ_j e^(t_j − m) (t_j − s_j) / Σ_j e^(t_j − m) is an online sum
+// like the softmax's own: rescaled whenever the running maximum m moves.
 //
 // The student is bf16; the teacher is bf16 or f32 (a teacher's logits kept in f32 are
-// read as they are, so the fused loss sees the same targets as the f32 reference).
+// read as they are, so the fused loss sees the same targets as the f32 reference). Rows
+// are read 8 elements per access where V is a multiple of 8 and both inputs are
+// 32-byte aligned, one element per access otherwise.
 #include "twell_common.cuh"
 
 #define KL_THREADS 256
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(float v) { return v; }
+
+__device__ __forceinline__ void load8_any(const __nv_bfloat16* p, float* out) { load8(p, out); }
+__device__ __forceinline__ void load8_any(const float* p, float* out) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+    out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+}
+
+// Whether a row of V elements can be read 8 at a time from both inputs (every row then
+// starts 16-byte aligned too).
+template <typename Teacher>
+__device__ __forceinline__ bool vector_rows(const __nv_bfloat16* student, const Teacher* teacher, int V) {
+    return V % 8 == 0 && (reinterpret_cast<uintptr_t>(student) | reinterpret_cast<uintptr_t>(teacher)) % 32 == 0;
+}
+
+// One thread's running sums over its share of a row: the student's online max and sum
+// (ms, ls), the teacher's (mt, lt), and a = Σ e^(t − mt) (t − s).
+// (A plain struct, so that it can sit in shared memory: start from kl_empty().)
+struct KlState {
+    float ms, ls, mt, lt, a;
+
+    __device__ __forceinline__ void add(float t, float s) {
+        online_max_sum(ms, ls, s);
+        if (t > mt) {
+            // From mt = -inf: lt and a are 0, so the rescale is 0 · 0.
+            const float c = __expf(mt - t);
+            lt = lt * c + 1.f;
+            a = a * c + (t - s);
+            mt = t;
+        } else {
+            const float e = __expf(t - mt);
+            lt += e;
+            // A p that underflows to 0 adds 0 (never 0 · inf).
+            if (e > 0.f) a += e * (t - s);
+        }
+    }
+
+    __device__ __forceinline__ void merge(const KlState& o) {
+        merge_max_sum(ms, ls, o.ms, o.ls);
+        if (o.mt == -INFINITY) return;
+        if (mt == -INFINITY) {
+            mt = o.mt, lt = o.lt, a = o.a;
+            return;
+        }
+        const float mx = fmaxf(mt, o.mt);
+        const float c = __expf(mt - mx), co = __expf(o.mt - mx);
+        lt = lt * c + o.lt * co;
+        a = a * c + o.a * co;
+        mt = mx;
+    }
+
+    __device__ __forceinline__ KlState shfl_xor(int o) const {
+        KlState r;  // every field set below
+        r.ms = __shfl_xor_sync(FULL_MASK, ms, o);
+        r.ls = __shfl_xor_sync(FULL_MASK, ls, o);
+        r.mt = __shfl_xor_sync(FULL_MASK, mt, o);
+        r.lt = __shfl_xor_sync(FULL_MASK, lt, o);
+        r.a = __shfl_xor_sync(FULL_MASK, a, o);
+        return r;
+    }
+};
+
+__device__ __forceinline__ KlState kl_empty() { return KlState{-INFINITY, 0.f, -INFINITY, 0.f, 0.f}; }
 
 template <typename Teacher>
 __device__ __forceinline__ void kl_fwd(const __nv_bfloat16* __restrict__ student,  // [N, V]
@@ -26,30 +96,29 @@ __device__ __forceinline__ void kl_fwd(const __nv_bfloat16* __restrict__ student
     if (row >= N) return;
     const __nv_bfloat16* s = student + row * V;
     const Teacher* t = teacher + row * V;
-    float ms = -INFINITY, ls = 0.f, mt = -INFINITY, lt = 0.f;
-    for (int j = threadIdx.x; j < V; j += KL_THREADS) {
-        online_max_sum(ms, ls, __bfloat162float(s[j]));
-        online_max_sum(mt, lt, to_float(t[j]));
+    KlState st = kl_empty();
+    if (vector_rows(student, teacher, V)) {
+        for (int j = 8 * threadIdx.x; j < V; j += 8 * KL_THREADS) {
+            float sv[8], tv[8];
+            load8(s + j, sv);
+            load8_any(t + j, tv);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) st.add(tv[k], sv[k]);
+        }
+    } else {
+        for (int j = threadIdx.x; j < V; j += KL_THREADS) st.add(to_float(t[j]), to_float(s[j]));
     }
-    block_max_sum<KL_THREADS>(ms, ls);
-    block_max_sum<KL_THREADS>(mt, lt);
-    const float lse_s = ms + __logf(ls), lse_t = mt + __logf(lt);
-    // Σ_j p_j (log p_j − log q_j); a p_j that underflows to 0 adds 0.
-    float acc = 0.f;
-    for (int j = threadIdx.x; j < V; j += KL_THREADS) {
-        const float log_p = to_float(t[j]) - lse_t;
-        const float log_q = __bfloat162float(s[j]) - lse_s;
-        acc += __expf(log_p) * (log_p - log_q);
-    }
-    acc = warp_sum(acc);
-    __shared__ float partial[KL_THREADS / 32];
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) st.merge(st.shfl_xor(o));
+    __shared__ KlState partial[KL_THREADS / 32];
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = st;
     __syncthreads();
     if (threadIdx.x == 0) {
-        float sum = 0.f;
-        for (int w = 0; w < KL_THREADS / 32; ++w) sum += partial[w];
-        // KL ≥ 0; near a student that matches its teacher the f32 sum can round below.
-        out[row] = fmaxf(sum, 0.f);
+        KlState all = kl_empty();
+        for (int w = 0; w < KL_THREADS / 32; ++w) all.merge(partial[w]);
+        const float lse_s = all.ms + __logf(all.ls), lse_t = all.mt + __logf(all.lt);
+        // KL ≥ 0; near a student that matches its teacher the f32 sums can round below.
+        out[row] = fmaxf(all.a / all.lt - lse_t + lse_s, 0.f);
         out[N + row] = lse_s;
         out[2LL * N + row] = lse_t;
     }
@@ -67,10 +136,21 @@ __device__ __forceinline__ void kl_bwd(const __nv_bfloat16* __restrict__ student
     const Teacher* t = teacher + row * V;
     __nv_bfloat16* o = out + row * V;
     const float lse_s = aux[row], lse_t = aux[N + row], g = aux[2LL * N + row];
-    for (int j = threadIdx.x; j < V; j += KL_THREADS) {
-        const float q = __expf(__bfloat162float(s[j]) - lse_s);
-        const float p = __expf(to_float(t[j]) - lse_t);
-        o[j] = __float2bfloat16(g * (q - p));
+    if (vector_rows(student, teacher, V) && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+        for (int j = 8 * threadIdx.x; j < V; j += 8 * KL_THREADS) {
+            float sv[8], tv[8];
+            load8(s + j, sv);
+            load8_any(t + j, tv);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) sv[k] = g * (__expf(sv[k] - lse_s) - __expf(tv[k] - lse_t));
+            store8(o + j, sv);
+        }
+    } else {
+        for (int j = threadIdx.x; j < V; j += KL_THREADS) {
+            const float q = __expf(to_float(s[j]) - lse_s);
+            const float p = __expf(to_float(t[j]) - lse_t);
+            o[j] = __float2bfloat16(g * (q - p));
+        }
     }
 }
 

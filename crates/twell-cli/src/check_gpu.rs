@@ -1002,7 +1002,8 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
     let cross_entropy = run_loss_checks("cross_entropy", &loss_cases, 990, &mut tally, |d, s| {
         check_cross_entropy(&dev, d, s)
     })?;
-    let kl_cases = [(1, 49152), (333, 1000), (4096, 49152)];
+    // V = 1001 reads one element at a time; the others 8 at a time.
+    let kl_cases = [(1, 49152), (333, 1000), (7, 1001), (4096, 49152)];
     let kl_checks = |teacher: DType, seed: u64, tally: &mut Tally| {
         let name = format!("kl_divergence ({teacher:?} teacher)");
         run_loss_checks(&name, &kl_cases, seed, tally, |d, s| {

@@ -6,7 +6,7 @@
 //! multiply, sum) the loss and its backward make some twenty-five f32 passes over
 //! `[tokens, vocab]` tensors and keep several of them alive for the backward, in a step
 //! where the vocabulary is the widest axis (49,152 for SmolLM2). The op reads both
-//! logits twice forward and once backward, and keeps three floats per row. `twell
+//! logits once forward and once backward, and keeps three floats per row. `twell
 //! check-gpu` checks its CUDA kernel against the reference.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
