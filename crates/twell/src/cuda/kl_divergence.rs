@@ -76,8 +76,9 @@ fn run_rows<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
-/// `student` logits `[n, v]` bf16 and `teacher` logits bf16 or f32: returns `[3, n]` f32, each row's
-/// `KL(teacher ‖ student)`, then the student's and the teacher's log-sum-exps.
+/// `student` logits `[n, v]` bf16 and `teacher` logits bf16 or f32: returns `[3, n]`
+/// f32, each row's `KL(teacher ‖ student)`, then the student's and the teacher's
+/// log-sum-exps.
 pub fn kl_divergence(student: Input, teacher: Input, dims: (usize, usize)) -> Result<CudaStorage> {
     run_rows::<f32>(
         "kl_divergence_fwd_bf16",
