@@ -518,10 +518,7 @@ fn check_embedding(
 ) -> Result<f64> {
     dev.set_seed(seed)?;
     let w = Tensor::randn(0f32, 1.0, (vocab, d), dev)?;
-    let ids = (Tensor::rand(0f32, vocab as f32, tokens, dev)?
-        .floor()?
-        .to_dtype(DType::U32)?
-        .clamp(0u32, vocab as u32 - 1))?;
+    let ids = uniform_ids(tokens, vocab, dev)?;
     let probe = Tensor::randn(0f32, 1.0, (tokens, d), dev)?;
     let grad = |device: &Device, dtype: DType| -> Result<Tensor> {
         let var = Var::from_tensor(&w.to_device(device)?.to_dtype(dtype)?)?;
@@ -570,15 +567,20 @@ fn compare_losses(dims: (usize, usize), run: &LossRun) -> Result<LossResult> {
     })
 }
 
+/// `n` ids drawn uniformly from `0..classes` with the device's seeded rng, as u32.
+fn uniform_ids(n: usize, classes: usize, dev: &Device) -> Result<Tensor> {
+    Ok(Tensor::rand(0f32, classes as f32, n, dev)?
+        .floor()?
+        .clamp(0f32, (classes - 1) as f32)?
+        .to_dtype(DType::U32)?)
+}
+
 /// The fused cross-entropy (bf16 logits) and its backward against candle's
 /// `loss::cross_entropy` on f32 logits, on the GPU.
 fn check_cross_entropy(dev: &Device, (n, v): (usize, usize), seed: u64) -> Result<LossResult> {
     dev.set_seed(seed)?;
     let logits = (Tensor::randn(0f32, 1.0, (n, v), dev)? * 3.0)?;
-    let targets = Tensor::rand(0f32, v as f32, n, dev)?
-        .floor()?
-        .clamp(0f32, (v - 1) as f32)?
-        .to_dtype(DType::U32)?;
+    let targets = uniform_ids(n, v, dev)?;
     compare_losses((n, v), &|fused| {
         let var =
             Var::from_tensor(&logits.to_dtype(if fused { DType::BF16 } else { DType::F32 })?)?;

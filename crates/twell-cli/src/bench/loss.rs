@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use serde::Serialize;
 
 use super::memory::MemoryProbe;
+use super::random_tokens;
 use super::timing::{interleaved_medians, Rounds};
 use crate::device::{parse_dtype, DeviceArg};
 
@@ -106,10 +107,7 @@ pub fn run(args: &LossBenchArgs) -> Result<LossReport> {
             &(Tensor::randn(0f32, 1.0, (n, args.vocab), &device)? * 3.0)?.to_dtype(dtype)?,
         )?;
         let teacher = (Tensor::randn(0f32, 1.0, (n, args.vocab), &device)? * 4.0)?;
-        let targets = Tensor::rand(0f32, args.vocab as f32, n, &device)?
-            .floor()?
-            .clamp(0f32, (args.vocab - 1) as f32)?
-            .to_dtype(DType::U32)?;
+        let targets = random_tokens(1, n, args.vocab, &device)?.flatten_all()?;
         let ce_candle =
             |s: &Tensor| candle_nn::loss::cross_entropy(&s.to_dtype(DType::F32)?, &targets);
         let ce_fused = |s: &Tensor| twell::ops::cross_entropy(s, &targets);

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -17,6 +17,7 @@ use twell::FfnMode;
 
 use super::energy::EnergyMeter;
 use super::memory::MemoryProbe;
+use super::random_tokens;
 use super::timing::median;
 use crate::model_args::ModelArgs;
 
@@ -116,13 +117,6 @@ fn parse_bxt(s: &str) -> Result<(usize, usize)> {
         bail!("'{s}': need batch >= 1 and sequence >= 2");
     }
     Ok((b, t))
-}
-
-fn random_tokens(b: usize, t: usize, vocab: usize, device: &Device) -> Result<Tensor> {
-    let ids: Vec<u32> = (0..b * t)
-        .map(|i| ((i as u64 * 2654435761) % vocab as u64) as u32)
-        .collect();
-    Ok(Tensor::from_vec(ids, (b, t), device)?)
 }
 
 pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
