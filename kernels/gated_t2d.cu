@@ -12,6 +12,10 @@
 // (up) or one tile of one chunk (down), the partial sums meeting in f32 atomics.
 #include "twell_common.cuh"
 
+// Warps per block of the row kernels (256 threads: `BLOCK_THREADS` on the host); a split
+// row's parts must share a block, so the split divides it.
+#define ROW_BLOCK_WARPS 8
+
 extern "C" __global__ void gated_t2d_up_bf16(
     const __nv_bfloat16* __restrict__ x,      // [M, d]
     const __nv_bfloat16* __restrict__ w_ud,   // [f, 2d]
@@ -165,92 +169,118 @@ extern "C" __global__ void gated_t2d_finish_bf16(const float* __restrict__ acc, 
     }
 }
 
-// Prefill path, up: one warp per token row. The row of x stays in registers (MAXV
-// 16-byte vectors per lane, packed bf16); `walk_row` reads each tile's slot list with
-// one coalesced load, and the block's h go back with one coalesced store. The token's
-// L1 term is stored, not added.
-template <int MAXV>
+// Prefill path, up: a token row per warp, or per SPLIT consecutive warps of a block,
+// each taking a contiguous share of the row's tiles (`RowPart`): at a few thousand tokens
+// one warp per row leaves the card short of loads in flight, and the kernel's time is
+// that of its longest row. The row of x stays in registers (MAXV 16-byte vectors per
+// lane, packed bf16); `walk_tiles` reads each tile's slot list with one coalesced load,
+// and each list's h go back with one coalesced store. The token's L1 term is stored, not
+// added (the parts of a split row meet in shared memory first).
+template <int MAXV, int SPLIT>
 __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,
                        const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
                        __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate,
                        float* __restrict__ l1_out, __nv_bfloat16* __restrict__ u_out, int M, int d, int f,
                        int tile, int cap, int n_tiles) {
-    const long long row = global_warp();
+    const RowPart rp(SPLIT, n_tiles);
+    const long long row = rp.row;
     const int lane = threadIdx.x & 31;
-    if (row >= M) return;
-    uint4 xr[MAXV];
-    row_to_registers<MAXV>(x + row * d, d, xr);
-    const long long two_d = 2LL * d;
-    auto dot = [&](int j) { return registers_dot<MAXV>(xr, w_ud + j * two_d, d); };
+    // A whole row per warp has no partner to wait for.
+    if (SPLIT == 1 && row >= M) return;
     float l1 = 0.f;
-    walk_row(
-        counts, indices, values, row, tile, cap, n_tiles, f,
-        [&](int j, float g, long long slot, int n) {
-            __nv_bfloat16 mine = __float2bfloat16(0.f), mine_u = mine;
-            // One neuron at a time: interleaving two (twice the loads in flight)
-            // measured slower, the extra registers costing more than they hid.
-            for (int q = 0; q < n; ++q) {
-                const float u = dot(__shfl_sync(FULL_MASK, j, q));
-                const __nv_bfloat16 h = __float2bfloat16(__shfl_sync(FULL_MASK, g, q) * u);
-                l1 += fabsf(__bfloat162float(h));
-                if (lane == q) {
-                    mine = h;
-                    mine_u = __float2bfloat16(u);
-                }
-            }
-            if (slot >= 0) {
-                values[slot] = mine;
-                if (u_out) u_out[slot] = mine_u;
-            }
-        },
-        [&](int c0, int width) {
-            __nv_bfloat16* src = gate + row * f + c0;
-            for (int k = 0; k < width; k += 32) {
-                const int col = k + lane;
-                const float g = col < width ? __bfloat162float(src[col]) : 0.f;
-                uint32_t mask = __ballot_sync(FULL_MASK, g > 0.f);
-                __nv_bfloat16 mine = __float2bfloat16(0.f);  // non-positive gates become 0
-                while (mask) {
-                    const int q = __ffs(mask) - 1;
-                    mask &= mask - 1;
-                    const float u = dot(c0 + k + q);
+    if (row < M) {
+        uint4 xr[MAXV];
+        row_to_registers<MAXV>(x + row * d, d, xr);
+        const long long two_d = 2LL * d;
+        auto dot = [&](int j) { return registers_dot<MAXV>(xr, w_ud + j * two_d, d); };
+        walk_tiles(
+            counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f,
+            [&](int j, float g, long long slot, int n) {
+                __nv_bfloat16 mine = __float2bfloat16(0.f), mine_u = mine;
+                // One neuron at a time: interleaving two (twice the loads in flight)
+                // measured slower, the extra registers costing more than they hid.
+                for (int q = 0; q < n; ++q) {
+                    const float u = dot(__shfl_sync(FULL_MASK, j, q));
                     const __nv_bfloat16 h = __float2bfloat16(__shfl_sync(FULL_MASK, g, q) * u);
                     l1 += fabsf(__bfloat162float(h));
-                    if (lane == q) mine = h;
+                    if (lane == q) {
+                        mine = h;
+                        mine_u = __float2bfloat16(u);
+                    }
                 }
-                if (col < width) src[col] = mine;
-            }
-        });
-    if (lane == 0) l1_out[row] = l1;
+                if (slot >= 0) {
+                    values[slot] = mine;
+                    if (u_out) u_out[slot] = mine_u;
+                }
+            },
+            [&](int c0, int width) {
+                __nv_bfloat16* src = gate + row * f + c0;
+                for (int k = 0; k < width; k += 32) {
+                    const int col = k + lane;
+                    const float g = col < width ? __bfloat162float(src[col]) : 0.f;
+                    uint32_t mask = __ballot_sync(FULL_MASK, g > 0.f);
+                    __nv_bfloat16 mine = __float2bfloat16(0.f);  // non-positive gates become 0
+                    while (mask) {
+                        const int q = __ffs(mask) - 1;
+                        mask &= mask - 1;
+                        const float u = dot(c0 + k + q);
+                        const __nv_bfloat16 h = __float2bfloat16(__shfl_sync(FULL_MASK, g, q) * u);
+                        l1 += fabsf(__bfloat162float(h));
+                        if (lane == q) mine = h;
+                    }
+                    if (col < width) src[col] = mine;
+                }
+            });
+    }
+    if (SPLIT == 1) {
+        if (lane == 0) l1_out[row] = l1;
+        return;
+    }
+    // The row's parts are warps wib .. wib + SPLIT - 1 of this block: part 0 sums them
+    // in order, so the term does not depend on which part finished first.
+    __shared__ float parts[ROW_BLOCK_WARPS];
+    const int wib = threadIdx.x >> 5;
+    if (lane == 0) parts[wib] = l1;
+    __syncthreads();
+    if (rp.part == 0 && row < M && lane == 0) {
+        float sum = 0.f;
+        for (int k = 0; k < SPLIT; ++k) sum += parts[wib + k];
+        l1_out[row] = sum;
+    }
 }
 
-#define UP_ROW_KERNEL(MAXV)                                                                         \
-    extern "C" __global__ void __launch_bounds__(256) gated_t2d_up_rows_bf16_v##MAXV(                \
+// One entry point per row width and split (`gated_t2d_up_rows_bf16_v{MAXV}_s{SPLIT}`): the
+// split is a constant, so the one-warp-per-row kernels carry none of the split's code.
+#define UP_ROW_KERNEL(MAXV, SPLIT)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) gated_t2d_up_rows_bf16_v##MAXV##_s##SPLIT(     \
         const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                \
         const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,                   \
         __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate, float* __restrict__ l1, \
         __nv_bfloat16* __restrict__ u_out, int M, int d, int f, int tile, int cap, int n_tiles) {   \
-        up_row<MAXV>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, cap, n_tiles); \
+        up_row<MAXV, SPLIT>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, cap, n_tiles); \
     }
-UP_ROW_KERNEL(1)
-UP_ROW_KERNEL(2)
-UP_ROW_KERNEL(4)
-UP_ROW_KERNEL(8)
-UP_ROW_KERNEL(16)
+#define UP_ROW_KERNELS(MAXV) UP_ROW_KERNEL(MAXV, 1) UP_ROW_KERNEL(MAXV, 4)
+UP_ROW_KERNELS(1)
+UP_ROW_KERNELS(2)
+UP_ROW_KERNELS(4)
+UP_ROW_KERNELS(8)
+UP_ROW_KERNELS(16)
 
-// Prefill path, down: one warp per token row, the output row in registers (MAXV
-// 16-byte vectors per lane). `walk_row` reads each tile's (j, h) list with one
+// Prefill path, down: a token row per warp, or per SPLIT consecutive warps of a block
+// (`RowPart`, as in up), the output row (or this part's share of it) in registers (MAXV
+// 16-byte vectors per lane). `walk_tiles` reads each tile's (j, h) list with one
 // coalesced load and broadcasts it; every neuron then costs MAXV independent 16-byte
-// loads per lane (its whole Wd row), with no reduction between them. Stores the bf16
-// row and the token's L1 term.
-template <int MAXV>
+// loads per lane (its whole Wd row), with no reduction between them. The parts of a
+// split row meet in dynamic shared memory (parts 1.. leave their f32 sums there, part 0
+// adds them in order: deterministic). Stores the bf16 row and the token's L1 term.
+template <int MAXV, int SPLIT>
 __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,
                          const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,
                          const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,
                          __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles) {
-    const long long row = global_warp();
+    const RowPart rp(SPLIT, n_tiles);
+    const long long row = rp.row;
     const int lane = threadIdx.x & 31;
-    if (row >= M) return;
     const long long two_d = 2LL * d;
     float acc[MAXV][VEC];
 #pragma unroll
@@ -265,24 +295,60 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
             if (e < d) axpy8(h, wd + e, acc[i]);
         }
     };
-    walk_row(
-        counts, indices, values, row, tile, cap, n_tiles, f,
-        [&](int j, float h, long long, int n) {
-            for (int q = 0; q < n; ++q) add(__shfl_sync(FULL_MASK, j, q), __shfl_sync(FULL_MASK, h, q));
-        },
-        [&](int c0, int width) {
-            const __nv_bfloat16* src = gate + row * f + c0;
-            for (int k = 0; k < width; k += 32) {
-                const int col = k + lane;
-                const float hv = col < width ? __bfloat162float(src[col]) : 0.f;
-                uint32_t mask = __ballot_sync(FULL_MASK, hv != 0.f);
-                while (mask) {
-                    const int q = __ffs(mask) - 1;
-                    mask &= mask - 1;
-                    add(c0 + k + q, __shfl_sync(FULL_MASK, hv, q));
+    if (row < M) {
+        walk_tiles(
+            counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f,
+            [&](int j, float h, long long, int n) {
+                for (int q = 0; q < n; ++q) add(__shfl_sync(FULL_MASK, j, q), __shfl_sync(FULL_MASK, h, q));
+            },
+            [&](int c0, int width) {
+                const __nv_bfloat16* src = gate + row * f + c0;
+                for (int k = 0; k < width; k += 32) {
+                    const int col = k + lane;
+                    const float hv = col < width ? __bfloat162float(src[col]) : 0.f;
+                    uint32_t mask = __ballot_sync(FULL_MASK, hv != 0.f);
+                    while (mask) {
+                        const int q = __ffs(mask) - 1;
+                        mask &= mask - 1;
+                        add(c0 + k + q, __shfl_sync(FULL_MASK, hv, q));
+                    }
+                }
+            });
+    }
+    if (SPLIT > 1) {
+        // Slot of part p >= 1 of the block's r-th row: r * (SPLIT - 1) + p - 1, d floats each.
+        extern __shared__ float row_parts[];
+        const int r = (threadIdx.x >> 5) / SPLIT;
+        auto slot = [&](int p) { return row_parts + static_cast<long long>(r * (SPLIT - 1) + p - 1) * d; };
+        if (rp.part > 0) {
+            float* mine = slot(rp.part);
+#pragma unroll
+            for (int i = 0; i < MAXV; ++i) {
+                const int e = (lane + 32 * i) * VEC;
+                if (e < d) {
+                    float4* m4 = reinterpret_cast<float4*>(mine + e);
+                    m4[0] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+                    m4[1] = make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
                 }
             }
-        });
+        }
+        __syncthreads();
+        if (rp.part > 0) return;
+        for (int p = 1; p < SPLIT; ++p) {
+            const float* theirs = slot(p);
+#pragma unroll
+            for (int i = 0; i < MAXV; ++i) {
+                const int e = (lane + 32 * i) * VEC;
+                if (e < d) {
+                    const float4* t4 = reinterpret_cast<const float4*>(theirs + e);
+                    const float4 lo = t4[0], hi = t4[1];
+                    acc[i][0] += lo.x, acc[i][1] += lo.y, acc[i][2] += lo.z, acc[i][3] += lo.w;
+                    acc[i][4] += hi.x, acc[i][5] += hi.y, acc[i][6] += hi.z, acc[i][7] += hi.w;
+                }
+            }
+        }
+    }
+    if (row >= M) return;
 #pragma unroll
     for (int i = 0; i < MAXV; ++i) {
         const int e = (lane + 32 * i) * VEC;
@@ -291,16 +357,17 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
     if (lane == 0) out[l1_at(M, d, row)] = __float2bfloat16(l1[row]);
 }
 
-#define DOWN_ROW_KERNEL(MAXV)                                                                        \
-    extern "C" __global__ void __launch_bounds__(256) gated_t2d_down_rows_bf16_v##MAXV(               \
+#define DOWN_ROW_KERNEL(MAXV, SPLIT)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gated_t2d_down_rows_bf16_v##MAXV##_s##SPLIT(    \
         const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,                 \
         const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,               \
         const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,                        \
         __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles) {      \
-        down_row<MAXV>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap, n_tiles);   \
+        down_row<MAXV, SPLIT>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap, n_tiles); \
     }
-DOWN_ROW_KERNEL(1)
-DOWN_ROW_KERNEL(2)
-DOWN_ROW_KERNEL(4)
-DOWN_ROW_KERNEL(8)
-DOWN_ROW_KERNEL(16)
+#define DOWN_ROW_KERNELS(MAXV) DOWN_ROW_KERNEL(MAXV, 1) DOWN_ROW_KERNEL(MAXV, 4)
+DOWN_ROW_KERNELS(1)
+DOWN_ROW_KERNELS(2)
+DOWN_ROW_KERNELS(4)
+DOWN_ROW_KERNELS(8)
+DOWN_ROW_KERNELS(16)

@@ -124,6 +124,11 @@ __device__ __forceinline__ void kl_fwd(const __nv_bfloat16* __restrict__ student
     }
 }
 
+// d KL / d s_j = g · (q_j − p_j): the student's and the teacher's softmax at one logit.
+__device__ __forceinline__ float kl_grad(float s, float t, float lse_s, float lse_t, float g) {
+    return g * (__expf(s - lse_s) - __expf(t - lse_t));
+}
+
 template <typename Teacher>
 __device__ __forceinline__ void kl_bwd(const __nv_bfloat16* __restrict__ student,  // [N, V]
                                        const Teacher* __restrict__ teacher,         // [N, V]
@@ -142,15 +147,12 @@ __device__ __forceinline__ void kl_bwd(const __nv_bfloat16* __restrict__ student
             load8(s + j, sv);
             load8_any(t + j, tv);
 #pragma unroll
-            for (int k = 0; k < 8; ++k) sv[k] = g * (__expf(sv[k] - lse_s) - __expf(tv[k] - lse_t));
+            for (int k = 0; k < 8; ++k) sv[k] = kl_grad(sv[k], tv[k], lse_s, lse_t, g);
             store8(o + j, sv);
         }
     } else {
-        for (int j = threadIdx.x; j < V; j += KL_THREADS) {
-            const float q = __expf(to_float(s[j]) - lse_s);
-            const float p = __expf(to_float(t[j]) - lse_t);
-            o[j] = __float2bfloat16(g * (q - p));
-        }
+        for (int j = threadIdx.x; j < V; j += KL_THREADS)
+            o[j] = __float2bfloat16(kl_grad(to_float(s[j]), to_float(t[j]), lse_s, lse_t, g));
     }
 }
 

@@ -146,19 +146,20 @@ __device__ __forceinline__ long long global_warp() {
     return (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
 }
 
-// Walks one token row of a TwELL gate, for a whole warp. Each tile's count is read by
-// its own lane and empty tiles are skipped by a ballot. For each block of up to 32 listed
-// slots of a tile, `block(j, v, slot, n)` runs with lane s holding its slot's neuron j,
-// value v and value-array index (-1 for lanes past the block's n slots); for each
-// overflowing tile, `spilled(c0, width)` runs with the tile's first column and width.
+// Walks tiles [t_begin, t_end) of one token row of a TwELL gate, for a whole warp. Each
+// tile's count is read by its own lane and empty tiles are skipped by a ballot. For each
+// block of up to 32 listed slots of a tile, `block(j, v, slot, n)` runs with lane s
+// holding its slot's neuron j, value v and value-array index (-1 for lanes past the
+// block's n slots); for each overflowing tile, `spilled(c0, width)` runs with the tile's
+// first column and width.
 template <class Block, class Spilled>
-__device__ __forceinline__ void walk_row(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
-                                         const __nv_bfloat16* values, long long row, int tile, int cap,
-                                         int n_tiles, int f, Block block, Spilled spilled) {
+__device__ __forceinline__ void walk_tiles(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
+                                           const __nv_bfloat16* values, long long row, int t_begin, int t_end,
+                                           int tile, int cap, int n_tiles, int f, Block block, Spilled spilled) {
     const int lane = threadIdx.x & 31;
-    for (int tb = 0; tb < n_tiles; tb += 32) {
+    for (int tb = t_begin; tb < t_end; tb += 32) {
         const int t = tb + lane;
-        const int c = t < n_tiles ? static_cast<int>(counts[row * n_tiles + t]) : 0;
+        const int c = t < t_end ? static_cast<int>(counts[row * n_tiles + t]) : 0;
         uint32_t listed = __ballot_sync(FULL_MASK, c > 0 && c <= cap);
         uint32_t over = __ballot_sync(FULL_MASK, c > cap);
         while (listed) {
@@ -188,3 +189,33 @@ __device__ __forceinline__ void walk_row(const uint32_t* __restrict__ counts, co
         }
     }
 }
+
+// All tiles of one token row (`walk_tiles` over [0, n_tiles)).
+template <class Block, class Spilled>
+__device__ __forceinline__ void walk_row(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
+                                         const __nv_bfloat16* values, long long row, int tile, int cap,
+                                         int n_tiles, int f, Block block, Spilled spilled) {
+    walk_tiles(counts, indices, values, row, 0, n_tiles, tile, cap, n_tiles, f, block, spilled);
+}
+
+// A token row split over `split` consecutive warps of one block: this warp's part and
+// its tiles [t_begin, t_end) (contiguous, as even as the tile count allows).
+struct RowPart {
+    long long row;
+    int part, t_begin, t_end;
+    __device__ __forceinline__ RowPart(int split, int n_tiles) {
+        const long long w = global_warp();
+        if (split == 1) {
+            row = w;
+            part = 0;
+            t_begin = 0;
+            t_end = n_tiles;
+            return;
+        }
+        row = w / split;
+        part = static_cast<int>(w % split);
+        const int per = (n_tiles + split - 1) / split;
+        t_begin = min(n_tiles, part * per);
+        t_end = min(n_tiles, t_begin + per);
+    }
+};

@@ -93,9 +93,18 @@ pub const DEFAULT_BREAK_EVEN_DENSITY: f64 = 0.15;
 /// times puts the break-even at 1.5–1.8% (docs/benchmarks.md, fifth session).
 pub const CUDA_BREAK_EVEN_DENSITY: f64 = 0.015;
 
-/// From 2 tokens up to this many the CUDA sparse path lost to dense at every density
-/// measured, so `Auto` runs dense there.
-pub const CUDA_AUTO_MIN_TOKENS: usize = 2048;
+/// From 2 tokens up to this many the CUDA sparse path lost to dense (or tied, at 256
+/// tokens and 0.5%) at every density measured, so `Auto` runs dense there.
+pub const CUDA_AUTO_MIN_TOKENS: usize = 512;
+
+/// Below this many tokens (and from [`CUDA_AUTO_MIN_TOKENS`]) the prefill kernels split
+/// each row over four warps, and the sparse path wins by less: 1.16–1.26x at 0.5%,
+/// 1.04–1.06x at 1%, 0.61–0.66x at 3% (512 and 1,024 tokens, fourteenth session), so
+/// `Auto` takes [`CUDA_FEW_TOKENS_BREAK_EVEN_DENSITY`] there.
+pub const CUDA_FEW_TOKENS: usize = 2048;
+
+/// The break-even density for [`CUDA_AUTO_MIN_TOKENS`] ..  [`CUDA_FEW_TOKENS`] tokens.
+pub const CUDA_FEW_TOKENS_BREAK_EVEN_DENSITY: f64 = 0.01;
 
 /// Single-token decode on CUDA (the one-launch kernel): sparse won 2.1–2.3x up to 3%
 /// density and 1.4x at 10%, and lost at 50% (0.52x); interpolating puts the break-even
@@ -405,6 +414,7 @@ impl SparseMlp {
                 let break_even = match (self.break_even, cuda) {
                     (Some(b), _) => b,
                     (None, true) if tokens == 1 => CUDA_DECODE_BREAK_EVEN_DENSITY,
+                    (None, true) if tokens < CUDA_FEW_TOKENS => CUDA_FEW_TOKENS_BREAK_EVEN_DENSITY,
                     (None, true) => CUDA_BREAK_EVEN_DENSITY,
                     (None, false) => DEFAULT_BREAK_EVEN_DENSITY,
                 };

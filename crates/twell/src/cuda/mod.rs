@@ -67,6 +67,60 @@ fn row_vectors(d: usize) -> Option<usize> {
     [1, 2, 4, 8, 16].into_iter().find(|&v| v >= need)
 }
 
+/// Warps per multiprocessor that the prefill row kernels aim to fill before they split
+/// a token row over several warps.
+const ROW_SPLIT_WARPS_PER_SM: usize = 32;
+/// The warps a split row takes (the kernels' `SPLIT`; it divides the block's 8 warps).
+const ROW_SPLIT: usize = 4;
+/// Shared memory a block may take without opting in to more.
+const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
+
+/// The device's multiprocessor count.
+fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    let sms = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?;
+    Ok(sms.max(1) as usize)
+}
+
+/// How many consecutive warps share a token row in the prefill row kernels: 4 while four
+/// warps per row still fit about one wave (up to about a thousand tokens), else one. With
+/// a warp per row and fewer rows than the card holds warps, the loads in flight are few
+/// and the kernel lasts as long as its longest row; measured on the H200, four warps per
+/// row took 256 to 1,024 tokens from 0.12-0.31 ms to 0.08-0.26 ms, while two at 2,048
+/// gained nothing (`docs/kernel-notes.md`). `TWELL_ROW_SPLIT` (1 or 4) fixes it, to
+/// measure both on one size.
+fn row_split(dev: &CudaDevice, m: usize, d: usize) -> Result<usize> {
+    static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let fixed = *FIXED.get_or_init(|| {
+        std::env::var("TWELL_ROW_SPLIT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|v| [1, ROW_SPLIT].contains(v))
+    });
+    let split = match fixed {
+        Some(split) => split,
+        None if m * ROW_SPLIT <= multiprocessors(dev)? * ROW_SPLIT_WARPS_PER_SM => ROW_SPLIT,
+        None => 1,
+    };
+    // The down kernel's parts meet in shared memory, which must fit a block.
+    Ok(if down_split_bytes(split, d) <= DEFAULT_SHARED_BYTES {
+        split
+    } else {
+        1
+    })
+}
+
+/// The dynamic shared memory the down row kernel needs for a row split `split` ways:
+/// the f32 sums of parts 1.. of each of a block's rows.
+fn down_split_bytes(split: usize, d: usize) -> usize {
+    let rows_per_block = (BLOCK_THREADS / 32) as usize / split;
+    rows_per_block * (split - 1) * d * std::mem::size_of::<f32>()
+}
+
 /// The shape arguments every `gated_t2d` kernel takes, in its parameter order.
 struct KernelDims {
     m: i32,
@@ -531,8 +585,12 @@ pub fn twell_mlp_forward(
     // sums meet in f32 atomics when rows are few.
     let row_kernels = if decode { None } else { row_vectors(d) };
     let slots_per_warp: usize = if decode { 1 } else { cap };
+    let split = match row_kernels {
+        Some(_) => row_split(&dev, m, d)?,
+        None => 1,
+    };
     let (up_name, up_warps) = match row_kernels {
-        Some(v) => (format!("gated_t2d_up_rows_bf16_v{v}"), m),
+        Some(v) => (format!("gated_t2d_up_rows_bf16_v{v}_s{split}"), m * split),
         None => (
             "gated_t2d_up_bf16".to_string(),
             m * n_tiles * (cap / slots_per_warp),
@@ -562,13 +620,13 @@ pub fn twell_mlp_forward(
     if row_kernels.is_none() {
         b.arg(&spw_i);
     }
-    // SAFETY: one warp per row (row kernel) or per (row, tile, slot group), bounds
-    // checked in the kernel.
+    // SAFETY: `split` warps per row (row kernel; a divisor of the block's warps) or one
+    // per (row, tile, slot group), bounds checked in the kernel.
     unsafe { b.launch(warp_launch(up_warps)?) }.w()?;
     mark(&mut marks)?;
     match row_kernels {
         Some(v) => {
-            let down_name = format!("gated_t2d_down_rows_bf16_v{v}");
+            let down_name = format!("gated_t2d_down_rows_bf16_v{v}_s{split}");
             let down = dev.get_or_load_custom_func(&down_name, "gated_t2d", GATED_T2D_PTX)?;
             let mut b = down.builder();
             b.arg(&wudv)
@@ -579,8 +637,11 @@ pub fn twell_mlp_forward(
                 .arg(&l1)
                 .arg(&mut out);
             dims.push(&mut b);
-            // SAFETY: one warp per row, bounds checked in the kernel.
-            unsafe { b.launch(warp_launch(m)?) }.w()?;
+            let mut cfg = warp_launch(m * split)?;
+            cfg.shared_mem_bytes = down_split_bytes(split, d) as u32;
+            // SAFETY: `split` warps per row (a divisor of the block's warps, its shared
+            // memory sized above), bounds checked in the kernel.
+            unsafe { b.launch(cfg) }.w()?;
         }
         None => {
             let tile_groups = if decode { n_tiles } else { 1 };

@@ -60,16 +60,10 @@ impl Scratch {
 /// over the neurons, so a warp loads its row of x once for several of them, and no
 /// partial last wave idles the card.
 fn one_wave(dev: &CudaDevice, func: &CudaFunction) -> Result<u32> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    let sms = dev
-        .cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()?;
     let per_sm = func
         .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)
         .w()?;
-    Ok((sms.max(1) as u32) * per_sm.max(1))
+    Ok(super::multiprocessors(dev)? as u32 * per_sm.max(1))
 }
 
 /// Keyed by the stream, so two candle devices never share one.
