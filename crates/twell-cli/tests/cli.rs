@@ -29,6 +29,29 @@ fn fails_with(args: &[&str], needle: &str) {
     );
 }
 
+/// Runs `twell bench ARGS --json REPORT` (and `--svg CHART` when `svg`; `args` split on
+/// whitespace) in a temporary folder, asserts that it succeeded and that the chart is an
+/// SVG, and returns the report.
+fn bench_report(args: &str, svg: bool) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let (json, chart) = (
+        dir.path().join("report.json"),
+        dir.path().join("report.svg"),
+    );
+    let mut all = vec!["bench"];
+    all.extend(args.split_whitespace());
+    all.extend(["--json", json.to_str().unwrap()]);
+    if svg {
+        all.extend(["--svg", chart.to_str().unwrap()]);
+    }
+    let (ok, text) = twell(&all);
+    assert!(ok, "{text}");
+    if svg {
+        assert!(std::fs::read_to_string(&chart).unwrap().contains("<svg"));
+    }
+    read_json(&json)
+}
+
 #[test]
 fn bad_generate_flags_are_rejected() {
     fails_with(
@@ -98,62 +121,20 @@ fn convert_needs_an_output_and_a_model() {
 
 #[test]
 fn tiny_mlp_bench_runs_and_writes_json() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("bench.json");
-    let svg = dir.path().join("bench.svg");
-    let (ok, text) = twell(&[
-        "bench",
-        "mlp",
-        "--shape",
-        "64x256",
-        "--tokens",
-        "1,8",
-        "--density",
-        "0.05",
-        "--reps",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-        json.to_str().unwrap(),
-        "--svg",
-        svg.to_str().unwrap(),
-    ]);
-    assert!(ok, "{text}");
-    let report = read_json(&json);
+    let report = bench_report(
+        "mlp --shape 64x256 --tokens 1,8 --density 0.05 --reps 2 --warmup 1",
+        true,
+    );
     assert_eq!(report["rows"].as_array().unwrap().len(), 2);
     assert!(report["rows"][0]["speedup"].as_f64().unwrap() > 0.0);
-    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
 }
 
 #[test]
 fn tiny_mlp_train_bench_runs_and_writes_json() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("train.json");
-    let svg = dir.path().join("train.svg");
-    let (ok, text) = twell(&[
-        "bench",
-        "mlp-train",
-        "--shape",
-        "64x256",
-        "--tokens",
-        "1,24",
-        "--density",
-        "0.05,0.2",
-        "--dtype",
-        "f32",
-        "--reps",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-        json.to_str().unwrap(),
-        "--svg",
-        svg.to_str().unwrap(),
-    ]);
-    assert!(ok, "{text}");
-    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
-    let report = read_json(&json);
+    let report = bench_report(
+        "mlp-train --shape 64x256 --tokens 1,24 --density 0.05,0.2 --dtype f32 --reps 2 --warmup 1",
+        true,
+    );
     let rows = report["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 4);
     for row in rows {
@@ -571,38 +552,10 @@ fn bad_finetune_flags_are_rejected() {
 
 #[test]
 fn model_bench_runs_one_ffn_path_alone() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("model.json");
-    let (ok, text) = twell(&[
-        "bench",
-        "model",
-        "--shape",
-        "64x256x2",
-        "--heads",
-        "4",
-        "--vocab",
-        "300",
-        "--prefill",
-        "1x16",
-        "--decode-batch",
-        "1",
-        "--context",
-        "8",
-        "--decode-steps",
-        "1",
-        "--train",
-        "1x8",
-        "--reps",
-        "1",
-        "--warmup",
-        "0",
-        "--ffn-paths",
-        "sparse",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    assert!(ok, "{text}");
-    let report = read_json(&json);
+    let report = bench_report(
+        "model --shape 64x256x2 --heads 4 --vocab 300 --prefill 1x16 --decode-batch 1 --context 8 --decode-steps 1 --train 1x8 --reps 1 --warmup 0 --ffn-paths sparse",
+        false,
+    );
     let rows = report["measurements"].as_array().unwrap();
     assert!(!rows.is_empty());
     assert!(rows.iter().all(|m| m["ffn"] == "sparse"), "{rows:?}");
@@ -610,41 +563,10 @@ fn model_bench_runs_one_ffn_path_alone() {
 
 #[test]
 fn model_bench_runs_all_phases_on_a_random_shape() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("model.json");
-    let svg = dir.path().join("model.svg");
-    let (ok, text) = twell(&[
-        "bench",
-        "model",
-        "--shape",
-        "64x256x2",
-        "--heads",
-        "4",
-        "--vocab",
-        "300",
-        "--density",
-        "0.02",
-        "--prefill",
-        "1x32",
-        "--decode-batch",
-        "2",
-        "--context",
-        "16",
-        "--decode-steps",
-        "2",
-        "--train",
-        "1x16",
-        "--reps",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-        json.to_str().unwrap(),
-        "--svg",
-        svg.to_str().unwrap(),
-    ]);
-    assert!(ok, "{text}");
-    let report = read_json(&json);
+    let report = bench_report(
+        "model --shape 64x256x2 --heads 4 --vocab 300 --density 0.02 --prefill 1x32 --decode-batch 2 --context 16 --decode-steps 2 --train 1x16 --reps 2 --warmup 1",
+        true,
+    );
     let phases: Vec<String> = report["measurements"]
         .as_array()
         .unwrap()
@@ -687,7 +609,6 @@ fn model_bench_runs_all_phases_on_a_random_shape() {
             );
         }
     }
-    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
 }
 
 #[test]
@@ -715,26 +636,10 @@ fn bad_model_bench_flags_are_rejected() {
 
 #[test]
 fn tiny_loss_bench_runs_and_writes_json() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("loss.json");
-    let (ok, text) = twell(&[
-        "bench",
-        "loss",
-        "--tokens",
-        "1,17",
-        "--vocab",
-        "50",
-        "--dtype",
-        "f32",
-        "--reps",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    assert!(ok, "{text}");
-    let report = read_json(&json);
+    let report = bench_report(
+        "loss --tokens 1,17 --vocab 50 --dtype f32 --reps 2 --warmup 1",
+        false,
+    );
     let rows = report["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 4);
     let losses: Vec<&str> = rows.iter().map(|r| r["loss"].as_str().unwrap()).collect();
