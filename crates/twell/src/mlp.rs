@@ -114,6 +114,30 @@ pub const CUDA_DECODE_BREAK_EVEN_DENSITY: f64 = 0.15;
 /// In `Auto` mode on a GPU, the density is re-measured every this many calls.
 pub const AUTO_RECHECK_CALLS: usize = 32;
 
+/// `Auto` mode's choice for a call of `tokens` rows: sparse while the last measured
+/// density is at most the break-even (`break_even`, else the measured default for the
+/// device and size), and sparse before any measurement (which that call then takes). On
+/// a GPU the sparse path pays for one token or for many, not for a few
+/// (docs/benchmarks.md), so 2 to [`CUDA_AUTO_MIN_TOKENS`] - 1 rows run dense.
+fn auto_runs_sparse(
+    tokens: usize,
+    cuda: bool,
+    break_even: Option<f64>,
+    last_density: Option<f64>,
+) -> bool {
+    if cuda && tokens > 1 && tokens < CUDA_AUTO_MIN_TOKENS {
+        return false;
+    }
+    let break_even = match (break_even, cuda) {
+        (Some(b), _) => b,
+        (None, true) if tokens == 1 => CUDA_DECODE_BREAK_EVEN_DENSITY,
+        (None, true) if tokens < CUDA_FEW_TOKENS => CUDA_FEW_TOKENS_BREAK_EVEN_DENSITY,
+        (None, true) => CUDA_BREAK_EVEN_DENSITY,
+        (None, false) => DEFAULT_BREAK_EVEN_DENSITY,
+    };
+    last_density.is_none_or(|density| density <= break_even)
+}
+
 /// The per-token sparsity term that [`SparseMlp::forward_with_l1`] returns.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum L1Term {
@@ -404,25 +428,12 @@ impl SparseMlp {
         match (self.activation, self.mode) {
             (Activation::Silu, _) | (_, FfnMode::Dense) => false,
             (_, FfnMode::Sparse) => true,
-            (_, FfnMode::Auto) => {
-                // On a GPU the sparse path pays for one token or for many, not for a
-                // few (docs/benchmarks.md).
-                let cuda = device.is_cuda();
-                if cuda && tokens > 1 && tokens < CUDA_AUTO_MIN_TOKENS {
-                    return false;
-                }
-                let break_even = match (self.break_even, cuda) {
-                    (Some(b), _) => b,
-                    (None, true) if tokens == 1 => CUDA_DECODE_BREAK_EVEN_DENSITY,
-                    (None, true) if tokens < CUDA_FEW_TOKENS => CUDA_FEW_TOKENS_BREAK_EVEN_DENSITY,
-                    (None, true) => CUDA_BREAK_EVEN_DENSITY,
-                    (None, false) => DEFAULT_BREAK_EVEN_DENSITY,
-                };
-                match *self.last_density.lock().expect("density lock") {
-                    Some(density) => density <= break_even,
-                    None => true,
-                }
-            }
+            (_, FfnMode::Auto) => auto_runs_sparse(
+                tokens,
+                device.is_cuda(),
+                self.break_even,
+                *self.last_density.lock().expect("density lock"),
+            ),
         }
     }
 
@@ -624,5 +635,43 @@ impl Module for SparseMlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // Contiguous on both paths: the sparse op's output rows lead its result.
         Ok(self.run(x, false)?.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_picks_by_device_size_and_density() {
+        let sparse = |tokens, cuda, density| auto_runs_sparse(tokens, cuda, None, Some(density));
+        // Host: one break-even at every size.
+        assert!(sparse(1, false, DEFAULT_BREAK_EVEN_DENSITY));
+        assert!(sparse(300, false, 0.1));
+        assert!(!sparse(300, false, 0.2));
+        // GPU, one token: the decode kernel's break-even.
+        assert!(sparse(1, true, 0.1));
+        assert!(!sparse(1, true, 0.2));
+        // GPU, 2 to 511 tokens: dense at any density.
+        assert!(!sparse(2, true, 0.001));
+        assert!(!sparse(CUDA_AUTO_MIN_TOKENS - 1, true, 0.001));
+        // GPU, 512 to 2,047 tokens: 1%.
+        assert!(sparse(CUDA_AUTO_MIN_TOKENS, true, 0.01));
+        assert!(!sparse(CUDA_AUTO_MIN_TOKENS, true, 0.011));
+        assert!(!sparse(CUDA_FEW_TOKENS - 1, true, 0.011));
+        // GPU, 2,048 tokens and more: 1.5%.
+        assert!(sparse(CUDA_FEW_TOKENS, true, 0.015));
+        assert!(!sparse(CUDA_FEW_TOKENS, true, 0.016));
+    }
+
+    #[test]
+    fn auto_starts_sparse_and_honours_a_set_break_even() {
+        // No density yet: the first call runs sparse and measures it.
+        assert!(auto_runs_sparse(4096, true, None, None));
+        assert!(auto_runs_sparse(1, false, None, None));
+        // A set break-even replaces the default, but not the GPU's few-token rule.
+        assert!(auto_runs_sparse(4096, true, Some(0.5), Some(0.4)));
+        assert!(!auto_runs_sparse(4096, true, Some(0.01), Some(0.012)));
+        assert!(!auto_runs_sparse(100, true, Some(0.5), Some(0.001)));
     }
 }
