@@ -17,6 +17,9 @@ pub mod cuda;
 pub mod density;
 pub mod error;
 pub mod format;
+// Read by the CUDA launchers only.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod knobs;
 pub mod mlp;
 pub mod ops;
 

@@ -50,14 +50,16 @@ const WARP_CHUNK: usize = 256;
 
 /// [`DECODE_MAX_TOKENS`], or `TWELL_DECODE_MAX_TOKENS` when set (to measure both
 /// work splits at one size).
-fn decode_max_tokens() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("TWELL_DECODE_MAX_TOKENS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(DECODE_MAX_TOKENS)
-    })
+fn decode_max_tokens() -> Result<usize> {
+    static N: std::sync::OnceLock<std::result::Result<Option<usize>, String>> =
+        std::sync::OnceLock::new();
+    let set = N.get_or_init(|| {
+        crate::knobs::env_count("TWELL_DECODE_MAX_TOKENS", "a token count", |_| true)
+    });
+    match set {
+        Ok(n) => Ok(n.unwrap_or(DECODE_MAX_TOKENS)),
+        Err(msg) => err(TwellError::Invalid(msg.clone())),
+    }
 }
 
 /// The prefill up kernel keeps a row of x in registers as `MAXV` 16-byte vectors per
@@ -94,13 +96,17 @@ fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
 /// gained nothing (`docs/kernel-notes.md`). `TWELL_ROW_SPLIT` (1 or 4) fixes it, to
 /// measure both on one size.
 fn row_split(dev: &CudaDevice, m: usize, d: usize) -> Result<usize> {
-    static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let fixed = *FIXED.get_or_init(|| {
-        std::env::var("TWELL_ROW_SPLIT")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|v| [1, ROW_SPLIT].contains(v))
+    static FIXED: std::sync::OnceLock<std::result::Result<Option<usize>, String>> =
+        std::sync::OnceLock::new();
+    let fixed = FIXED.get_or_init(|| {
+        crate::knobs::env_count("TWELL_ROW_SPLIT", &format!("1 or {ROW_SPLIT}"), |v| {
+            v == 1 || v == ROW_SPLIT
+        })
     });
+    let fixed = match fixed {
+        Ok(fixed) => *fixed,
+        Err(msg) => return err(TwellError::Invalid(msg.clone())),
+    };
     let split = match fixed {
         Some(split) => split,
         None if m * ROW_SPLIT <= multiprocessors(dev)? * ROW_SPLIT_WARPS_PER_SM => ROW_SPLIT,
@@ -577,7 +583,7 @@ pub fn twell_mlp_forward(
     // SAFETY: the last kernel writes every element; `poison` lets the tests check that.
     let mut out = unsafe { dev.alloc::<bf16>(len)? };
     poison(&dev, &mut out)?;
-    let decode = m <= decode_max_tokens();
+    let decode = m <= decode_max_tokens()?;
     // Prefill rows that fit a warp's registers take the row kernels: a warp per row
     // computes h (x in registers), then a warp per row accumulates the down projection
     // (the output row in registers). Decode (or rows too wide for registers) spreads h

@@ -1,0 +1,53 @@
+//! Development knobs read from the environment: switches that measure two variants of
+//! the CUDA path on one build (`TWELL_ROW_SPLIT`, `TWELL_DECODE_MAX_TOKENS`). A value a
+//! knob cannot take is an error that names the knob, so a mistyped A/B run fails instead
+//! of quietly measuring the default.
+
+/// `raw`, the value of the knob `name`, as a count that `accept` allows (`expected`
+/// says which, for the message); `None` when the knob is unset.
+pub(crate) fn parse_count(
+    name: &str,
+    raw: Option<&str>,
+    expected: &str,
+    accept: impl Fn(usize) -> bool,
+) -> Result<Option<usize>, String> {
+    let Some(raw) = raw else { return Ok(None) };
+    match raw.trim().parse::<usize>() {
+        Ok(v) if accept(v) => Ok(Some(v)),
+        _ => Err(format!("{name}={raw:?}: expected {expected}")),
+    }
+}
+
+/// [`parse_count`] of the environment variable `name`.
+pub(crate) fn env_count(
+    name: &str,
+    expected: &str,
+    accept: impl Fn(usize) -> bool,
+) -> Result<Option<usize>, String> {
+    let raw = std::env::var_os(name);
+    let text = raw.as_ref().map(|v| v.to_string_lossy());
+    parse_count(name, text.as_deref(), expected, accept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_knob_takes_its_values_and_names_itself_otherwise() {
+        let split = |raw| parse_count("TWELL_ROW_SPLIT", raw, "1 or 4", |v| v == 1 || v == 4);
+        assert_eq!(split(None), Ok(None));
+        assert_eq!(split(Some("4")), Ok(Some(4)));
+        assert_eq!(split(Some(" 1 ")), Ok(Some(1)));
+        for bad in ["3", "0", "four", "", "-1"] {
+            let msg = split(Some(bad)).unwrap_err();
+            assert!(
+                msg.contains("TWELL_ROW_SPLIT") && msg.contains("1 or 4"),
+                "{msg}"
+            );
+        }
+        let tokens = |raw| parse_count("TWELL_DECODE_MAX_TOKENS", raw, "a token count", |_| true);
+        assert_eq!(tokens(Some("128")), Ok(Some(128)));
+        assert!(tokens(Some("1e3")).unwrap_err().contains("a token count"));
+    }
+}
