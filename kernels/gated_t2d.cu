@@ -135,19 +135,9 @@ extern "C" __global__ void gated_t2d_down_bf16(
             }
         } else {
             const int c0 = t * tile;
-            const int width = min(tile, f - c0);
-            const __nv_bfloat16* src = gate + row * f + c0;
-            for (int k = 0; k < width; k += 32) {
-                const int c = k + lane;
-                const float hv = c < width ? __bfloat162float(src[c]) : 0.f;
-                uint32_t mask = __ballot_sync(FULL_MASK, hv != 0.f);
-                while (mask) {
-                    const int b = __ffs(mask) - 1;
-                    mask &= mask - 1;
-                    const float h = __shfl_sync(FULL_MASK, hv, b);
-                    if (mine) axpy8(h, wd + static_cast<long long>(c0 + k + b) * 2 * d, acc);
-                }
-            }
+            each_dense_nonzero(gate + row * f + c0, min(tile, f - c0), [&](int c, float h) {
+                if (mine) axpy8(h, wd + static_cast<long long>(c0 + c) * 2 * d, acc);
+            });
         }
     }
     if (tile_groups == 1) {
@@ -302,17 +292,7 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
                 for (int q = 0; q < n; ++q) add(__shfl_sync(FULL_MASK, j, q), __shfl_sync(FULL_MASK, h, q));
             },
             [&](int c0, int width) {
-                const __nv_bfloat16* src = gate + row * f + c0;
-                for (int k = 0; k < width; k += 32) {
-                    const int col = k + lane;
-                    const float hv = col < width ? __bfloat162float(src[col]) : 0.f;
-                    uint32_t mask = __ballot_sync(FULL_MASK, hv != 0.f);
-                    while (mask) {
-                        const int q = __ffs(mask) - 1;
-                        mask &= mask - 1;
-                        add(c0 + k + q, __shfl_sync(FULL_MASK, hv, q));
-                    }
-                }
+                each_dense_nonzero(gate + row * f + c0, width, [&](int c, float h) { add(c0 + c, h); });
             });
     }
     if (SPLIT > 1) {

@@ -190,6 +190,24 @@ __device__ __forceinline__ void walk_tiles(const uint32_t* __restrict__ counts, 
     }
 }
 
+// For an overflowing tile read from the dense h (`width` columns from `src`), calls
+// `add(c, h)` for each nonzero h = src[c], in column order, with the same (c, h) on
+// every lane: the warp reads 32 columns at a time and visits what its ballot finds.
+template <class Add>
+__device__ __forceinline__ void each_dense_nonzero(const __nv_bfloat16* __restrict__ src, int width, Add add) {
+    const int lane = threadIdx.x & 31;
+    for (int k = 0; k < width; k += 32) {
+        const int col = k + lane;
+        const float hv = col < width ? __bfloat162float(src[col]) : 0.f;
+        uint32_t mask = __ballot_sync(FULL_MASK, hv != 0.f);
+        while (mask) {
+            const int q = __ffs(mask) - 1;
+            mask &= mask - 1;
+            add(k + q, __shfl_sync(FULL_MASK, hv, q));
+        }
+    }
+}
+
 // All tiles of one token row (`walk_tiles` over [0, n_tiles)).
 template <class Block, class Spilled>
 __device__ __forceinline__ void walk_row(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,

@@ -1,5 +1,6 @@
 //! Development knobs read from the environment: switches that measure two variants of
-//! the CUDA path on one build (`TWELL_ROW_SPLIT`, `TWELL_DECODE_MAX_TOKENS`). A value a
+//! the CUDA path on one build (`TWELL_ROW_SPLIT`, `TWELL_DECODE_MAX_TOKENS`,
+//! `TWELL_BACKWARD`). A value a
 //! knob cannot take is an error that names the knob, so a mistyped A/B run fails instead
 //! of quietly measuring the default.
 
@@ -29,6 +30,30 @@ pub(crate) fn env_count(
     parse_count(name, text.as_deref(), expected, accept)
 }
 
+/// `raw`, the value of the knob `name`, as the index of one of `choices`; `None` when
+/// the knob is unset.
+pub(crate) fn parse_choice(
+    name: &str,
+    raw: Option<&str>,
+    choices: &[&str],
+) -> Result<Option<usize>, String> {
+    let Some(raw) = raw else { return Ok(None) };
+    match choices.iter().position(|c| *c == raw.trim()) {
+        Some(i) => Ok(Some(i)),
+        None => Err(format!(
+            "{name}={raw:?}: expected one of {}",
+            choices.join(", ")
+        )),
+    }
+}
+
+/// [`parse_choice`] of the environment variable `name`.
+pub(crate) fn env_choice(name: &str, choices: &[&str]) -> Result<Option<usize>, String> {
+    let raw = std::env::var_os(name);
+    let text = raw.as_ref().map(|v| v.to_string_lossy());
+    parse_choice(name, text.as_deref(), choices)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -49,5 +74,16 @@ mod tests {
         let tokens = |raw| parse_count("TWELL_DECODE_MAX_TOKENS", raw, "a token count", |_| true);
         assert_eq!(tokens(Some("128")), Ok(Some(128)));
         assert!(tokens(Some("1e3")).unwrap_err().contains("a token count"));
+        let path = |raw| parse_choice("TWELL_BACKWARD", raw, &["sparse", "dense-dx", "dense"]);
+        assert_eq!(path(None), Ok(None));
+        assert_eq!(path(Some("dense-dx")), Ok(Some(1)));
+        assert_eq!(path(Some("dense ")), Ok(Some(2)));
+        for bad in ["Dense", "gemm", ""] {
+            let msg = path(Some(bad)).unwrap_err();
+            assert!(
+                msg.contains("TWELL_BACKWARD") && msg.contains("dense-dx"),
+                "{msg}"
+            );
+        }
     }
 }

@@ -17,7 +17,7 @@ pub mod cuda;
 pub mod density;
 pub mod error;
 pub mod format;
-// Read by the CUDA launchers only.
+// Its count knobs are read by the CUDA launchers only.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod knobs;
 pub mod mlp;

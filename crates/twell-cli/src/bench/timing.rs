@@ -30,8 +30,23 @@ pub fn sync(device: &Device) -> Result<()> {
     device.synchronize()
 }
 
-/// Times each variant `reps` times, round-robin (so drift hits all alike), after
-/// `warmup` untimed rounds; returns each variant's median in seconds.
+/// The order in which round `round` runs `n` variants: rotated by one each round,
+/// and reversed every other cycle of `n` rounds, so that over `2n` rounds each variant
+/// runs first equally often and, for the two or three variants a bench times, follows
+/// each other variant equally often (from four on, only its two cyclic neighbours). A plain
+/// rotation always puts the same neighbour before a variant, and a long neighbour
+/// (a sparse pass at 50% density) can leave the GPU slower for the call after it.
+pub fn round_order(round: usize, n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).map(|i| (round + i) % n).collect();
+    if (round / n.max(1)) % 2 == 1 {
+        order.reverse();
+    }
+    order
+}
+
+/// Times each variant `reps` times, interleaved in [`round_order`] (so drift and
+/// neighbours hit all alike), after `warmup` untimed rounds; returns each variant's
+/// median in seconds.
 pub fn interleaved_medians(
     device: &Device,
     Rounds { warmup, reps }: Rounds,
@@ -46,16 +61,22 @@ pub fn interleaved_medians(
     let mut times = vec![Vec::with_capacity(reps); variants.len()];
     let n = variants.len();
     for round in 0..reps {
-        // Each round starts with a different variant, so none always runs right after
-        // the same neighbour (whose threads may still be spinning, or whose data may
-        // still be cached).
-        for i in 0..n {
-            let k = (round + i) % n;
+        // No variant always runs right after the same neighbour (whose threads may
+        // still be spinning, whose data may still be cached, or whose power draw may
+        // still hold the clocks down).
+        for k in round_order(round, n) {
             sync(device)?;
             let t0 = Instant::now();
             variants[k](round)?;
             sync(device)?;
             times[k].push(t0.elapsed().as_secs_f64());
+        }
+    }
+    if std::env::var_os("TWELL_BENCH_TIMES").is_some() {
+        // Every timed call, in round order: shows a variant whose calls are bimodal.
+        for (k, t) in times.iter().enumerate() {
+            let us: Vec<String> = t.iter().map(|s| format!("{:.0}", s * 1e6)).collect();
+            eprintln!("variant {k} times (us): {}", us.join(" "));
         }
     }
     Ok(times.into_iter().map(median).collect())
@@ -92,4 +113,39 @@ pub fn host_read_bandwidth() -> f64 {
         best = best.min(t0.elapsed().as_secs_f64());
     }
     bytes / best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_order;
+    use std::collections::HashMap;
+
+    #[test]
+    fn every_variant_leads_and_follows_each_other_equally_often() {
+        for n in 1..=3 {
+            let mut first = vec![0usize; n];
+            let mut after: HashMap<(usize, usize), usize> = HashMap::new();
+            for round in 0..2 * n {
+                let order = round_order(round, n);
+                let mut sorted = order.clone();
+                sorted.sort_unstable();
+                assert_eq!(
+                    sorted,
+                    (0..n).collect::<Vec<_>>(),
+                    "round {round}: {order:?}"
+                );
+                first[order[0]] += 1;
+                for w in order.windows(2) {
+                    *after.entry((w[0], w[1])).or_default() += 1;
+                }
+            }
+            assert!(first.iter().all(|&c| c == 2), "n {n}: firsts {first:?}");
+            for a in 0..n {
+                for b in (0..n).filter(|&b| b != a) {
+                    let count = after.get(&(a, b)).copied().unwrap_or(0);
+                    assert_eq!(count, 2, "n {n}: {a} before {b}");
+                }
+            }
+        }
+    }
 }

@@ -77,15 +77,25 @@ const ROW_SPLIT: usize = 4;
 /// Shared memory a block may take without opting in to more.
 const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
 
-/// The device's multiprocessor count.
+/// The device's multiprocessor count, read from the driver once per context (keyed by
+/// it, so two cards never share a count): every prefill forward asks.
 fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    let sms = dev
-        .cuda_stream()
-        .context()
+    use std::collections::HashMap;
+    static COUNTS: std::sync::Mutex<Option<HashMap<usize, usize>>> = std::sync::Mutex::new(None);
+    let context = dev.cuda_stream().context().clone();
+    let key = context.cu_ctx() as usize;
+    let mut guard = COUNTS.lock().expect("multiprocessor count lock");
+    let counts = guard.get_or_insert_with(HashMap::new);
+    if let Some(&sms) = counts.get(&key) {
+        return Ok(sms);
+    }
+    let sms = context
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()?;
-    Ok(sms.max(1) as usize)
+        .w()?
+        .max(1) as usize;
+    counts.insert(key, sms);
+    Ok(sms)
 }
 
 /// How many consecutive warps share a token row in the prefill row kernels: 4 while four

@@ -175,8 +175,16 @@ impl MlpOutput {
         }
     }
 
-    /// Nonzeros of `h` over all tokens (reads device counts back: a sync on GPU).
+    /// Nonzeros of `h` over all tokens (a sync on GPU). Device counts are added on the
+    /// device (in f64: exact) and read back as one number, not `M · n_tiles` of them.
     pub fn nnz(&self) -> Result<usize> {
+        if let (None, Some(c)) = (&self.pattern, &self.counts) {
+            let total = c
+                .to_dtype(candle_core::DType::F64)?
+                .sum_all()?
+                .to_scalar::<f64>()?;
+            return Ok(total as usize);
+        }
         Ok(self.host_counts()?.iter().map(|&c| c as usize).sum())
     }
 

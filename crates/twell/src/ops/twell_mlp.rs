@@ -17,6 +17,7 @@ use super::{
 use crate::cpu::float::Rows;
 use crate::cpu::screen::GateScreen;
 use crate::cpu::t2d::{self, GateGrad};
+use crate::error::{err, TwellError};
 use crate::format::{check_size, TwellConfig, TwellPattern};
 
 /// What the forward pass leaves for the backward pass and the caller.
@@ -61,22 +62,28 @@ pub const CUDA_DENSE_WEIGHT_GRADS_DENSITY: f64 = 0.0125;
 impl BackwardPath {
     /// The choice for a pass at a measured density (`None`: not measured yet, when the
     /// sparse path runs because a low density is expected). `TWELL_BACKWARD=sparse`,
-    /// `=dense-dx` or `=dense` overrides it, to measure each on one build.
-    pub fn for_density(density: Option<f64>) -> Self {
-        static FORCED: std::sync::OnceLock<Option<BackwardPath>> = std::sync::OnceLock::new();
-        let forced = FORCED.get_or_init(|| match std::env::var("TWELL_BACKWARD").as_deref() {
-            Ok("dense") => Some(Self::Dense),
-            Ok("dense-dx") => Some(Self::DenseDx),
-            Ok("sparse") => Some(Self::Sparse),
-            _ => None,
+    /// `=dense-dx` or `=dense` overrides it, to measure each on one build; another
+    /// value is an error.
+    pub fn for_density(density: Option<f64>) -> Result<Self> {
+        type Forced = std::result::Result<Option<BackwardPath>, String>;
+        static FORCED: std::sync::OnceLock<Forced> = std::sync::OnceLock::new();
+        const PATHS: [BackwardPath; 3] = [
+            BackwardPath::Sparse,
+            BackwardPath::DenseDx,
+            BackwardPath::Dense,
+        ];
+        let forced = FORCED.get_or_init(|| {
+            crate::knobs::env_choice("TWELL_BACKWARD", &["sparse", "dense-dx", "dense"])
+                .map(|i| i.map(|i| PATHS[i]))
         });
-        if let Some(path) = forced {
-            return *path;
-        }
-        match density {
-            Some(d) if d > CUDA_DENSE_WEIGHT_GRADS_DENSITY => Self::Dense,
-            Some(d) if d > CUDA_DENSE_DX_DENSITY => Self::DenseDx,
-            _ => Self::Sparse,
+        match forced {
+            Err(msg) => err(TwellError::Invalid(msg.clone())),
+            Ok(Some(path)) => Ok(*path),
+            Ok(None) => Ok(match density {
+                Some(d) if d > CUDA_DENSE_WEIGHT_GRADS_DENSITY => Self::Dense,
+                Some(d) if d > CUDA_DENSE_DX_DENSITY => Self::DenseDx,
+                _ => Self::Sparse,
+            }),
         }
     }
 
@@ -643,9 +650,10 @@ mod tests {
         if std::env::var_os("TWELL_BACKWARD").is_some() {
             return;
         }
-        assert_eq!(BackwardPath::for_density(None), BackwardPath::Sparse);
-        assert_eq!(BackwardPath::for_density(Some(0.005)), BackwardPath::Sparse);
-        assert_eq!(BackwardPath::for_density(Some(0.01)), BackwardPath::DenseDx);
-        assert_eq!(BackwardPath::for_density(Some(0.03)), BackwardPath::Dense);
+        let path = |d| BackwardPath::for_density(d).unwrap();
+        assert_eq!(path(None), BackwardPath::Sparse);
+        assert_eq!(path(Some(0.005)), BackwardPath::Sparse);
+        assert_eq!(path(Some(0.01)), BackwardPath::DenseDx);
+        assert_eq!(path(Some(0.03)), BackwardPath::Dense);
     }
 }
