@@ -56,9 +56,9 @@ pub struct ModelBenchArgs {
     pub warmup: usize,
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
-    /// Seconds of repeated runs per phase and FFN mode over which energy is read, after
-    /// the timed repetitions: NVML's counter moves in steps, so short regions misread
-    /// it. 0 reads it over the timed repetitions instead.
+    /// Seconds of repeated runs per phase (decode: each of its two runs) and FFN mode
+    /// over which energy is read, after the timed repetitions: NVML's counter moves in
+    /// steps, so short regions misread it. 0 reads it over the timed repetitions instead.
     #[arg(long, default_value_t = 2.0)]
     pub energy_secs: f64,
     #[arg(long)]
@@ -277,7 +277,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             b,
             args.context,
             b * steps,
-            false,
+            true,
             &mut run,
         )?;
         let without = measure(
@@ -290,15 +290,16 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             b,
             args.context,
             b,
-            false,
+            true,
             &mut prefill_only,
         )?;
         for (w, p) in with.into_iter().zip(without) {
             let ms = (w.ms - p.ms).max(1e-6);
+            let mj_per_token = decode_mj_per_token(w.mj_per_token, p.mj_per_token, b, steps);
             measurements.push(Measurement {
                 tokens_per_sec: (b * steps) as f64 / (ms / 1e3),
                 ms: ms / steps as f64,
-                mj_per_token: None,
+                mj_per_token,
                 phase_ms: None,
                 device_backward_passes: None,
                 train_density: None,
@@ -409,6 +410,21 @@ fn ffn_paths(paths: &[String]) -> Result<Vec<(FfnMode, &'static str)>> {
         bail!("--ffn-paths: name at least one of dense, sparse");
     }
     Ok(modes)
+}
+
+/// Energy per generated token of a decode run, measured as its time is: a run with the
+/// `steps` tokens of each of `batch` sequences (`with_mj` per token of those) less the
+/// context prefill alone (`prefill_mj` per sequence). `None` without NVML.
+fn decode_mj_per_token(
+    with_mj: Option<f64>,
+    prefill_mj: Option<f64>,
+    batch: usize,
+    steps: usize,
+) -> Option<f64> {
+    let generated = (batch * steps) as f64;
+    with_mj.zip(prefill_mj).map(|(with_mj, prefill_mj)| {
+        (with_mj * generated - prefill_mj * batch as f64).max(0.0) / generated
+    })
 }
 
 /// Times `run` under each FFN mode, modes interleaved per repetition; median time,
@@ -559,5 +575,22 @@ pub fn print(report: &ModelReport) {
                 100.0 * density
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode_mj_per_token;
+
+    #[test]
+    fn decode_energy_is_the_steps_less_the_prefill() {
+        // 4 sequences, 16 steps: a run of 640 mJ with the steps (10 per generated
+        // token), of which the context prefill alone takes 4 × 40 = 160 mJ.
+        let mj = decode_mj_per_token(Some(10.0), Some(40.0), 4, 16).unwrap();
+        assert!((mj - 480.0 / 64.0).abs() < 1e-12, "{mj}");
+        assert_eq!(decode_mj_per_token(None, Some(40.0), 4, 16), None);
+        assert_eq!(decode_mj_per_token(Some(10.0), None, 4, 16), None);
+        // A noisy reading below the prefill's is clamped, never negative.
+        assert_eq!(decode_mj_per_token(Some(1.0), Some(40.0), 1, 16), Some(0.0));
     }
 }
