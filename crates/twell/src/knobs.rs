@@ -1,8 +1,7 @@
 //! Development knobs read from the environment: switches that measure two variants of
 //! the CUDA path on one build (`TWELL_ROW_SPLIT`, `TWELL_DECODE_MAX_TOKENS`,
-//! `TWELL_BACKWARD`). A value a
-//! knob cannot take is an error that names the knob, so a mistyped A/B run fails instead
-//! of quietly measuring the default.
+//! `TWELL_BACKWARD`). A value a knob cannot take is an error that names the knob, so a
+//! mistyped A/B run fails instead of quietly measuring the default.
 
 /// `raw`, the value of the knob `name`, as a count that `accept` allows (`expected`
 /// says which, for the message); `None` when the knob is unset.
