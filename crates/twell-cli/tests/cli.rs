@@ -415,38 +415,17 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
         ],
         "2 labels for 1 logs",
     );
-    fails_with(
-        &[
-            "curves",
-            "/no/such/log.jsonl",
-            "--svg",
-            svg.to_str().unwrap(),
-        ],
-        "reading /no/such/log.jsonl",
-    );
+    // A log that is missing, empty or not JSON lines: an error that says which.
+    let chart_of =
+        |log: &str, msg: &str| fails_with(&["curves", log, "--svg", svg.to_str().unwrap()], msg);
+    chart_of("/no/such/log.jsonl", "reading /no/such/log.jsonl");
     let empty = dir.path().join("empty.jsonl");
     std::fs::write(&empty, "\n").unwrap();
-    fails_with(
-        &[
-            "curves",
-            empty.to_str().unwrap(),
-            "--svg",
-            svg.to_str().unwrap(),
-        ],
-        "no training steps",
-    );
-    fails_with(&["curves", lp], "--svg");
+    chart_of(empty.to_str().unwrap(), "no training steps");
     let junk = dir.path().join("junk.jsonl");
     std::fs::write(&junk, "not json\n").unwrap();
-    fails_with(
-        &[
-            "curves",
-            junk.to_str().unwrap(),
-            "--svg",
-            svg.to_str().unwrap(),
-        ],
-        "not JSON",
-    );
+    chart_of(junk.to_str().unwrap(), "not JSON");
+    fails_with(&["curves", lp], "--svg");
     // The final checkpoint generates, and step-2 resumes to step 4.
     let fin = out.join("final");
     let (ok, text) = twell(&[
