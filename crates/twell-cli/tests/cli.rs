@@ -4,8 +4,14 @@
 use std::process::Command;
 
 fn twell(args: &[&str]) -> (bool, String) {
+    twell_with_env(args, &[])
+}
+
+/// [`twell`] with environment variables set (the development knobs).
+fn twell_with_env(args: &[&str], vars: &[(&str, &str)]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_twell"))
         .args(args)
+        .envs(vars.iter().copied())
         .output()
         .expect("run twell");
     let text = format!(
@@ -155,6 +161,11 @@ fn bad_mlp_train_bench_flags_are_rejected() {
     fails_with(&["bench", "mlp-train", "--reps", "0"], "at least 1");
     fails_with(&["bench", "mlp-train", "--l1=-1"], "--l1");
     fails_with(&["bench", "mlp-train", "--dtype", "f64"], "--dtype");
+    // A mistyped backward knob is an error that names it, not the default path measured.
+    let small = "bench mlp-train --shape 64x256 --tokens 8 --density 0.05 --reps 1 --warmup 0";
+    let args: Vec<&str> = small.split(' ').collect();
+    let (ok, text) = twell_with_env(&args, &[("TWELL_BACKWARD", "gemm")]);
+    assert!(!ok && text.contains("TWELL_BACKWARD=\"gemm\""), "{text}");
 }
 
 /// A tiny random ReLU Llama checkpoint (10% FFN density) in a fresh directory, and a

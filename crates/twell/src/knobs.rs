@@ -3,6 +3,23 @@
 //! `TWELL_BACKWARD`). A value a knob cannot take is an error that names the knob, so a
 //! mistyped A/B run fails instead of quietly measuring the default.
 
+use crate::error::{err, TwellError};
+
+/// Where a knob keeps its value: read from the environment once per process.
+pub(crate) type Cell = std::sync::OnceLock<Result<Option<usize>, String>>;
+
+/// The knob kept in `cell`, read by `read` (an `env_*` function) on the first call; a
+/// value the knob cannot take is the same error on every call.
+pub(crate) fn read_once(
+    cell: &'static Cell,
+    read: impl FnOnce() -> Result<Option<usize>, String>,
+) -> candle_core::Result<Option<usize>> {
+    match cell.get_or_init(read) {
+        Ok(value) => Ok(*value),
+        Err(msg) => err(TwellError::Invalid(msg.clone())),
+    }
+}
+
 /// `raw`, the value of the knob `name`, as a count that `accept` allows (`expected`
 /// says which, for the message); `None` when the knob is unset.
 pub(crate) fn parse_count(

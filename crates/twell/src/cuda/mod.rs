@@ -14,6 +14,7 @@ use half::bf16;
 
 use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
+use crate::knobs;
 use crate::ops::mlp_result_len;
 
 mod adamw;
@@ -51,15 +52,11 @@ const WARP_CHUNK: usize = 256;
 /// [`DECODE_MAX_TOKENS`], or `TWELL_DECODE_MAX_TOKENS` when set (to measure both
 /// work splits at one size).
 fn decode_max_tokens() -> Result<usize> {
-    static N: std::sync::OnceLock<std::result::Result<Option<usize>, String>> =
-        std::sync::OnceLock::new();
-    let set = N.get_or_init(|| {
-        crate::knobs::env_count("TWELL_DECODE_MAX_TOKENS", "a token count", |_| true)
-    });
-    match set {
-        Ok(n) => Ok(n.unwrap_or(DECODE_MAX_TOKENS)),
-        Err(msg) => err(TwellError::Invalid(msg.clone())),
-    }
+    static N: knobs::Cell = knobs::Cell::new();
+    let set = knobs::read_once(&N, || {
+        knobs::env_count("TWELL_DECODE_MAX_TOKENS", "a token count", |_| true)
+    })?;
+    Ok(set.unwrap_or(DECODE_MAX_TOKENS))
 }
 
 /// The prefill up kernel keeps a row of x in registers as `MAXV` 16-byte vectors per
@@ -106,17 +103,12 @@ fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
 /// gained nothing (`docs/kernel-notes.md`). `TWELL_ROW_SPLIT` (1 or 4) fixes it, to
 /// measure both on one size.
 fn row_split(dev: &CudaDevice, m: usize, d: usize) -> Result<usize> {
-    static FIXED: std::sync::OnceLock<std::result::Result<Option<usize>, String>> =
-        std::sync::OnceLock::new();
-    let fixed = FIXED.get_or_init(|| {
-        crate::knobs::env_count("TWELL_ROW_SPLIT", &format!("1 or {ROW_SPLIT}"), |v| {
+    static FIXED: knobs::Cell = knobs::Cell::new();
+    let fixed = knobs::read_once(&FIXED, || {
+        knobs::env_count("TWELL_ROW_SPLIT", &format!("1 or {ROW_SPLIT}"), |v| {
             v == 1 || v == ROW_SPLIT
         })
-    });
-    let fixed = match fixed {
-        Ok(fixed) => *fixed,
-        Err(msg) => return err(TwellError::Invalid(msg.clone())),
-    };
+    })?;
     let split = match fixed {
         Some(split) => split,
         None if m * ROW_SPLIT <= multiprocessors(dev)? * ROW_SPLIT_WARPS_PER_SM => ROW_SPLIT,

@@ -17,8 +17,8 @@ use super::{
 use crate::cpu::float::Rows;
 use crate::cpu::screen::GateScreen;
 use crate::cpu::t2d::{self, GateGrad};
-use crate::error::{err, TwellError};
 use crate::format::{check_size, TwellConfig, TwellPattern};
+use crate::knobs;
 
 /// What the forward pass leaves for the backward pass and the caller.
 #[derive(Clone)]
@@ -65,26 +65,21 @@ impl BackwardPath {
     /// `=dense-dx` or `=dense` overrides it, to measure each on one build; another
     /// value is an error.
     pub fn for_density(density: Option<f64>) -> Result<Self> {
-        type Forced = std::result::Result<Option<BackwardPath>, String>;
-        static FORCED: std::sync::OnceLock<Forced> = std::sync::OnceLock::new();
+        static FORCED: knobs::Cell = knobs::Cell::new();
         const PATHS: [BackwardPath; 3] = [
             BackwardPath::Sparse,
             BackwardPath::DenseDx,
             BackwardPath::Dense,
         ];
-        let forced = FORCED.get_or_init(|| {
-            crate::knobs::env_choice("TWELL_BACKWARD", &["sparse", "dense-dx", "dense"])
-                .map(|i| i.map(|i| PATHS[i]))
-        });
-        match forced {
-            Err(msg) => err(TwellError::Invalid(msg.clone())),
-            Ok(Some(path)) => Ok(*path),
-            Ok(None) => Ok(match density {
-                Some(d) if d > CUDA_DENSE_WEIGHT_GRADS_DENSITY => Self::Dense,
-                Some(d) if d > CUDA_DENSE_DX_DENSITY => Self::DenseDx,
-                _ => Self::Sparse,
-            }),
-        }
+        let forced = knobs::read_once(&FORCED, || {
+            knobs::env_choice("TWELL_BACKWARD", &["sparse", "dense-dx", "dense"])
+        })?;
+        Ok(match (forced, density) {
+            (Some(i), _) => PATHS[i],
+            (None, Some(d)) if d > CUDA_DENSE_WEIGHT_GRADS_DENSITY => Self::Dense,
+            (None, Some(d)) if d > CUDA_DENSE_DX_DENSITY => Self::DenseDx,
+            (None, _) => Self::Sparse,
+        })
     }
 
     /// Whether dx is formed per pair.
