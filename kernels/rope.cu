@@ -1,4 +1,6 @@
-// rope: rotary position embedding of [b, t, heads, hd] rows (queries or keys).
+// rope: rotary position embedding of [b, t, heads, hd] rows (queries or keys), or of
+// fused q | k | v projection rows, whose first `rot_heads` heads turn and the rest (the
+// values) are copied.
 //
 // Each (position, head) row turns by its position's angles, rotate-half convention (as
 // HF Llama): for i < hd/2,
@@ -6,6 +8,12 @@
 //   out[i + hd/2] = x[i] · sin[i] + x[i + hd/2] · cos[i].
 // candle's rope_thd runs one element per thread with 2-byte loads and bf16 arithmetic;
 // here a thread turns 8 pairs with 16-byte loads, in f32, rounding once.
+//
+// The output is planar: the first `split` heads of every token row go to rows of
+// `split` heads, then the other heads to rows of their own after all of those. With
+// split = rot_heads = heads that is plain rows like x; with fused q | k | v rows and
+// split = query heads, the queries and the key | value rows each come out contiguous
+// (the KV cache appends the latter with one copy).
 #include "twell_common.cuh"
 
 #define ROPE_THREADS 256
@@ -13,20 +21,30 @@
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_bf16(
     const __nv_bfloat16* __restrict__ x,   // [b, t, heads, hd]
     const __nv_bfloat16* __restrict__ cs,  // [t, hd]: each position's cos, then its sin
-    __nv_bfloat16* __restrict__ out,       // like x
-    long long rows, int t, int heads, int hd) {
+    __nv_bfloat16* __restrict__ out,       // as many elements as x, planar (above)
+    long long rows, int t, int heads, int hd, int rot_heads, int split) {
     const int half = hd / 2, groups = half / VEC;  // 8-pair groups per row
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= rows * groups) return;
-    const long long row = i / groups;
+    const long long row = i / groups;  // (token, head) row
     const int c = static_cast<int>(i % groups) * VEC;
-    const int pos = static_cast<int>((row / heads) % t);
+    const long long token = row / heads;
+    const int head = static_cast<int>(row % heads);
+    const int pos = static_cast<int>(token % t);
     const __nv_bfloat16* src = x + row * hd;
-    __nv_bfloat16* dst = out + row * hd;
-    const __nv_bfloat16* angles = cs + static_cast<long long>(pos) * hd;
+    __nv_bfloat16* dst =
+        head < split ? out + (token * split + head) * hd
+                     : out + (rows / heads) * split * hd +
+                           (token * (heads - split) + head - split) * hd;
     float x1[VEC], x2[VEC], co[VEC], sn[VEC], o1[VEC], o2[VEC];
     load8(src + c, x1);
     load8(src + half + c, x2);
+    if (head >= rot_heads) {  // a value head: copied
+        store8(dst + c, x1);
+        store8(dst + half + c, x2);
+        return;
+    }
+    const __nv_bfloat16* angles = cs + static_cast<long long>(pos) * hd;
     load8(angles + c, co);
     load8(angles + half + c, sn);
 #pragma unroll

@@ -1,5 +1,6 @@
 //! "Drop-in": with a dense SwiGLU config, SparseLlama gives the logits of
-//! candle-transformers' Llama on the same weights, for prefill and cached decode.
+//! candle-transformers' Llama on the same weights, for prefill and cached decode, with
+//! its q, k, v projections split (as loaded) or fused for inference (`fuse_qkv`).
 
 mod common;
 
@@ -23,24 +24,49 @@ fn same_logits_as_candle_transformers_llama() {
         &theirs_cfg,
     )
     .unwrap();
-    let ours = sparse_llama::Llama::load(VarBuilder::from_tensors(w, DType::F32, &dev), &ours_cfg)
+    for fused in [false, true] {
+        let mut ours = sparse_llama::Llama::load(
+            VarBuilder::from_tensors(w.clone(), DType::F32, &dev),
+            &ours_cfg,
+        )
         .unwrap();
-    let mut cache_theirs = candle_llama::Cache::new(true, DType::F32, &theirs_cfg, &dev).unwrap();
-    let mut cache_ours = sparse_llama::Cache::new(true, DType::F32, &ours_cfg, &dev).unwrap();
+        if fused {
+            ours.fuse_qkv().unwrap();
+        }
+        assert_eq!(ours.is_qkv_fused(), fused);
+        let mut cache_theirs =
+            candle_llama::Cache::new(true, DType::F32, &theirs_cfg, &dev).unwrap();
+        let mut cache_ours = sparse_llama::Cache::new(true, DType::F32, &ours_cfg, &dev).unwrap();
 
-    let prompt = Tensor::new(&[[5u32, 17, 99, 3, 250, 42, 7, 7, 1, 200]], &dev).unwrap();
-    let a = theirs.forward(&prompt, 0, &mut cache_theirs).unwrap();
-    let b = ours.forward(&prompt, 0, &mut cache_ours).unwrap();
-    assert_eq!(a.dims(), b.dims());
-    assert!(rel_l2(&b, &a) < 1e-5, "prefill: {}", rel_l2(&b, &a));
-    for (step, tok) in [11u32, 12, 13].into_iter().enumerate() {
-        let x = Tensor::new(&[[tok]], &dev).unwrap();
-        let a = theirs.forward(&x, 10 + step, &mut cache_theirs).unwrap();
-        let b = ours.forward(&x, 10 + step, &mut cache_ours).unwrap();
+        let prompt = Tensor::new(&[[5u32, 17, 99, 3, 250, 42, 7, 7, 1, 200]], &dev).unwrap();
+        let a = theirs.forward(&prompt, 0, &mut cache_theirs).unwrap();
+        let b = ours.forward(&prompt, 0, &mut cache_ours).unwrap();
+        assert_eq!(a.dims(), b.dims());
         assert!(
             rel_l2(&b, &a) < 1e-5,
-            "decode step {step}: {}",
+            "fused {fused}, prefill: {}",
             rel_l2(&b, &a)
         );
+        // Two more tokens at once, then single steps: the cache moves into its buffer.
+        let pair = Tensor::new(&[[11u32, 12]], &dev).unwrap();
+        let a = theirs.forward(&pair, 10, &mut cache_theirs).unwrap();
+        let b = ours.forward(&pair, 10, &mut cache_ours).unwrap();
+        assert!(rel_l2(&b, &a) < 1e-5, "fused {fused}, two tokens");
+        for (step, tok) in [13u32, 14, 15].into_iter().enumerate() {
+            let x = Tensor::new(&[[tok]], &dev).unwrap();
+            let a = theirs.forward(&x, 12 + step, &mut cache_theirs).unwrap();
+            let b = ours.forward(&x, 12 + step, &mut cache_ours).unwrap();
+            assert!(
+                rel_l2(&b, &a) < 1e-5,
+                "fused {fused}, decode step {step}: {}",
+                rel_l2(&b, &a)
+            );
+        }
+        assert_eq!(cache_ours.len(), 15);
+        // A fused model refuses to train: its gradients would reach no variable.
+        if fused {
+            let err = ours.forward_train(&prompt).err().expect("refused");
+            assert!(err.to_string().contains("fuse_qkv"), "{err}");
+        }
     }
 }

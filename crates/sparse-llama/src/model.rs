@@ -25,10 +25,68 @@ pub use crate::config::{Config, LlamaConfig, LlamaEosToks};
 pub struct Cache {
     masks: HashMap<(usize, usize), Tensor>,
     pub use_kv_cache: bool,
-    /// Per layer, keys and values as `[b, T, kv_heads, hd]` (the projections' layout).
-    kvs: Vec<Option<(Tensor, Tensor)>>,
+    /// Per layer, keys and values side by side, `[b, T, 2 · kv_heads · hd]`.
+    kvs: Vec<Option<LayerKv>>,
     rope: RopeTable,
     device: Device,
+}
+
+/// Positions a layer's KV buffer grows by.
+const KV_CHUNK: usize = 256;
+
+/// One layer's cached keys and values: a `[b, capacity, 2 · kv_heads · hd]` buffer (each
+/// position's keys, then its values) holding `len` positions. A step writes its new rows
+/// in place, and the buffer grows by whole chunks of [`KV_CHUNK`] positions (copying
+/// what it holds once a chunk); the first rows (a prompt) are kept as given until a
+/// second append needs room. Joining the cache with each step's rows (`Tensor::cat`)
+/// copied all of it for every token, quadratic in the generated length (at batch 16 and
+/// 512 positions of the 2B shape, 2 GB a step), in two launches per tensor.
+#[derive(Debug, Clone)]
+struct LayerKv {
+    kv: Tensor,
+    len: usize,
+}
+
+impl LayerKv {
+    /// Appends `kv [b, t, width]` to the layer's cache (started when `slot` is empty)
+    /// and returns the cached `[b, len, width]` (a view of the buffer: with several
+    /// sequences, each one's rows are contiguous, the batch stride the buffer's).
+    /// `shares_storage`: `kv` is a view of a larger tensor (the fused projections'
+    /// queries sit beside it), which the cache must not keep alive.
+    fn append(slot: &mut Option<LayerKv>, kv: &Tensor, shares_storage: bool) -> Result<Tensor> {
+        let (b, t, width) = kv.dims3()?;
+        let Some(c) = slot.as_ref() else {
+            // A prefill that is not followed by decoding copies nothing it need not; the
+            // first decode step moves these rows into a chunked buffer.
+            let kv = match shares_storage {
+                true => kv.force_contiguous()?,
+                false => kv.contiguous()?,
+            };
+            *slot = Some(LayerKv {
+                kv: kv.clone(),
+                len: t,
+            });
+            return Ok(kv);
+        };
+        let (cb, capacity, cw) = c.kv.dims3()?;
+        if (cb, cw) != (b, width) {
+            candle_core::bail!(
+                "the KV cache holds batch {cb} of width {cw}, got batch {b} of width {width}: \
+                 reset the cache for a new batch"
+            );
+        }
+        let (len, needed) = (c.len, c.len + t);
+        if needed > capacity {
+            let grown = needed.div_ceil(KV_CHUNK) * KV_CHUNK;
+            let buffer = Tensor::zeros((b, grown, width), kv.dtype(), kv.device())?;
+            buffer.slice_set(&c.kv, 1, 0)?;
+            *slot = Some(LayerKv { kv: buffer, len });
+        }
+        let c = slot.as_mut().expect("filled above");
+        c.kv.slice_set(&kv.contiguous()?, 1, len)?;
+        c.len = needed;
+        c.kv.narrow(1, 0, needed)
+    }
 }
 
 /// RoPE tables `cos, sin [positions, head_dim / 2]` (rotate-half convention, as HF).
@@ -91,7 +149,7 @@ impl Cache {
     /// Tokens held in the cache.
     pub fn len(&self) -> usize {
         match self.kvs.first() {
-            Some(Some((k, _))) => k.dim(1).unwrap_or(0),
+            Some(Some(kv)) => kv.len,
             _ => 0,
         }
     }
@@ -158,6 +216,9 @@ struct CausalSelfAttention {
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,
+    /// The three projections as one, once [`Llama::fuse_qkv`] has run (the split ones
+    /// are then views of its weight).
+    qkv_proj: Option<Linear>,
     o_proj: Linear,
     num_attention_heads: usize,
     num_key_value_heads: usize,
@@ -174,6 +235,7 @@ impl CausalSelfAttention {
             q_proj: linear_b(h, q, bias, vb.pp("q_proj"))?,
             k_proj: linear_b(h, kv, bias, vb.pp("k_proj"))?,
             v_proj: linear_b(h, kv, bias, vb.pp("v_proj"))?,
+            qkv_proj: None,
             o_proj: linear_b(q, h, bias, vb.pp("o_proj"))?,
             num_attention_heads: cfg.num_attention_heads,
             num_key_value_heads: cfg.num_key_value_heads,
@@ -191,7 +253,7 @@ impl CausalSelfAttention {
         batch: (usize, usize),
         rope: &RopeTable,
         mask: Option<&Tensor>,
-        kv_cache: Option<&mut Option<(Tensor, Tensor)>>,
+        kv_cache: Option<&mut Option<LayerKv>>,
         pass: Pass,
         fused: bool,
     ) -> Result<Tensor> {
@@ -218,30 +280,67 @@ impl CausalSelfAttention {
         }
         // RoPE and the fused attention take the projections' rows `[b · t, heads · hd]` as
         // they come: a reshape or transpose is an autograd node, and the backward gives
-        // every node a zeros tensor and an add over its size. The KV cache keeps `[b, T,
-        // kv_heads, hd]` and grows along dim 1. Training gets here with the fused ops
-        // only, whose backward passes exist (no cache then).
-        let q = twell::ops::rope(&self.q_proj.forward(x)?, rope)?;
-        let mut k = twell::ops::rope(&self.k_proj.forward(x)?, rope)?;
-        let mut v = self.v_proj.forward(x)?;
-        if let Some(slot) = kv_cache {
-            let heads_of = |r: &Tensor| r.reshape((b, t, nkv, hd));
-            let (mut k4, mut v4) = (heads_of(&k)?, heads_of(&v)?);
-            if let Some((ck, cv)) = slot.as_ref() {
-                k4 = Tensor::cat(&[ck, &k4], 1)?;
-                v4 = Tensor::cat(&[cv, &v4], 1)?;
+        // every node a zeros tensor and an add over its size. Training gets here with the
+        // fused ops only, whose backward passes exist (split projections, no cache).
+        // Inference after `fuse_qkv` takes one product and one RoPE launch for q, k and
+        // v, whose keys and values come out side by side (`kv`), as the cache keeps them.
+        let w = nkv * hd;
+        let (q, mut k, mut v, kv) = match &self.qkv_proj {
+            Some(qkv) => {
+                let (q, kv) = twell::ops::rope_qkv(&qkv.forward(x)?, rope, nq, nkv)?;
+                (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv))
             }
-            let rows = b * k4.dim(1)?;
-            k = k4.reshape((rows, nkv * hd))?;
-            v = v4.reshape((rows, nkv * hd))?;
-            *slot = Some((k4, v4));
+            None => (
+                twell::ops::rope(&self.q_proj.forward(x)?, rope)?,
+                twell::ops::rope(&self.k_proj.forward(x)?, rope)?,
+                self.v_proj.forward(x)?,
+                None,
+            ),
+        };
+        if let Some(slot) = kv_cache {
+            let (kv, shares_storage) = match kv {
+                Some(kv) => (kv, true),
+                None => (Tensor::cat(&[&k, &v], 1)?, false),
+            };
+            // `[b, T, 2w]`, each sequence's rows in place in the layer's buffer.
+            let cached = LayerKv::append(slot, &kv.reshape((b, t, 2 * w))?, shares_storage)?;
+            (k, v) = (cached.narrow(2, 0, w)?, cached.narrow(2, w, w)?);
+            if !fused {
+                let rows = b * cached.dim(1)?;
+                (k, v) = (k.reshape((rows, w))?, v.reshape((rows, w))?);
+            }
         }
         if fused {
-            // The scores stay on chip; the mask is the causal one the kernel applies.
+            // The scores stay on chip; the mask is the causal one the kernel applies. The
+            // op reads strided keys and values (views of `kv` or of the cache) in place.
             let y = twell::ops::causal_attention_rows(&q, &k, &v, b, hd)?;
             return self.o_proj.forward(&y);
         }
         self.plain_attention(heads(&q, nq)?, heads(&k, nkv)?, heads(&v, nkv)?, mask, pass)
+    }
+
+    /// Replaces the three projections by one product over their stacked weights, for
+    /// inference (see [`Llama::fuse_qkv`]).
+    fn fuse_qkv(&mut self) -> Result<()> {
+        if self.qkv_proj.is_some() {
+            return Ok(());
+        }
+        let parts = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let weight = Tensor::cat(&parts.map(|l| l.weight()), 0)?;
+        let bias = match parts.map(|l| l.bias()) {
+            [Some(q), Some(k), Some(v)] => Some(Tensor::cat(&[q, k, v], 0)?),
+            _ => None,
+        };
+        // The split projections become views of the stacked weight (no second copy).
+        let mut start = 0;
+        for part in [&mut self.q_proj, &mut self.k_proj, &mut self.v_proj] {
+            let n = part.weight().dim(0)?;
+            let b = bias.as_ref().map(|b| b.narrow(0, start, n)).transpose()?;
+            *part = Linear::new(weight.narrow(0, start, n)?, b);
+            start += n;
+        }
+        self.qkv_proj = Some(Linear::new(weight, bias));
+        Ok(())
     }
 
     /// Attention as plain candle ops: f32 scores `[b, heads, t, T]`, the mask added, a
@@ -408,6 +507,24 @@ impl Llama {
         })
     }
 
+    /// Stacks each layer's q, k and v projection weights into one matrix, so that an
+    /// inference pass runs one product and one RoPE launch for the three (and the KV
+    /// cache appends keys and values with one copy). A decode step at batch 1 is bound by
+    /// launches on the host; this takes four of them out of every layer.
+    ///
+    /// For inference only: the stacked weight is no variable a trainer holds, so
+    /// [`Llama::forward_train`] refuses a fused model (load it again to train).
+    pub fn fuse_qkv(&mut self) -> Result<()> {
+        self.blocks
+            .iter_mut()
+            .try_for_each(|b| b.self_attn.fuse_qkv())
+    }
+
+    /// Whether [`Llama::fuse_qkv`] has run.
+    pub fn is_qkv_fused(&self) -> bool {
+        self.blocks.iter().any(|b| b.self_attn.qkv_proj.is_some())
+    }
+
     /// Chooses the attention implementation of the following passes (see
     /// [`AttentionPath`]).
     pub fn set_attention_path(&mut self, path: AttentionPath) {
@@ -432,6 +549,12 @@ impl Llama {
         pass: Pass,
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let (b, t) = tokens.dims2()?;
+        if pass == Pass::Train && self.is_qkv_fused() {
+            candle_core::bail!(
+                "this model's q, k, v projections are fused for inference (fuse_qkv): their \
+                 gradients would reach no trained variable; load the model again to train"
+            );
+        }
         if index_pos + t > self.config.max_position_embeddings {
             candle_core::bail!(
                 "sequence reaches position {} but the model supports {}",
@@ -601,5 +724,46 @@ impl Llama {
     /// The layers' MLPs, e.g. to read weights for saving.
     pub fn mlps(&self) -> impl Iterator<Item = &SparseMlp> {
         self.blocks.iter().map(|b| &b.mlp)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{LayerKv, KV_CHUNK};
+    use candle_core::{DType, Device, Result, Tensor};
+
+    /// Rows that tell positions apart: `[b, t, 8]` from `start`.
+    fn rows(b: usize, t: usize, start: usize) -> Result<Tensor> {
+        let n = b * t * 8;
+        Tensor::arange(start as u32 * 1000, (start * 1000 + n) as u32, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .reshape((b, t, 8))
+    }
+
+    #[test]
+    fn kv_cache_appends_across_chunks_as_a_concatenation_would() -> Result<()> {
+        // A 200-row prompt is kept as given; + 100 grows to two chunks; + 1 is a step.
+        let mut slot = None;
+        let mut all = Vec::new();
+        for (i, t) in [200usize, 100, 1].into_iter().enumerate() {
+            let kv = rows(2, t, 10 * i)?;
+            let cached = LayerKv::append(&mut slot, &kv, i == 0)?;
+            all.push(kv);
+            let want = Tensor::cat(&all, 1)?;
+            assert_eq!(cached.dims(), want.dims());
+            let diff = (cached - want)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "after {t} more");
+        }
+        let kv = slot.clone().expect("filled");
+        assert_eq!(kv.len, 301);
+        assert_eq!(kv.kv.dim(1)?, 2 * KV_CHUNK);
+        // Another batch size without a reset is an error, not garbage.
+        let err = LayerKv::append(&mut slot, &rows(3, 1, 0)?, false).unwrap_err();
+        assert!(err.to_string().contains("reset the cache"), "{err}");
+        Ok(())
     }
 }

@@ -576,11 +576,13 @@ impl Trainer {
     /// The model to distill from when [`TrainConfig::distill`] > 0: usually the
     /// checkpoint the run started from, with its own activation. Its weights are not
     /// trained; it must share the student's vocabulary.
-    pub fn set_teacher(&mut self, teacher: Llama) -> Result<()> {
+    pub fn set_teacher(&mut self, mut teacher: Llama) -> Result<()> {
         let (want, got) = (self.model_cfg.vocab_size, teacher.config().vocab_size);
         if want != got {
             candle_core::bail!("the teacher's vocabulary ({got}) is not the student's ({want})");
         }
+        // It only runs inference passes.
+        teacher.fuse_qkv()?;
         let cache = Cache::new(false, self.cfg.dtype(), teacher.config(), &self.device)?;
         self.teacher = Some(Teacher {
             model: teacher,

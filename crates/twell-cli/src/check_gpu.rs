@@ -304,20 +304,30 @@ fn check_tokens(device: &Device) -> Result<Tensor> {
 }
 
 /// The model's inference path on the GPU (fused attention, fused residual add + norm,
-/// rope, KV cache across two chunks) against the CPU f32 training path (plain ops) on the
-/// same tokens: relative L2 error of the logits.
-fn check_model_attention(dev: &Device) -> Result<f64> {
+/// rope, and the KV cache: a 40-token prompt, 55 more written into its chunked buffer,
+/// read in place by the attention with two sequences' batch stride, then a one-token
+/// step on the decode kernel) against the CPU f32 training path (plain ops) on the same
+/// tokens: relative L2 error of the logits, with the q, k, v projections split (as
+/// loaded) and then fused (`fuse_qkv`: one product, the RoPE kernel's q | k | v form,
+/// keys and values read from wider rows).
+fn check_model_attention(dev: &Device) -> Result<[f64; 2]> {
     use sparse_llama::Cache;
-    let ([(gpu, _), (cpu, _)], cfg) = check_models(dev)?;
+    let ([(mut gpu, _), (cpu, _)], cfg) = check_models(dev)?;
     let plain = cpu.forward_train(&check_tokens(&Device::Cpu)?)?.logits;
     let ids = check_tokens(dev)?;
-    let mut cache = Cache::new(true, DType::BF16, &cfg, dev)?;
-    let first = gpu.forward_all(&ids.narrow(1, 0, 40)?, 0, &mut cache)?;
-    let second = gpu.forward_all(&ids.narrow(1, 40, 56)?, 40, &mut cache)?;
-    rel_l2(
-        &Tensor::cat(&[first, second], 1)?.to_device(&Device::Cpu)?,
-        &plain,
-    )
+    let mut errs = [0.0; 2];
+    for err in errs.iter_mut() {
+        let mut cache = Cache::new(true, DType::BF16, &cfg, dev)?;
+        let first = gpu.forward_all(&ids.narrow(1, 0, 40)?, 0, &mut cache)?;
+        let second = gpu.forward_all(&ids.narrow(1, 40, 55)?, 40, &mut cache)?;
+        let third = gpu.forward_all(&ids.narrow(1, 95, 1)?, 95, &mut cache)?;
+        *err = rel_l2(
+            &Tensor::cat(&[first, second, third], 1)?.to_device(&Device::Cpu)?,
+            &plain,
+        )?;
+        gpu.fuse_qkv()?;
+    }
+    Ok(errs)
 }
 
 #[derive(Serialize, Debug)]
@@ -797,7 +807,8 @@ struct Report {
     adamw_mixed_err: [f64; 5],
     /// The embedding's weight gradient, GPU bf16 against CPU f32.
     embedding_grad_err: f64,
-    model_attention_err: f64,
+    /// Split, then fused q, k, v projections.
+    model_attention_err: [f64; 2],
     model_training: ModelTrainResult,
 }
 
@@ -1062,12 +1073,13 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         tally.record(embedding_ok)
     );
     let model_attention_err = check_model_attention(&dev)?;
-    let model_ok = model_attention_err < TOLERANCE;
-    println!(
-        "model (2 layers, hd 64, GQA 8/2, 2 x 96 tokens in two cached chunks): inference vs \
-         the CPU's f32 training path, logits rel err {model_attention_err:.2e} {}",
-        tally.record(model_ok)
-    );
+    for (err, projections) in model_attention_err.iter().zip(["split", "fused"]) {
+        println!(
+            "model (2 layers, hd 64, GQA 8/2, 2 x 96 tokens in two cached chunks, {projections} \
+             q, k, v): inference vs the CPU's f32 training path, logits rel err {err:.2e} {}",
+            tally.record(*err < TOLERANCE)
+        );
+    }
     let model_training = check_model_training(&dev)?;
     println!(
         "model training (same model, bf16 on the GPU vs f32 on the CPU, fused attention {}): \

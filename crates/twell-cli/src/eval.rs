@@ -63,6 +63,7 @@ pub fn run(args: &EvalArgs) -> Result<()> {
     let dtype = args.model.dtype(&device)?;
     let ck = args.model.open()?;
     let mut model = ck.load_model(dtype, &device, &args.model.load_options()?)?;
+    model.fuse_qkv()?;
     model.record_ffn_stats(true);
     let text = match &args.text {
         Some(t) => t.clone(),

@@ -62,6 +62,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let ck = args.model.open()?;
     let opts = args.model.load_options()?;
     let mut model = ck.load_model(dtype, &device, &opts)?;
+    model.fuse_qkv()?;
     let relu = model.config().activation == Activation::Relu;
     model.record_ffn_stats(relu);
 

@@ -253,3 +253,67 @@ fn row_dot_matches_candle_ops_and_checks_shapes() {
     let short = grad.narrow(1, 0, heads * hd - hd).unwrap();
     assert!(msg(attention_row_dot(&grad, &short, b, hd)).contains("equal"));
 }
+
+#[test]
+fn per_sequence_rows_of_a_longer_buffer_read_as_plain_rows() {
+    use twell::ops::causal_attention_rows;
+    // A KV cache's view: [b, T, width] of a [b, capacity, width] buffer.
+    let (b, heads, kv, t, total, cap, hd) = (3, 4, 2, 1, 7, 16, 8);
+    for dtype in [DType::F32, DType::BF16] {
+        let q = common::uniform(&[b * t, heads * hd], 11, 1.0)
+            .to_dtype(dtype)
+            .unwrap();
+        let kb = common::uniform(&[b, cap, kv * hd], 12, 1.0)
+            .to_dtype(dtype)
+            .unwrap();
+        let vb = common::uniform(&[b, cap, kv * hd], 13, 1.0)
+            .to_dtype(dtype)
+            .unwrap();
+        let (k3, v3) = (
+            kb.narrow(1, 0, total).unwrap(),
+            vb.narrow(1, 0, total).unwrap(),
+        );
+        assert!(!k3.is_contiguous());
+        let rows = |x: &Tensor| {
+            x.contiguous()
+                .unwrap()
+                .reshape((b * total, kv * hd))
+                .unwrap()
+        };
+        let out = causal_attention_rows(&q, &k3, &v3, b, hd).unwrap();
+        let want = causal_attention_rows(&q, &rows(&k3), &rows(&v3), b, hd).unwrap();
+        assert_eq!(out.dims(), &[b * t, heads * hd]);
+        let err = rel_err(&out, &want);
+        assert!(err < 1e-6, "{dtype:?}: rel err {err}");
+    }
+    // The batch of the rows must be the call's.
+    let q = common::uniform(&[2, heads * hd], 14, 1.0);
+    let k = common::uniform(&[3, total, kv * hd], 15, 1.0);
+    let msg = format!("{}", causal_attention_rows(&q, &k, &k, 2, hd).unwrap_err());
+    assert!(msg.contains("batch"), "{msg}");
+}
+
+#[test]
+fn keys_and_values_read_from_wider_rows() {
+    use twell::ops::causal_attention_rows;
+    // Keys and values side by side in one `[b·T, 2·kv·hd]` tensor, as the fused
+    // projections give them: the op takes the narrowed views.
+    let (b, heads, kv, t, hd) = (2, 4, 2, 5, 8);
+    let q = common::uniform(&[b * t, heads * hd], 21, 1.0);
+    let both = common::uniform(&[b * t, 2 * kv * hd], 22, 1.0);
+    let (k, v) = (
+        both.narrow(1, 0, kv * hd).unwrap(),
+        both.narrow(1, kv * hd, kv * hd).unwrap(),
+    );
+    assert!(!k.is_contiguous() && !v.is_contiguous());
+    let out = causal_attention_rows(&q, &k, &v, b, hd).unwrap();
+    let want = causal_attention_rows(
+        &q,
+        &k.contiguous().unwrap(),
+        &v.contiguous().unwrap(),
+        b,
+        hd,
+    )
+    .unwrap();
+    assert!(rel_err(&out, &want) < 1e-6);
+}

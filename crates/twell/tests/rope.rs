@@ -126,3 +126,53 @@ fn op_backward_matches_rope_slow_autograd() {
         assert!(err < tol, "{dtype:?}: rel err {err:.2e}");
     }
 }
+
+#[test]
+fn fused_projection_rows_turn_like_their_split_parts() {
+    use twell::ops::rope_qkv;
+    // (b, t, query heads, key/value heads, hd): grouped and plain attention.
+    for &(b, t, nq, nkv, hd) in &[(1, 1, 4, 2, 16), (2, 5, 9, 3, 32), (3, 2, 2, 2, 8)] {
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+            let rows = b * t;
+            let qkv = random(&[rows, (nq + 2 * nkv) * hd], 31)
+                .to_dtype(dtype)
+                .unwrap();
+            let cos = random(&[t, hd / 2], 32).to_dtype(dtype).unwrap();
+            let sin = random(&[t, hd / 2], 33).to_dtype(dtype).unwrap();
+            let angles = RopeTable::new(&cos, &sin).unwrap();
+            let (q, kv) = rope_qkv(&qkv, &angles, nq, nkv).unwrap();
+            assert_eq!(q.dims(), [rows, nq * hd]);
+            assert_eq!(kv.dims(), [rows, 2 * nkv * hd]);
+            assert!(q.is_contiguous() && kv.is_contiguous());
+            let part = |start: usize, heads: usize| qkv.narrow(1, start * hd, heads * hd).unwrap();
+            let want_q = rope(&part(0, nq), &angles).unwrap();
+            let want_k = rope(&part(nq, nkv), &angles).unwrap();
+            let err = common::rel_l2(&q, &want_q).unwrap();
+            assert!(err < tol, "q {dtype:?}: {err:.2e}");
+            let err = common::rel_l2(&kv.narrow(1, 0, nkv * hd).unwrap(), &want_k).unwrap();
+            assert!(err < tol, "k {dtype:?}: {err:.2e}");
+            // The values pass through unchanged, bit for bit.
+            let v = kv.narrow(1, nkv * hd, nkv * hd).unwrap();
+            let d = (v.to_dtype(DType::F32).unwrap()
+                - part(nq + nkv, nkv).to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+            assert_eq!(d, 0.0, "values {dtype:?}");
+        }
+    }
+    // Rows that are not q | k | v of the given heads are refused with the shapes.
+    let angles = RopeTable::new(&random(&[2, 4], 34), &random(&[2, 4], 35)).unwrap();
+    let err = rope_qkv(&random(&[2, 7 * 8], 36), &angles, 4, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("rope_qkv") && err.contains("[2, 56]"), "{err}");
+    let err = rope_qkv(&random(&[3, 8 * 8], 36), &angles, 4, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cos_sin"), "{err}");
+}

@@ -61,6 +61,11 @@ pub struct ModelBenchArgs {
     /// steps, so short regions misread it. 0 reads it over the timed repetitions instead.
     #[arg(long, default_value_t = 2.0)]
     pub energy_secs: f64,
+    /// Keep each layer's q, k, v projections split, as loaded (the inference phases
+    /// otherwise stack them into one product, as `generate` and `eval` do), to measure
+    /// one form against the other.
+    #[arg(long)]
+    pub split_qkv: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// SVG chart of the sparse/dense speed-up per measurement.
@@ -102,6 +107,9 @@ pub struct ModelReport {
     pub parameters: usize,
     /// Mean FFN density per layer in a prefill of the first shape (sparse path).
     pub density_per_layer: Vec<f64>,
+    /// Whether the inference phases ran one q, k, v product per layer (`--split-qkv`
+    /// off).
+    pub fused_qkv: bool,
     pub measurements: Vec<Measurement>,
 }
 
@@ -195,6 +203,9 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
         VarBuilder::from_tensors(weights.clone(), dtype, &device),
         &cfg,
     )?;
+    if !args.split_qkv {
+        model.fuse_qkv()?;
+    }
     let meter = EnergyMeter::new(match &device {
         Device::Cuda(_) => Some(0),
         _ => None,
@@ -388,6 +399,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
         dtype: format!("{dtype:?}"),
         parameters: cfg.num_parameters(),
         density_per_layer,
+        fused_qkv: !args.split_qkv,
         measurements,
     })
 }

@@ -16,14 +16,22 @@ const ROPE_THREADS: u32 = 256;
 
 /// `x` (`[b, t, heads, hd]` in memory, any shape; `(t, heads, hd)` given) and `cos_sin
 /// [t, hd]` (each position's cos, then its sin; bf16, contiguous, `hd % 16 == 0`):
-/// returns the turned rows, as many elements as `x`.
+/// returns as many elements as `x`. The first `rot_heads` heads of each token turn, the
+/// others are copied; the first `split` heads of every token come out as rows of their
+/// own, then the rest (`kernels/rope.cu`). `rot_heads = split = heads` is plain RoPE.
 pub fn rope(
     x: &CudaStorage,
     xl: &Layout,
     cs: &CudaStorage,
     cl: &Layout,
     (t, heads, hd): (usize, usize, usize),
+    (rot_heads, split): (usize, usize),
 ) -> Result<CudaStorage> {
+    if rot_heads > heads || split > heads {
+        return err(TwellError::Invalid(format!(
+            "rope: {rot_heads} turned and {split} leading heads of {heads}"
+        )));
+    }
     if !hd.is_multiple_of(16) {
         return err(TwellError::Invalid(format!(
             "rope on CUDA takes head sizes that are multiples of 16, got {hd}"
@@ -43,6 +51,7 @@ pub fn rope(
     let mut out = unsafe { dev.alloc::<bf16>(rows as usize * hd)? };
     let func = dev.get_or_load_custom_func("rope_bf16", "rope", ROPE_PTX)?;
     let (t_i, heads_i, hd_i) = (t as i32, heads as i32, hd as i32);
+    let (rot_i, split_i) = (rot_heads as i32, split as i32);
     let mut builder = func.builder();
     builder
         .arg(&xv)
@@ -51,7 +60,9 @@ pub fn rope(
         .arg(&rows)
         .arg(&t_i)
         .arg(&heads_i)
-        .arg(&hd_i);
+        .arg(&hd_i)
+        .arg(&rot_i)
+        .arg(&split_i);
     let cfg = super::grid_1d(blocks, ROPE_THREADS);
     // SAFETY: one thread per 8 pairs of a row, bounded in the kernel; shapes checked by
     // the op.

@@ -84,18 +84,22 @@ fn dims(
 }
 
 impl CausalAttention {
-    /// `[b, heads, t, hd]` of `[b·t, heads·hd]` rows, checked.
+    /// `[b, heads, t, hd]` of `[b·t, heads·hd]` rows, or of `[b, t, heads·hd]` (each
+    /// sequence's rows, e.g. a KV cache's), checked.
     fn heads_shape(&self, what: &'static str, rows: &[usize]) -> Result<[usize; 4]> {
         let (b, hd) = (self.batch, self.head_dim);
         match *rows {
             [n, width] if b > 0 && hd > 0 && n % b == 0 && width % hd == 0 => {
                 Ok([b, width / hd, n / b, hd])
             }
+            [bb, n, width] if bb == b && b > 0 && hd > 0 && width % hd == 0 => {
+                Ok([b, width / hd, n, hd])
+            }
             _ => err(TwellError::ShapeMismatch {
                 what,
                 detail: format!(
-                    "want [batch · positions, heads · head_dim] rows with batch {b} and head_dim \
-                     {hd}, got {rows:?}"
+                    "want [batch · positions, heads · head_dim] or [batch, positions, heads · \
+                     head_dim] rows with batch {b} and head_dim {hd}, got {rows:?}"
                 ),
             }),
         }
@@ -115,19 +119,29 @@ impl CausalAttention {
         )
     }
 
-    /// The `[b, heads, positions, hd]` view of contiguous rows (`[b, positions, heads,
-    /// hd]` in memory).
+    /// The `[b, heads, positions, hd]` view of rows (`[b, positions, heads, hd]` in
+    /// memory): contiguous, or strided as [`strided_rows`] accepts (a view of wider rows,
+    /// or of a longer KV buffer).
     #[cfg(feature = "cuda")]
     fn heads_layout(&self, what: &'static str, l: &Layout) -> Result<Layout> {
         let [b, heads, n, hd] = self.heads_shape(what, l.dims())?;
-        if !l.is_contiguous() {
-            return err(TwellError::Invalid(format!(
-                "{what} must be contiguous rows"
-            )));
-        }
+        let (batch_stride, row_stride) = if l.is_contiguous() {
+            (n * heads * hd, heads * hd)
+        } else {
+            match (strided_rows(l), l.stride()) {
+                (true, &[rs, 1]) => (n * rs, rs),
+                (true, &[bs, ts, 1]) => (bs, ts),
+                _ => {
+                    return err(TwellError::Invalid(format!(
+                        "{what} must be contiguous rows, or rows with a row stride (and a \
+                         batch stride) that are multiples of 8"
+                    )))
+                }
+            }
+        };
         Ok(Layout::new(
             Shape::from((b, heads, n, hd)),
-            vec![n * heads * hd, hd, heads * hd, 1],
+            vec![batch_stride, hd, row_stride, 1],
             l.start_offset(),
         ))
     }
@@ -238,6 +252,8 @@ impl CustomOp3 for CausalAttention {
         out: &Tensor,
         grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // Gradients take their input's shape (`[b·T, width]` or `[b, T, width]`).
+        let (k_dims, v_dims) = (k.dims().to_vec(), v.dims().to_vec());
         let (q, k, v) = (
             self.heads_view(q)?,
             self.heads_view(k)?,
@@ -271,15 +287,17 @@ impl CustomOp3 for CausalAttention {
         };
         Ok((
             Some(Self::rows_of(&dq)?),
-            Some(Self::rows_of(&fold(dk)?)?),
-            Some(Self::rows_of(&fold(dv)?)?),
+            Some(Self::rows_of(&fold(dk)?)?.reshape(k_dims)?),
+            Some(Self::rows_of(&fold(dv)?)?.reshape(v_dims)?),
         ))
     }
 }
 
 /// Causal attention over token rows: `q [b·t, heads·hd]`, `k, v [b·T, kv_heads·hd]`
-/// with `T >= t` (the layout of a model's projections, `[b, positions, heads, hd]` in
-/// memory). Query `i` sits at position `T - t + i` (the keys before it are a KV cache)
+/// (or `[b, T, kv_heads·hd]`) with `T >= t` (the layout of a model's projections, `[b,
+/// positions, heads, hd]` in memory). On CUDA the rows may be views: of wider rows
+/// (keys and values side by side) or of a longer KV buffer per sequence, read in place.
+/// Query `i` sits at position `T - t + i` (the keys before it are a KV cache)
 /// and sees keys `0 ..= T - t + i`; grouped-query attention when `kv_heads < heads`.
 /// Returns `[b·t, heads·hd]` rows in q's dtype. Differentiable in q, k and v.
 pub fn causal_attention_rows(
@@ -319,9 +337,27 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         .transpose(1, 2)
 }
 
+/// Rows the CUDA kernel reads in place though they are not contiguous: `[n, width]`
+/// with a row stride (a view of wider rows, e.g. the keys of fused key | value rows) or
+/// `[b, positions, width]` with a row and a batch stride (a view of a longer KV buffer),
+/// every row 16-byte aligned.
+#[cfg(feature = "cuda")]
+fn strided_rows(l: &Layout) -> bool {
+    let aligned = |xs: &[usize]| xs.iter().chain([&l.start_offset()]).all(|x| x % 8 == 0);
+    match (l.dims(), l.stride()) {
+        (&[_, width], &[rs, 1]) => rs >= width && aligned(&[rs]),
+        (&[_, n, width], &[bs, ts, 1]) => (ts >= width || n == 1) && aligned(&[bs, ts]),
+        _ => false,
+    }
+}
+
 /// An input as the op reads it: contiguous rows, 16-byte aligned for the CUDA kernels'
-/// vector loads.
+/// vector loads. On CUDA strided rows ([`strided_rows`]) are read in place.
 fn readable(t: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() && !t.is_contiguous() && strided_rows(t.layout()) {
+        return Ok(t.clone());
+    }
     let t = t.contiguous()?;
     #[cfg(feature = "cuda")]
     if t.device().is_cuda() && t.layout().start_offset() % 8 != 0 {

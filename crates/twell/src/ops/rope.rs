@@ -58,26 +58,8 @@ impl CustomOp2 for Rope {
         csl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (t, heads, hd) = dims(xl, csl)?;
-        let x = Rows::new("x", xs, xl)?;
-        let dtype = x.dtype();
-        let (x, cs) = (x.to_f32_vec(), Rows::new("cos_sin", css, csl)?.to_f32_vec());
-        let half = hd / 2;
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(hd)
-            .zip(x.par_chunks(hd))
-            .enumerate()
-            .for_each(|(row, (o, x))| {
-                let angles = &cs[((row / heads) % t) * hd..][..hd];
-                let (co, sn) = angles.split_at(half);
-                for i in 0..half {
-                    o[i] = x[i] * co[i] - x[i + half] * sn[i];
-                    o[i + half] = x[i] * sn[i] + x[i + half] * co[i];
-                }
-            });
-        Ok((
-            crate::cpu::float::storage_from_f32(out, dtype)?,
-            Shape::from(xl.dims()),
-        ))
+        let out = turn_cpu(xs, xl, css, csl, (t, heads, hd), (heads, heads))?;
+        Ok((out, Shape::from(xl.dims())))
     }
 
     #[cfg(feature = "cuda")]
@@ -89,7 +71,7 @@ impl CustomOp2 for Rope {
         csl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (t, heads, hd) = dims(xl, csl)?;
-        let out = crate::cuda::rope(xs, xl, css, csl, (t, heads, hd))?;
+        let out = crate::cuda::rope(xs, xl, css, csl, (t, heads, hd), (heads, heads))?;
         Ok((out, Shape::from(xl.dims())))
     }
 
@@ -112,6 +94,168 @@ impl CustomOp2 for Rope {
         let grad = grad_out.contiguous()?.apply_op2_no_bwd(&inverse, &Rope)?;
         Ok((Some(grad), None))
     }
+}
+
+/// The CPU form of `kernels/rope.cu`: the first `rot_heads` heads of each token row
+/// turn, the others are copied, and the first `split` heads of every token come out as
+/// rows of their own, then the rest (planar; `rot_heads = split = heads` is plain RoPE).
+fn turn_cpu(
+    xs: &CpuStorage,
+    xl: &Layout,
+    css: &CpuStorage,
+    csl: &Layout,
+    (t, heads, hd): (usize, usize, usize),
+    (rot_heads, split): (usize, usize),
+) -> Result<CpuStorage> {
+    let x = Rows::new("x", xs, xl)?;
+    let dtype = x.dtype();
+    let (x, cs) = (x.to_f32_vec(), Rows::new("cos_sin", css, csl)?.to_f32_vec());
+    let half = hd / 2;
+    let tokens = x.len() / (heads * hd);
+    let mut out = vec![0f32; x.len()];
+    let (out_lead, out_rest) = out.split_at_mut(tokens * split * hd);
+    let turn = |row: usize, o: &mut [f32]| {
+        let (token, head) = (row / heads, row % heads);
+        let x = &x[row * hd..][..hd];
+        if head >= rot_heads {
+            o.copy_from_slice(x);
+            return;
+        }
+        let angles = &cs[(token % t) * hd..][..hd];
+        let (co, sn) = angles.split_at(half);
+        for i in 0..half {
+            o[i] = x[i] * co[i] - x[i + half] * sn[i];
+            o[i + half] = x[i] * sn[i] + x[i + half] * co[i];
+        }
+    };
+    // Output row `r` of the leading block is token `r / split`, head `r % split`; of the
+    // rest, token `r / (heads - split)`, head `split + r % (heads - split)`.
+    out_lead
+        .par_chunks_mut(hd)
+        .enumerate()
+        .for_each(|(r, o)| turn((r / split) * heads + r % split, o));
+    let others = heads - split;
+    out_rest
+        .par_chunks_mut(hd)
+        .enumerate()
+        .for_each(|(r, o)| turn((r / others) * heads + split + r % others, o));
+    crate::cpu::float::storage_from_f32(out, dtype)
+}
+
+/// The op behind [`rope_qkv`]: input fused projection rows `[rows, (q_heads + 2 ·
+/// kv_heads) · hd]` (queries, keys, values) and `cos_sin [t, hd]`; output the queries
+/// and keys turned, the values copied, as `rows · q_heads · hd` query elements followed
+/// by `rows · 2 · kv_heads · hd` key | value elements (flat).
+pub struct RopeQkv {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+}
+
+impl RopeQkv {
+    /// `(t, heads, hd)` of a call, checked.
+    fn dims(&self, x: &Layout, cs: &Layout) -> Result<(usize, usize, usize)> {
+        let heads = self.q_heads + 2 * self.kv_heads;
+        match (x.dims(), cs.dims()) {
+            (&[rows, width], &[t, hd])
+                if self.q_heads > 0
+                    && self.kv_heads > 0
+                    && t > 0
+                    && hd > 0
+                    && hd.is_multiple_of(2)
+                    && rows % t == 0
+                    && width == heads * hd =>
+            {
+                Ok((t, heads, hd))
+            }
+            _ => err(TwellError::ShapeMismatch {
+                what: "rope_qkv",
+                detail: format!(
+                    "x {:?}, cos_sin {:?}: want x [b · t, ({} + 2 · {}) · hd] and cos_sin \
+                     [t, hd] with hd even",
+                    x.dims(),
+                    cs.dims(),
+                    self.q_heads,
+                    self.kv_heads
+                ),
+            }),
+        }
+    }
+}
+
+impl CustomOp2 for RopeQkv {
+    fn name(&self) -> &'static str {
+        "rope-qkv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        css: &CpuStorage,
+        csl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (t, heads, hd) = self.dims(xl, csl)?;
+        let turned = (self.q_heads + self.kv_heads, self.q_heads);
+        let out = turn_cpu(xs, xl, css, csl, (t, heads, hd), turned)?;
+        Ok((out, Shape::from(xl.shape().elem_count())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        css: &candle_core::CudaStorage,
+        csl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (t, heads, hd) = self.dims(xl, csl)?;
+        let turned = (self.q_heads + self.kv_heads, self.q_heads);
+        let out = crate::cuda::rope(xs, xl, css, csl, (t, heads, hd), turned)?;
+        Ok((out, Shape::from(xl.shape().elem_count())))
+    }
+}
+
+/// RoPE of fused projection rows `qkv [b·t, (q_heads + 2·kv_heads)·hd]` (queries, keys,
+/// values, as one matrix product of the three weights gives them): returns the turned
+/// queries `[b·t, q_heads·hd]` and keys | values `[b·t, 2·kv_heads·hd]` (the values
+/// unchanged), each contiguous. One launch where the split projections take three
+/// products and two RoPE passes, and the KV cache appends the second tensor with one
+/// copy. For inference: no backward.
+pub fn rope_qkv(
+    qkv: &Tensor,
+    angles: &RopeTable,
+    q_heads: usize,
+    kv_heads: usize,
+) -> Result<(Tensor, Tensor)> {
+    let cs = &angles.cos_sin;
+    if qkv.dtype() != cs.dtype() {
+        return err(TwellError::Invalid(format!(
+            "rope_qkv: qkv and cos_sin must share a dtype, got {:?} and {:?}",
+            qkv.dtype(),
+            cs.dtype()
+        )));
+    }
+    let op = RopeQkv { q_heads, kv_heads };
+    let qkv = qkv.contiguous()?;
+    let (_, _, hd) = op.dims(qkv.layout(), cs.layout())?;
+    let rows = qkv.dim(0)?;
+    let (q_width, kv_width) = (q_heads * hd, 2 * kv_heads * hd);
+    let kernel = qkv.device().is_cuda() && qkv.dtype() == DType::BF16 && hd.is_multiple_of(16);
+    if !kernel && !qkv.device().is_cpu() {
+        // No kernel for this case: the split form (RoPE on each part, then one join).
+        let q = rope(&qkv.narrow(1, 0, q_width)?, angles)?;
+        let k = rope(&qkv.narrow(1, q_width, kv_heads * hd)?, angles)?;
+        let v = qkv.narrow(1, q_width + kv_heads * hd, kv_heads * hd)?;
+        return Ok((q, Tensor::cat(&[&k, &v], 1)?));
+    }
+    let flat = qkv.apply_op2_no_bwd(&cs.contiguous()?, &op)?;
+    let q = flat
+        .narrow(0, 0, rows * q_width)?
+        .reshape((rows, q_width))?;
+    let kv = flat
+        .narrow(0, rows * q_width, rows * kv_width)?
+        .reshape((rows, kv_width))?;
+    Ok((q, kv))
 }
 
 /// The RoPE angles of a run of positions, in both forms: candle's `cos, sin [positions,
