@@ -277,25 +277,21 @@ ATTEND_KERNEL(64)
 // its share of the keys, and the shares meet in shared memory.
 #define DECODE_THREADS 256
 
+// The decode attention of block (head, batch) once its query sits scaled in `qs`: scores
+// of the T keys of KV head `kvh` into `scores`, softmax, and p · v into the output row.
+// `xk, xv` (shared memory, or null) are one more key and value after those T.
 template <int HD>
-__device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1, HD], strided
-                           const __nv_bfloat16* __restrict__ k,  // [b, kv_heads, T, HD], strided
-                           const __nv_bfloat16* __restrict__ v,  // [b, kv_heads, T, HD], strided
-                           __nv_bfloat16* __restrict__ out,      // [b, 1, heads, HD]
-                           int heads, int kv_heads, int T, float scale, Strides qst, Strides kst,
-                           Strides vst) {
-    extern __shared__ float scores[];  // [T]
-    __shared__ float qs[HD];
+__device__ __forceinline__ void attend_one_from(const float* qs, const __nv_bfloat16* __restrict__ k,
+                                                const __nv_bfloat16* __restrict__ v,
+                                                __nv_bfloat16* __restrict__ out, int heads, int kvh,
+                                                int T, Strides kst, Strides vst, float* scores,
+                                                const float* xk, const float* xv) {
     __shared__ float reduce[DECODE_THREADS / 32];
     constexpr int PAIRS = HD / 2;
     constexpr int GROUPS = DECODE_THREADS / PAIRS;
     __shared__ float2 part[GROUPS][PAIRS];
     const int h = blockIdx.x, b = blockIdx.y;
-    const int kvh = h / (heads / kv_heads);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const long long q_row = qst.row(b, h, 0);
-    for (int e = tid; e < HD; e += DECODE_THREADS) qs[e] = __bfloat162float(q[q_row + e]) * scale;
-    __syncthreads();
 
     float m = -INFINITY;
     for (int j = tid; j < T; j += DECODE_THREADS) {
@@ -311,6 +307,14 @@ __device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1
         scores[j] = s;
         m = fmaxf(m, s);
     }
+    const int n = xk != nullptr ? T + 1 : T;
+    if (xk != nullptr && tid == 0) {
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < HD; ++e) s = fmaf(qs[e], xk[e], s);
+        scores[T] = s;
+        m = fmaxf(m, s);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
     if (lane == 0) reduce[warp] = m;
@@ -321,7 +325,7 @@ __device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1
     __syncthreads();  // every thread has read `reduce` before it is reused
 
     float l = 0.f;
-    for (int j = tid; j < T; j += DECODE_THREADS) {
+    for (int j = tid; j < n; j += DECODE_THREADS) {
         const float p = __expf(scores[j] - m);
         scores[j] = p;
         l += p;
@@ -344,6 +348,11 @@ __device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1
         acc.x = fmaf(p, vf.x, acc.x);
         acc.y = fmaf(p, vf.y, acc.y);
     }
+    if (xv != nullptr && group == 0) {
+        const float p = scores[T];
+        acc.x = fmaf(p, xv[2 * pair], acc.x);
+        acc.y = fmaf(p, xv[2 * pair + 1], acc.y);
+    }
     part[group][pair] = acc;
     __syncthreads();
     if (tid < PAIRS) {
@@ -359,6 +368,24 @@ __device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1
     }
 }
 
+template <int HD>
+__device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1, HD], strided
+                           const __nv_bfloat16* __restrict__ k,  // [b, kv_heads, T, HD], strided
+                           const __nv_bfloat16* __restrict__ v,  // [b, kv_heads, T, HD], strided
+                           __nv_bfloat16* __restrict__ out,      // [b, 1, heads, HD]
+                           int heads, int kv_heads, int T, float scale, Strides qst, Strides kst,
+                           Strides vst) {
+    extern __shared__ float scores[];  // [T]
+    __shared__ float qs[HD];
+    const int h = blockIdx.x, b = blockIdx.y;
+    const int kvh = h / (heads / kv_heads);
+    const int tid = threadIdx.x;
+    const long long q_row = qst.row(b, h, 0);
+    for (int e = tid; e < HD; e += DECODE_THREADS) qs[e] = __bfloat162float(q[q_row + e]) * scale;
+    __syncthreads();
+    attend_one_from<HD>(qs, k, v, out, heads, kvh, T, kst, vst, scores, nullptr, nullptr);
+}
+
 #define ATTEND_ONE_KERNEL(HD)                                                                     \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) causal_attention_decode_bf16_hd##HD( \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                 \
@@ -367,3 +394,62 @@ __device__ void attend_one(const __nv_bfloat16* __restrict__ q,  // [b, heads, 1
         attend_one<HD>(q, k, v, out, heads, kv_heads, T, scale, qs, ks, vs);                      \
     }
 ATTEND_ONE_KERNEL(64)
+
+// One decode step with its own projections: block (head, batch) turns its query head
+// (RoPE at the step's position, rounded to bf16 as the RoPE kernel writes it), turns its
+// KV head's key and copies its value into the cache's next position, then attends over
+// the cache. The new key and value also stay in shared memory, where the attention reads
+// them: the blocks of the heads sharing a KV head write the same bytes to the same place,
+// and no block reads what another writes, so the cached positions before the step are
+// read-only for the kernel (the non-coherent load path, as in the decode kernel). One
+// launch where RoPE, the cache append and the attention took three.
+template <int HD>
+__device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, (heads + 2 kv_heads) HD]
+                            const __nv_bfloat16* __restrict__ cs,        // [HD]: cos, then sin
+                            const __nv_bfloat16* __restrict__ cache_in,  // [b, cap, 2 kv_heads HD]
+                            __nv_bfloat16* cache_out,                    // the same buffer
+                            __nv_bfloat16* __restrict__ out,             // [b, heads HD]
+                            int heads, int kv_heads, int len, long long cache_b, float scale) {
+    extern __shared__ float scores[];  // [len + 1]
+    __shared__ float qs[HD], ks[HD], vs[HD];
+    const int h = blockIdx.x, b = blockIdx.y;
+    const int kvh = h / (heads / kv_heads);
+    const int tid = threadIdx.x;
+    constexpr int HALF = HD / 2;
+    const long long w = static_cast<long long>(kv_heads) * HD;
+    const __nv_bfloat16* row = qkv + static_cast<long long>(b) * (heads * HD + 2 * w);
+    __nv_bfloat16* slot = cache_out + b * cache_b + static_cast<long long>(len) * 2 * w;
+    if (tid < HALF) {
+        const float co = __bfloat162float(cs[tid]), sn = __bfloat162float(cs[HALF + tid]);
+        const __nv_bfloat16* qr = row + h * HD;
+        const float q1 = __bfloat162float(qr[tid]), q2 = __bfloat162float(qr[HALF + tid]);
+        qs[tid] = round_bf16(q1 * co - q2 * sn) * scale;
+        qs[HALF + tid] = round_bf16(q1 * sn + q2 * co) * scale;
+        const __nv_bfloat16* kr = row + heads * HD + kvh * HD;
+        const float k1 = __bfloat162float(kr[tid]), k2 = __bfloat162float(kr[HALF + tid]);
+        const __nv_bfloat16 o1 = __float2bfloat16(k1 * co - k2 * sn);
+        const __nv_bfloat16 o2 = __float2bfloat16(k1 * sn + k2 * co);
+        slot[kvh * HD + tid] = o1;
+        slot[kvh * HD + HALF + tid] = o2;
+        ks[tid] = __bfloat162float(o1);
+        ks[HALF + tid] = __bfloat162float(o2);
+    } else if (tid < HALF + HD) {
+        const int e = tid - HALF;
+        const __nv_bfloat16 x = row[heads * HD + w + kvh * HD + e];
+        slot[w + kvh * HD + e] = x;
+        vs[e] = __bfloat162float(x);
+    }
+    __syncthreads();
+    const Strides kst{cache_b, HD, 2 * w};
+    attend_one_from<HD>(qs, cache_in, cache_in + w, out, heads, kvh, len, kst, kst, scores, ks, vs);
+}
+
+#define ATTEND_STEP_KERNEL(HD)                                                                    \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) causal_attention_step_bf16_hd##HD( \
+        const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ cs,              \
+        const __nv_bfloat16* __restrict__ cache_in, __nv_bfloat16* cache_out,                     \
+        __nv_bfloat16* __restrict__ out, int heads, int kv_heads, int len, long long cache_b,     \
+        float scale) {                                                                            \
+        attend_step<HD>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, len, cache_b, scale); \
+    }
+ATTEND_STEP_KERNEL(64)

@@ -68,24 +68,33 @@ impl LayerKv {
             });
             return Ok(kv);
         };
-        let (cb, capacity, cw) = c.kv.dims3()?;
+        let (cb, _, cw) = c.kv.dims3()?;
         if (cb, cw) != (b, width) {
             candle_core::bail!(
                 "the KV cache holds batch {cb} of width {cw}, got batch {b} of width {width}: \
                  reset the cache for a new batch"
             );
         }
-        let (len, needed) = (c.len, c.len + t);
+        let c = slot.as_mut().expect("checked above");
+        let len = c.len;
+        c.reserve(t)?;
+        c.kv.slice_set(&kv.contiguous()?, 1, len)?;
+        c.len += t;
+        c.kv.narrow(1, 0, c.len)
+    }
+
+    /// Makes room for `t` more positions: a buffer of whole chunks, what the cache holds
+    /// copied over.
+    fn reserve(&mut self, t: usize) -> Result<()> {
+        let (b, capacity, width) = self.kv.dims3()?;
+        let needed = self.len + t;
         if needed > capacity {
             let grown = needed.div_ceil(KV_CHUNK) * KV_CHUNK;
-            let buffer = Tensor::zeros((b, grown, width), kv.dtype(), kv.device())?;
-            buffer.slice_set(&c.kv, 1, 0)?;
-            *slot = Some(LayerKv { kv: buffer, len });
+            let buffer = Tensor::zeros((b, grown, width), self.kv.dtype(), self.kv.device())?;
+            buffer.slice_set(&self.kv, 1, 0)?;
+            self.kv = buffer;
         }
-        let c = slot.as_mut().expect("filled above");
-        c.kv.slice_set(&kv.contiguous()?, 1, len)?;
-        c.len = needed;
-        c.kv.narrow(1, 0, needed)
+        Ok(())
     }
 }
 
@@ -285,6 +294,23 @@ impl CausalSelfAttention {
         // Inference after `fuse_qkv` takes one product and one RoPE launch for q, k and
         // v, whose keys and values come out side by side (`kv`), as the cache keeps them.
         let w = nkv * hd;
+        // A decode step with fused projections on the GPU: RoPE, the cache append and the
+        // attention in one launch, which writes the new row into the layer's buffer.
+        if let (Some(qkv_proj), Some(Some(cached)), true, 1) =
+            (&self.qkv_proj, kv_cache.as_deref(), fused, t)
+        {
+            if cached.kv.dim(0)? == b && twell::ops::step_on_device(x, hd, cached.len) {
+                let slot = kv_cache
+                    .expect("matched above")
+                    .as_mut()
+                    .expect("matched above");
+                slot.reserve(1)?;
+                let qkv = qkv_proj.forward(x)?;
+                let y = twell::ops::causal_attention_step(&qkv, rope, &slot.kv, slot.len, nq, nkv)?;
+                slot.len += 1;
+                return self.o_proj.forward(&y);
+            }
+        }
         let (q, mut k, mut v, kv) = match &self.qkv_proj {
             Some(qkv) => {
                 let (q, kv) = twell::ops::rope_qkv(&qkv.forward(x)?, rope, nq, nkv)?;

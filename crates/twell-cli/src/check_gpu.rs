@@ -259,6 +259,75 @@ fn check_attention(
     })
 }
 
+#[derive(Serialize, Debug)]
+struct AttentionStepResult {
+    /// (batch, heads, kv_heads, cached positions, capacity)
+    dims: (usize, usize, usize, usize, usize),
+    /// The attention rows against RoPE, the cache append and the fused attention as
+    /// separate ops.
+    err: f64,
+    /// The key and value row written into the cache against `rope_qkv`'s.
+    row_err: f64,
+    /// Whether the positions before the step and after it are untouched.
+    rest_kept: bool,
+    pass: bool,
+}
+
+/// The one-launch decode step (`causal_attention_step`, hd 64) against the three ops it
+/// replaces, on the same random projections and cache.
+fn check_attention_step(
+    dev: &Device,
+    dims: (usize, usize, usize, usize, usize),
+    seed: u64,
+) -> Result<AttentionStepResult> {
+    let (b, heads, kv, len, cap) = dims;
+    let hd = 64;
+    let w = kv * hd;
+    dev.set_seed(seed)?;
+    let bf = |shape: &[usize]| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(DType::BF16)?)
+    };
+    let qkv = bf(&[b, (heads + 2 * w / hd) * hd])?;
+    let (cos, sin) = ((bf(&[1, hd / 2])? * 0.7)?, (bf(&[1, hd / 2])? * 0.7)?);
+    let angles = twell::ops::RopeTable::new(&cos, &sin)?;
+    let cache = bf(&[b, cap, 2 * w])?;
+    let before = cache.force_contiguous()?;
+    let (q, kv_rows) = twell::ops::rope_qkv(&qkv, &angles, heads, kv)?;
+    let keys = Tensor::cat(
+        &[cache.narrow(1, 0, len)?, kv_rows.reshape((b, 1, 2 * w))?],
+        1,
+    )?;
+    let want = twell::ops::causal_attention_rows(
+        &q,
+        &keys.narrow(2, 0, w)?,
+        &keys.narrow(2, w, w)?,
+        b,
+        hd,
+    )?;
+    let got = twell::ops::causal_attention_step(&qkv, &angles, &cache, len, heads, kv)?;
+    let err = rel_l2(&got, &want)?;
+    let row_err = rel_l2(&cache.narrow(1, len, 1)?.reshape((b, 2 * w))?, &kv_rows)?;
+    let same = |a: Tensor, c: Tensor| -> Result<bool> {
+        let d = (a.to_dtype(DType::F32)? - c.to_dtype(DType::F32)?)?.abs()?;
+        Ok(d.flatten_all()?.max(0)?.to_scalar::<f32>()? == 0.0)
+    };
+    let mut rest_kept = len == 0 || same(cache.narrow(1, 0, len)?, before.narrow(1, 0, len)?)?;
+    if len + 1 < cap {
+        let after = cap - len - 1;
+        rest_kept &= same(
+            cache.narrow(1, len + 1, after)?,
+            before.narrow(1, len + 1, after)?,
+        )?;
+    }
+    Ok(AttentionStepResult {
+        dims,
+        err,
+        row_err,
+        rest_kept,
+        pass: err < TOLERANCE && row_err < TOLERANCE && rest_kept,
+    })
+}
+
 /// A model of the checks with its weights as variables, by name.
 type CheckModel = (sparse_llama::Llama, Vec<(String, Var)>);
 
@@ -807,6 +876,7 @@ struct Report {
     adamw_mixed_err: [f64; 5],
     /// The embedding's weight gradient, GPU bf16 against CPU f32.
     embedding_grad_err: f64,
+    attention_step: Vec<AttentionStepResult>,
     /// Split, then fused q, k, v projections.
     model_attention_err: [f64; 2],
     model_training: ModelTrainResult,
@@ -1072,6 +1142,36 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
          CPU f32: weight gradient rel err {embedding_grad_err:.2e} {}",
         tally.record(embedding_ok)
     );
+    let mut attention_step = Vec::new();
+    // (batch, heads, kv_heads, cached positions, capacity): one sequence and several,
+    // grouped and plain heads, an empty cache, the last free position, the longest step.
+    for (k, dims) in [
+        (1, 32, 32, 511, 768),
+        (3, 9, 3, 0, 256),
+        (2, 32, 8, 255, 256),
+        (4, 16, 4, 1000, 1024),
+        (
+            1,
+            32,
+            32,
+            twell::ops::CUDA_DECODE_MAX_KEYS - 1,
+            twell::ops::CUDA_DECODE_MAX_KEYS,
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = check_attention_step(&dev, dims, 1300 + k as u64)?;
+        println!(
+            "attention step (b, heads, kv_heads, cached, capacity) = {dims:?}: rel err {:.2e}, \
+             written row {:.2e}, other positions kept {} {}",
+            r.err,
+            r.row_err,
+            r.rest_kept,
+            tally.record(r.pass)
+        );
+        attention_step.push(r);
+    }
     let model_attention_err = check_model_attention(&dev)?;
     for (err, projections) in model_attention_err.iter().zip(["split", "fused"]) {
         println!(
@@ -1105,6 +1205,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             adamw_err,
             adamw_mixed_err,
             embedding_grad_err,
+            attention_step,
             model_attention_err,
             model_training,
         };

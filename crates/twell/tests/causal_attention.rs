@@ -317,3 +317,51 @@ fn keys_and_values_read_from_wider_rows() {
     .unwrap();
     assert!(rel_err(&out, &want) < 1e-6);
 }
+
+#[test]
+fn one_step_attention_checks_its_input_and_runs_on_cuda_only() {
+    use twell::ops::{causal_attention_step, RopeTable};
+    let (b, heads, kv, hd) = (2, 4, 2, 8);
+    let bf = |t: Tensor| t.to_dtype(DType::BF16).unwrap();
+    let qkv = bf(common::uniform(&[b, (heads + 2 * kv) * hd], 31, 1.0));
+    let angles = RopeTable::new(
+        &bf(common::uniform(&[1, hd / 2], 32, 1.0)),
+        &bf(common::uniform(&[1, hd / 2], 33, 1.0)),
+    )
+    .unwrap();
+    let cache = bf(common::uniform(&[b, 8, 2 * kv * hd], 34, 1.0));
+    let msg = |r: candle_core::Result<Tensor>| format!("{}", r.unwrap_err());
+    // Right shapes: the CPU says where the step runs.
+    let m = msg(causal_attention_step(&qkv, &angles, &cache, 3, heads, kv));
+    assert!(m.contains("CUDA only"), "{m}");
+    // A full cache, rows of other heads, another batch, another dtype: each named.
+    let m = msg(causal_attention_step(&qkv, &angles, &cache, 8, heads, kv));
+    assert!(m.contains("capacity > 8"), "{m}");
+    let m = msg(causal_attention_step(
+        &qkv,
+        &angles,
+        &cache,
+        3,
+        heads + 1,
+        kv,
+    ));
+    assert!(m.contains("causal_attention_step"), "{m}");
+    let m = msg(causal_attention_step(
+        &qkv.narrow(0, 0, 1).unwrap(),
+        &angles,
+        &cache,
+        3,
+        heads,
+        kv,
+    ));
+    assert!(m.contains("cache [2, 8, 32]"), "{m}");
+    let m = msg(causal_attention_step(
+        &qkv.to_dtype(DType::F32).unwrap(),
+        &angles,
+        &cache,
+        3,
+        heads,
+        kv,
+    ));
+    assert!(m.contains("bf16"), "{m}");
+}

@@ -1091,6 +1091,74 @@ pub fn attention_strides(l: &Layout) -> Option<[usize; 3]> {
     }
 }
 
+/// `causal_attention.cu`'s one-step kernel: `qkv [b, (heads + 2·kv_heads)·hd]` (one
+/// token's fused projections, contiguous bf16), `cos_sin [1, hd]` (its position's
+/// angles), and `cache [b, capacity, 2·kv_heads·hd]` (contiguous, `len` positions held,
+/// `len < capacity`): writes the token's turned key and its value at position `len` of
+/// every sequence's cache (the storage is written though it is borrowed: the kernel
+/// runs on the stream after every earlier reader) and returns the attention rows `[b,
+/// heads·hd]`.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_step(
+    qkv: &CudaStorage,
+    ql: &Layout,
+    cs: &CudaStorage,
+    cl: &Layout,
+    cache: &CudaStorage,
+    kl: &Layout,
+    (b, heads, kv_heads, hd, len): (usize, usize, usize, usize, usize),
+    scale: f32,
+) -> Result<CudaStorage> {
+    if !crate::ops::CUDA_HEAD_DIMS.contains(&hd) || len >= crate::ops::CUDA_DECODE_MAX_KEYS {
+        return err(TwellError::Invalid(format!(
+            "causal_attention_step on CUDA takes head sizes {:?} and fewer than {} keys, got \
+             {hd} and {}",
+            crate::ops::CUDA_HEAD_DIMS,
+            crate::ops::CUDA_DECODE_MAX_KEYS,
+            len + 1
+        )));
+    }
+    if heads > 65535 || b > 65535 {
+        return err(TwellError::Invalid(format!(
+            "causal_attention_step on CUDA: batch {b} and heads {heads} must be at most 65535"
+        )));
+    }
+    let (qv, cv, kv) = (
+        bf16_view("qkv", qkv, ql)?,
+        bf16_view("cos_sin", cs, cl)?,
+        bf16_view("cache", cache, kl)?,
+    );
+    let cache_b = (kl.dims()[1] * kl.dims()[2]) as i64;
+    let dev = qkv.device().clone();
+    // SAFETY: the kernel writes every output row.
+    let mut out = unsafe { dev.alloc::<bf16>(b * heads * hd)? };
+    let cfg = LaunchConfig {
+        grid_dim: (heads as u32, b as u32, 1),
+        block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
+        shared_mem_bytes: ((len + 1) * std::mem::size_of::<f32>()) as u32,
+    };
+    let name = format!("causal_attention_step_bf16_hd{hd}");
+    let func = dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?;
+    let (heads_i, kv_i, len_i) = (heads as i32, kv_heads as i32, len as i32);
+    let mut builder = func.builder();
+    builder
+        .arg(&qv)
+        .arg(&cv)
+        // Read (the positions before `len`), then written (position `len`).
+        .arg(&kv)
+        .arg(&kv)
+        .arg(&mut out)
+        .arg(&heads_i)
+        .arg(&kv_i)
+        .arg(&len_i)
+        .arg(&cache_b)
+        .arg(&scale);
+    // SAFETY: a block per (head, batch); rows addressed within the shapes the op checked
+    // (position `len` < capacity); the dynamic shared memory holds `len + 1` scores.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
 /// `causal_attention.cu` for `q [b, heads, t, hd]`, `k, v [b, kv_heads, T, hd]` (bf16,
 /// any layout [`attention_strides`] accepts, hd in [`crate::ops::CUDA_HEAD_DIMS`]);
 /// `dims` = (b, heads, t, kv_heads, T, hd). The output is `[b, t, heads, hd]`.

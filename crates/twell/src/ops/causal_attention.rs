@@ -366,6 +366,135 @@ fn readable(t: &Tensor) -> Result<Tensor> {
     Ok(t)
 }
 
+/// The op behind [`causal_attention_step`]: inputs `qkv [b, (heads + 2·kv_heads)·hd]`,
+/// `cos_sin [1, hd]` and the KV buffer `[b, capacity, 2·kv_heads·hd]`; output `[b,
+/// heads·hd]`. CUDA only: it writes the buffer it reads, which candle's CPU storage
+/// cannot lend.
+pub struct CausalAttentionStep {
+    heads: usize,
+    kv_heads: usize,
+    len: usize,
+}
+
+impl CausalAttentionStep {
+    /// `(b, hd)` of a call, checked.
+    fn dims(&self, qkv: &Layout, cs: &Layout, cache: &Layout) -> Result<(usize, usize)> {
+        let (heads, kv_heads, len) = (self.heads, self.kv_heads, self.len);
+        let hd = cs.dims().last().copied().unwrap_or(0);
+        let width = (heads + 2 * kv_heads) * hd;
+        let ok = kv_heads > 0
+            && heads % kv_heads == 0
+            && hd > 0
+            && cs.dims() == [1, hd]
+            && matches!(*qkv.dims(), [b, w] if w == width && b > 0)
+            && matches!(*cache.dims(), [b, cap, w] if b == qkv.dims()[0] && w == 2 * kv_heads * hd && len < cap);
+        if !ok {
+            return err(TwellError::ShapeMismatch {
+                what: "causal_attention_step",
+                detail: format!(
+                    "qkv {:?}, cos_sin {:?}, cache {:?} with {heads} heads, {kv_heads} KV heads and \
+                     {len} cached positions: want qkv [b, (heads + 2 · kv_heads) · hd], cos_sin \
+                     [1, hd] and cache [b, capacity, 2 · kv_heads · hd] with capacity > {len}",
+                    qkv.dims(),
+                    cs.dims(),
+                    cache.dims()
+                ),
+            });
+        }
+        Ok((qkv.dims()[0], hd))
+    }
+}
+
+impl CustomOp3 for CausalAttentionStep {
+    fn name(&self) -> &'static str {
+        "causal-attention-step"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        ql: &Layout,
+        _: &CpuStorage,
+        cl: &Layout,
+        _: &CpuStorage,
+        kl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.dims(ql, cl, kl)?;
+        err(TwellError::Invalid(
+            "causal_attention_step runs on CUDA only (elsewhere: rope_qkv, the cache append \
+             and causal_attention_rows)"
+                .into(),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qs: &candle_core::CudaStorage,
+        ql: &Layout,
+        cs: &candle_core::CudaStorage,
+        cl: &Layout,
+        ks: &candle_core::CudaStorage,
+        kl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (b, hd) = self.dims(ql, cl, kl)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let dims = (b, self.heads, self.kv_heads, hd, self.len);
+        let out = crate::cuda::causal_attention_step(qs, ql, cs, cl, ks, kl, dims, scale)?;
+        Ok((out, Shape::from((b, self.heads * hd))))
+    }
+}
+
+/// Whether [`causal_attention_step`] runs for a step of `qkv` rows over `len` cached
+/// positions: CUDA, bf16, a head size in [`CUDA_HEAD_DIMS`], and the scores of `len + 1`
+/// keys in shared memory.
+pub fn step_on_device(qkv: &Tensor, head_dim: usize, len: usize) -> bool {
+    qkv.device().is_cuda()
+        && qkv.dtype() == DType::BF16
+        && CUDA_HEAD_DIMS.contains(&head_dim)
+        && len < CUDA_DECODE_MAX_KEYS
+}
+
+/// One decode step's attention from its fused projections, in one launch: `qkv [b,
+/// (heads + 2·kv_heads)·hd]` (one token per sequence, queries | keys | values) at the
+/// position whose angles `angles` holds (one row); its query and key turned (RoPE, as
+/// [`super::rope_qkv`]), the key and value written **into** `cache [b, capacity, 2·kv_heads·hd]`
+/// at position `len` (each sequence's keys then values, as a model's KV cache keeps them),
+/// and the query attending positions `0 ..= len`. Returns `[b, heads·hd]`. Where
+/// RoPE, the cache append and the attention took three launches; the cache must hold
+/// room for the row (`len < capacity`), and its holder counts it afterwards. CUDA only
+/// ([`step_on_device`]); no backward (inference).
+pub fn causal_attention_step(
+    qkv: &Tensor,
+    angles: &super::RopeTable,
+    cache: &Tensor,
+    len: usize,
+    heads: usize,
+    kv_heads: usize,
+) -> Result<Tensor> {
+    let cs = &angles.cos_sin;
+    if qkv.dtype() != DType::BF16 || cs.dtype() != DType::BF16 || cache.dtype() != DType::BF16 {
+        return err(TwellError::Invalid(format!(
+            "causal_attention_step takes bf16, got qkv {:?}, cos_sin {:?}, cache {:?}",
+            qkv.dtype(),
+            cs.dtype(),
+            cache.dtype()
+        )));
+    }
+    if !cache.is_contiguous() {
+        return err(TwellError::Invalid(
+            "causal_attention_step: the cache must be a whole contiguous buffer".into(),
+        ));
+    }
+    let op = CausalAttentionStep {
+        heads,
+        kv_heads,
+        len,
+    };
+    qkv.contiguous()?
+        .apply_op3_no_bwd(&cs.contiguous()?, cache, &op)
+}
+
 /// Whether [`causal_attention`] runs its CUDA kernel for this query: a CUDA tensor in
 /// bf16 with a head size in [`CUDA_HEAD_DIMS`].
 pub fn fused_on_device(q: &Tensor) -> bool {
