@@ -262,7 +262,7 @@ impl CausalSelfAttention {
         batch: (usize, usize),
         rope: &RopeTable,
         mask: Option<&Tensor>,
-        kv_cache: Option<&mut Option<LayerKv>>,
+        mut kv_cache: Option<&mut Option<LayerKv>>,
         pass: Pass,
         fused: bool,
     ) -> Result<Tensor> {
@@ -296,14 +296,10 @@ impl CausalSelfAttention {
         let w = nkv * hd;
         // A decode step with fused projections on the GPU: RoPE, the cache append and the
         // attention in one launch, which writes the new row into the layer's buffer.
-        if let (Some(qkv_proj), Some(Some(cached)), true, 1) =
-            (&self.qkv_proj, kv_cache.as_deref(), fused, t)
+        if let (Some(qkv_proj), Some(Some(slot)), true, 1) =
+            (&self.qkv_proj, kv_cache.as_deref_mut(), fused, t)
         {
-            if cached.kv.dim(0)? == b && twell::ops::step_on_device(x, hd, cached.len) {
-                let slot = kv_cache
-                    .expect("matched above")
-                    .as_mut()
-                    .expect("matched above");
+            if slot.kv.dim(0)? == b && twell::ops::step_on_device(x, hd, slot.len) {
                 slot.reserve(1)?;
                 let qkv = qkv_proj.forward(x)?;
                 let y = twell::ops::causal_attention_step(&qkv, rope, &slot.kv, slot.len, nq, nkv)?;

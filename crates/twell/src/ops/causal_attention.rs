@@ -449,10 +449,12 @@ impl CustomOp3 for CausalAttentionStep {
 /// positions: CUDA, bf16, a head size in [`CUDA_HEAD_DIMS`], and the scores of `len + 1`
 /// keys in shared memory.
 pub fn step_on_device(qkv: &Tensor, head_dim: usize, len: usize) -> bool {
-    qkv.device().is_cuda()
-        && qkv.dtype() == DType::BF16
-        && CUDA_HEAD_DIMS.contains(&head_dim)
-        && len < CUDA_DECODE_MAX_KEYS
+    kernel_takes(qkv, head_dim) && len < CUDA_DECODE_MAX_KEYS
+}
+
+/// Whether the CUDA attention kernels take `x`'s device, dtype and head size.
+fn kernel_takes(x: &Tensor, head_dim: usize) -> bool {
+    x.device().is_cuda() && x.dtype() == DType::BF16 && CUDA_HEAD_DIMS.contains(&head_dim)
 }
 
 /// One decode step's attention from its fused projections, in one launch: `qkv [b,
@@ -498,11 +500,7 @@ pub fn causal_attention_step(
 /// Whether [`causal_attention`] runs its CUDA kernel for this query: a CUDA tensor in
 /// bf16 with a head size in [`CUDA_HEAD_DIMS`].
 pub fn fused_on_device(q: &Tensor) -> bool {
-    q.device().is_cuda()
-        && q.dtype() == DType::BF16
-        && q.dims()
-            .last()
-            .is_some_and(|hd| CUDA_HEAD_DIMS.contains(hd))
+    q.dims().last().is_some_and(|&hd| kernel_takes(q, hd))
 }
 
 /// The plain-op form of [`causal_attention`] in f32: materialised scores, an explicit

@@ -152,9 +152,12 @@ pub struct RopeQkv {
 }
 
 impl RopeQkv {
-    /// `(t, heads, hd)` of a call, checked.
-    fn dims(&self, x: &Layout, cs: &Layout) -> Result<(usize, usize, usize)> {
+    /// `(t, heads, hd)` of a call, checked, and the kernel's `(rot_heads, split)`: the
+    /// queries and keys turn, the queries come out first.
+    #[allow(clippy::type_complexity)]
+    fn dims(&self, x: &Layout, cs: &Layout) -> Result<((usize, usize, usize), (usize, usize))> {
         let heads = self.q_heads + 2 * self.kv_heads;
+        let turned = (self.q_heads + self.kv_heads, self.q_heads);
         match (x.dims(), cs.dims()) {
             (&[rows, width], &[t, hd])
                 if self.q_heads > 0
@@ -165,7 +168,7 @@ impl RopeQkv {
                     && rows % t == 0
                     && width == heads * hd =>
             {
-                Ok((t, heads, hd))
+                Ok(((t, heads, hd), turned))
             }
             _ => err(TwellError::ShapeMismatch {
                 what: "rope_qkv",
@@ -194,9 +197,8 @@ impl CustomOp2 for RopeQkv {
         css: &CpuStorage,
         csl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (t, heads, hd) = self.dims(xl, csl)?;
-        let turned = (self.q_heads + self.kv_heads, self.q_heads);
-        let out = turn_cpu(xs, xl, css, csl, (t, heads, hd), turned)?;
+        let (dims, turned) = self.dims(xl, csl)?;
+        let out = turn_cpu(xs, xl, css, csl, dims, turned)?;
         Ok((out, Shape::from(xl.shape().elem_count())))
     }
 
@@ -208,9 +210,8 @@ impl CustomOp2 for RopeQkv {
         css: &candle_core::CudaStorage,
         csl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (t, heads, hd) = self.dims(xl, csl)?;
-        let turned = (self.q_heads + self.kv_heads, self.q_heads);
-        let out = crate::cuda::rope(xs, xl, css, csl, (t, heads, hd), turned)?;
+        let (dims, turned) = self.dims(xl, csl)?;
+        let out = crate::cuda::rope(xs, xl, css, csl, dims, turned)?;
         Ok((out, Shape::from(xl.shape().elem_count())))
     }
 }
@@ -237,11 +238,10 @@ pub fn rope_qkv(
     }
     let op = RopeQkv { q_heads, kv_heads };
     let qkv = qkv.contiguous()?;
-    let (_, _, hd) = op.dims(qkv.layout(), cs.layout())?;
+    let ((_, _, hd), _) = op.dims(qkv.layout(), cs.layout())?;
     let rows = qkv.dim(0)?;
     let (q_width, kv_width) = (q_heads * hd, 2 * kv_heads * hd);
-    let kernel = qkv.device().is_cuda() && qkv.dtype() == DType::BF16 && hd.is_multiple_of(16);
-    if !kernel && !qkv.device().is_cpu() {
+    if !kernel_runs(&qkv, hd) && !qkv.device().is_cpu() {
         // No kernel for this case: the split form (RoPE on each part, then one join).
         let q = rope(&qkv.narrow(1, 0, q_width)?, angles)?;
         let k = rope(&qkv.narrow(1, q_width, kv_heads * hd)?, angles)?;
@@ -287,6 +287,12 @@ impl RopeTable {
     }
 }
 
+/// Whether `kernels/rope.cu` takes `x`: CUDA, bf16, head sizes a multiple of 16 (its
+/// 8-pair vector loads on each half).
+fn kernel_runs(x: &Tensor, hd: usize) -> bool {
+    x.device().is_cuda() && x.dtype() == DType::BF16 && hd.is_multiple_of(16)
+}
+
 /// RoPE (rotate-half, as HF Llama) of `x [b, t, heads, hd]` (or its rows `[b·t,
 /// heads·hd]`) at the `t` positions whose angles `angles` holds. On CUDA in bf16 our kernel (head sizes a multiple of 16);
 /// elsewhere candle's `rope_thd`, or on the CPU, when `x` tracks gradients, the op's
@@ -303,10 +309,9 @@ pub fn rope(x: &Tensor, angles: &RopeTable) -> Result<Tensor> {
     }
     let x = x.contiguous()?;
     let (_, _, hd) = dims(x.layout(), cs.layout())?;
-    let kernel = x.device().is_cuda() && x.dtype() == DType::BF16 && hd.is_multiple_of(16);
     // candle's `rope_thd` has no backward: on the CPU a pass that tracks gradients takes
     // the op's own implementation.
-    if kernel || (x.device().is_cpu() && x.track_op()) {
+    if kernel_runs(&x, hd) || (x.device().is_cpu() && x.track_op()) {
         return x.apply_op2(&cs.contiguous()?, Rope);
     }
     let (t, heads, hd) = dims(x.layout(), cs.layout())?;
