@@ -126,14 +126,28 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
     const int pos0 = past + row0, pos1 = past + row1;
 
     // Keys past T are zeros: their scores are masked, and a zero V keeps 0 · V finite.
+    // Each thread copies PIECES 16-byte pieces of every K and V tile, PIECE_ROWS rows
+    // apart; their source rows are kept as pointers, advanced by a tile a step, instead of
+    // indexing (batch, head, key) with 64-bit products for every piece.
+    constexpr int PIECES = CHUNKS / (ATT_WARPS * 32);
+    static_assert(CHUNKS % (ATT_WARPS * 32) == 0, "a K tile splits evenly over the threads");
+    constexpr int PIECE_ROWS = ATT_WARPS * 32 / (HD / VEC);
+    const int piece_row = threadIdx.x / (HD / VEC), piece_col = (threadIdx.x % (HD / VEC)) * VEC;
+    // This thread's first piece of the next tile to stage (stage() is called for k0 = 0,
+    // ATT_KEYS, 2 ATT_KEYS, ... in turn).
+    const __nv_bfloat16* k_next = k + kst.row(b, kvh, piece_row) + piece_col;
+    const __nv_bfloat16* v_next = v + vst.row(b, kvh, piece_row) + piece_col;
     auto stage = [&](int buf, int k0) {
-        for (int idx = threadIdx.x; idx < CHUNKS; idx += blockDim.x) {
-            const int r = idx / (HD / VEC), col = (idx % (HD / VEC)) * VEC;
+#pragma unroll
+        for (int i = 0; i < PIECES; ++i) {
+            const int r = piece_row + i * PIECE_ROWS;
             const bool valid = k0 + r < T;
-            const int key = valid ? k0 + r : 0;
-            copy16_async(&ks[buf][r][col], k + kst.row(b, kvh, key) + col, valid);
-            copy16_async(&vs[buf][r][col], v + vst.row(b, kvh, key) + col, valid);
+            const long long rows = static_cast<long long>(i) * PIECE_ROWS;
+            copy16_async(&ks[buf][r][piece_col], valid ? k_next + rows * kst.t : k, valid);
+            copy16_async(&vs[buf][r][piece_col], valid ? v_next + rows * vst.t : v, valid);
         }
+        k_next += static_cast<long long>(ATT_KEYS) * kst.t;
+        v_next += static_cast<long long>(ATT_KEYS) * vst.t;
         async_commit();
     };
     const int block_last = past + min(q0 + ATT_QUERIES, t) - 1;  // the furthest key of the block
@@ -186,51 +200,73 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
             // scale goes into the exponent's one fused multiply-add below.
             const bool crosses = k0 + ATT_KEYS - 1 > past + wq0;
             float mx0 = m0, mx1 = m1;
+            if (crosses) {
 #pragma unroll
-            for (int n = 0; n < KEY_TILES; ++n) {
-                if (crosses) {
+                for (int n = 0; n < KEY_TILES; ++n) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int key = k0 + n * 8 + 2 * c + (e & 1);
                         if (key > (e < 2 ? pos0 : pos1)) s[n][e] = -INFINITY;
                     }
                 }
-                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
             }
+            // A tree of maxima: three dependent steps instead of eight.
+            float r0[KEY_TILES / 2], r1[KEY_TILES / 2];
+#pragma unroll
+            for (int n = 0; n < KEY_TILES / 2; ++n) {
+                r0[n] = fmaxf(fmaxf(s[2 * n][0], s[2 * n][1]), fmaxf(s[2 * n + 1][0], s[2 * n + 1][1]));
+                r1[n] = fmaxf(fmaxf(s[2 * n][2], s[2 * n][3]), fmaxf(s[2 * n + 1][2], s[2 * n + 1][3]));
+            }
+#pragma unroll
+            for (int w = KEY_TILES / 4; w > 0; w /= 2) {
+#pragma unroll
+                for (int n = 0; n < w; ++n) {
+                    r0[n] = fmaxf(r0[n], r0[n + w]);
+                    r1[n] = fmaxf(r1[n], r1[n + w]);
+                }
+            }
+            mx0 = fmaxf(mx0, r0[0]);
+            mx1 = fmaxf(mx1, r1[0]);
             // A row's four lanes share it; every live row has seen key 0, so the maxima
             // are finite.
             mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
             mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
             mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
             mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
-            // 0 on the first tile (m = -inf).
-            const float corr0 = fast_exp2((m0 - mx0) * scale_log2), corr1 = fast_exp2((m1 - mx1) * scale_log2);
-            m0 = mx0;
-            m1 = mx1;
-            l0 *= corr0;
-            l1 *= corr1;
+            // 0 on the first tile (m = -inf). Where no row of the warp has a new maximum
+            // every factor is 1: the multiplications are skipped.
+            if (__any_sync(FULL_MASK, mx0 != m0 || mx1 != m1)) {
+                const float corr0 = fast_exp2((m0 - mx0) * scale_log2), corr1 = fast_exp2((m1 - mx1) * scale_log2);
+                m0 = mx0;
+                m1 = mx1;
+                l0 *= corr0;
+                l1 *= corr1;
 #pragma unroll
-            for (int n = 0; n < DIM_TILES; ++n) {
-                o[n][0] *= corr0;
-                o[n][1] *= corr0;
-                o[n][2] *= corr1;
-                o[n][3] *= corr1;
+                for (int n = 0; n < DIM_TILES; ++n) {
+                    o[n][0] *= corr0;
+                    o[n][1] *= corr0;
+                    o[n][2] *= corr1;
+                    o[n][3] *= corr1;
+                }
             }
             // P in bf16: key tiles 2kk and 2kk + 1 are the two halves of k-step kk's A fragment.
             uint32_t pa[ATT_KEYS / 16][4];
             const float ms0 = m0 * scale_log2, ms1 = m1 * scale_log2;
+            // A tile's p summed in two independent chains per row.
+            float t0[2] = {0.f, 0.f}, t1[2] = {0.f, 0.f};
 #pragma unroll
             for (int n = 0; n < KEY_TILES; ++n) {
                 const float p0 = fast_exp2(fmaf(s[n][0], scale_log2, -ms0));
                 const float p1 = fast_exp2(fmaf(s[n][1], scale_log2, -ms0));
                 const float p2 = fast_exp2(fmaf(s[n][2], scale_log2, -ms1));
                 const float p3 = fast_exp2(fmaf(s[n][3], scale_log2, -ms1));
-                l0 += p0 + p1;
-                l1 += p2 + p3;
+                t0[n & 1] += p0 + p1;
+                t1[n & 1] += p2 + p3;
                 pa[n / 2][(n % 2) * 2] = pack_bf16(p0, p1);
                 pa[n / 2][(n % 2) * 2 + 1] = pack_bf16(p2, p3);
             }
+            l0 += t0[0] + t0[1];
+            l1 += t1[0] + t1[1];
 #pragma unroll
             for (int kk = 0; kk < ATT_KEYS / 16; ++kk) {
 #pragma unroll

@@ -937,6 +937,10 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
     let cases: &[Case] = &[
         (1, 2048, 5632, 0.01, 256, 8),
         (1, 576, 1536, 0.05, 256, 8),
+        // One row of the widest FFN, and one of a wide, nearly dense FFN (overflowing
+        // tiles, dozens of active neurons per block in the one-launch decode kernel).
+        (1, 4096, 11008, 0.03, 256, 8),
+        (1, 512, 24576, 0.9, 256, 8),
         (7, 4096, 11008, 0.005, 256, 8),
         (33, 576, 1000, 0.05, 256, 8),
         (64, 2048, 5632, 0.03, 256, 8),
