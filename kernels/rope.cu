@@ -9,33 +9,29 @@
 // candle's rope_thd runs one element per thread with 2-byte loads and bf16 arithmetic;
 // here a thread turns 8 pairs with 16-byte loads, in f32, rounding once.
 //
-// The output is planar: the first `split` heads of every token row go to rows of
-// `split` heads, then the other heads to rows of their own after all of those. With
-// split = rot_heads = heads that is plain rows like x; with fused q | k | v rows and
-// split = query heads, the queries and the key | value rows each come out contiguous
-// (the KV cache appends the latter with one copy).
+// A call turns a range of heads of each token row, `count` heads from `first`, into
+// rows of their own: all heads for plain RoPE; for fused q | k | v rows, the queries in
+// one call and the keys | values in another, so each is a tensor of its own (a KV cache
+// that keeps the keys and values then holds nothing else, and copies nothing).
 #include "twell_common.cuh"
 
 #define ROPE_THREADS 256
 
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_bf16(
-    const __nv_bfloat16* __restrict__ x,   // [b, t, heads, hd]
+    const __nv_bfloat16* __restrict__ x,   // [tokens, heads, hd]
     const __nv_bfloat16* __restrict__ cs,  // [t, hd]: each position's cos, then its sin
-    __nv_bfloat16* __restrict__ out,       // as many elements as x, planar (above)
-    long long rows, int t, int heads, int hd, int rot_heads, int split) {
+    __nv_bfloat16* __restrict__ out,       // [tokens, count, hd]
+    long long tokens, int t, int heads, int hd, int rot_heads, int first, int count) {
     const int half = hd / 2, groups = half / VEC;  // 8-pair groups per row
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (i >= rows * groups) return;
-    const long long row = i / groups;  // (token, head) row
+    if (i >= tokens * count * groups) return;
+    const long long row = i / groups;  // (token, head of the range) output row
     const int c = static_cast<int>(i % groups) * VEC;
-    const long long token = row / heads;
-    const int head = static_cast<int>(row % heads);
+    const long long token = row / count;
+    const int head = first + static_cast<int>(row % count);
     const int pos = static_cast<int>(token % t);
-    const __nv_bfloat16* src = x + row * hd;
-    __nv_bfloat16* dst =
-        head < split ? out + (token * split + head) * hd
-                     : out + (rows / heads) * split * hd +
-                           (token * (heads - split) + head - split) * hd;
+    const __nv_bfloat16* src = x + (token * heads + head) * hd;
+    __nv_bfloat16* dst = out + row * hd;
     float x1[VEC], x2[VEC], co[VEC], sn[VEC], o1[VEC], o2[VEC];
     load8(src + c, x1);
     load8(src + half + c, x2);

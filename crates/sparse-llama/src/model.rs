@@ -51,17 +51,12 @@ impl LayerKv {
     /// Appends `kv [b, t, width]` to the layer's cache (started when `slot` is empty)
     /// and returns the cached `[b, len, width]` (a view of the buffer: with several
     /// sequences, each one's rows are contiguous, the batch stride the buffer's).
-    /// `shares_storage`: `kv` is a view of a larger tensor (the fused projections'
-    /// queries sit beside it), which the cache must not keep alive.
-    fn append(slot: &mut Option<LayerKv>, kv: &Tensor, shares_storage: bool) -> Result<Tensor> {
+    fn append(slot: &mut Option<LayerKv>, kv: &Tensor) -> Result<Tensor> {
         let (b, t, width) = kv.dims3()?;
         let Some(c) = slot.as_ref() else {
             // A prefill that is not followed by decoding copies nothing it need not; the
             // first decode step moves these rows into a chunked buffer.
-            let kv = match shares_storage {
-                true => kv.force_contiguous()?,
-                false => kv.contiguous()?,
-            };
+            let kv = kv.contiguous()?;
             *slot = Some(LayerKv {
                 kv: kv.clone(),
                 len: t,
@@ -320,12 +315,12 @@ impl CausalSelfAttention {
             ),
         };
         if let Some(slot) = kv_cache {
-            let (kv, shares_storage) = match kv {
-                Some(kv) => (kv, true),
-                None => (Tensor::cat(&[&k, &v], 1)?, false),
+            let kv = match kv {
+                Some(kv) => kv,
+                None => Tensor::cat(&[&k, &v], 1)?,
             };
             // `[b, T, 2w]`, each sequence's rows in place in the layer's buffer.
-            let cached = LayerKv::append(slot, &kv.reshape((b, t, 2 * w))?, shares_storage)?;
+            let cached = LayerKv::append(slot, &kv.reshape((b, t, 2 * w))?)?;
             (k, v) = (cached.narrow(2, 0, w)?, cached.narrow(2, w, w)?);
             if !fused {
                 let rows = b * cached.dim(1)?;
@@ -769,7 +764,7 @@ mod tests {
         let mut all = Vec::new();
         for (i, t) in [200usize, 100, 1].into_iter().enumerate() {
             let kv = rows(2, t, 10 * i)?;
-            let cached = LayerKv::append(&mut slot, &kv, i == 0)?;
+            let cached = LayerKv::append(&mut slot, &kv)?;
             all.push(kv);
             let want = Tensor::cat(&all, 1)?;
             assert_eq!(cached.dims(), want.dims());
@@ -784,7 +779,7 @@ mod tests {
         assert_eq!(kv.len, 301);
         assert_eq!(kv.kv.dim(1)?, 2 * KV_CHUNK);
         // Another batch size without a reset is an error, not garbage.
-        let err = LayerKv::append(&mut slot, &rows(3, 1, 0)?, false).unwrap_err();
+        let err = LayerKv::append(&mut slot, &rows(3, 1, 0)?).unwrap_err();
         assert!(err.to_string().contains("reset the cache"), "{err}");
         Ok(())
     }

@@ -144,6 +144,8 @@ fn fused_projection_rows_turn_like_their_split_parts() {
             assert_eq!(q.dims(), [rows, nq * hd]);
             assert_eq!(kv.dims(), [rows, 2 * nkv * hd]);
             assert!(q.is_contiguous() && kv.is_contiguous());
+            // Each a tensor of its own: a KV cache keeping `kv` holds no queries.
+            assert_eq!(kv.layout().start_offset(), 0);
             let part = |start: usize, heads: usize| qkv.narrow(1, start * hd, heads * hd).unwrap();
             let want_q = rope(&part(0, nq), &angles).unwrap();
             let want_k = rope(&part(nq, nkv), &angles).unwrap();

@@ -1,4 +1,5 @@
-//! Launcher of `kernels/rope.cu`: rotary position embedding of `[b, t, heads, hd]` rows.
+//! Launcher of `kernels/rope.cu`: rotary position embedding of `[b, t, heads, hd]` rows,
+//! or of a range of heads of fused q | k | v rows.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
@@ -14,22 +15,23 @@ const ROPE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"));
 /// Threads per block (`ROPE_THREADS` in the .cu).
 const ROPE_THREADS: u32 = 256;
 
-/// `x` (`[b, t, heads, hd]` in memory, any shape; `(t, heads, hd)` given) and `cos_sin
+/// `x` (`[tokens, heads, hd]` in memory, any shape; `(t, heads, hd)` given) and `cos_sin
 /// [t, hd]` (each position's cos, then its sin; bf16, contiguous, `hd % 16 == 0`):
-/// returns as many elements as `x`. The first `rot_heads` heads of each token turn, the
-/// others are copied; the first `split` heads of every token come out as rows of their
-/// own, then the rest (`kernels/rope.cu`). `rot_heads = split = heads` is plain RoPE.
+/// returns heads `first..first + count` of each token as `[tokens, count, hd]`, those
+/// below `rot_heads` turned, the others copied (`kernels/rope.cu`). `rot_heads = count =
+/// heads`, `first = 0` is plain RoPE.
 pub fn rope(
     x: &CudaStorage,
     xl: &Layout,
     cs: &CudaStorage,
     cl: &Layout,
     (t, heads, hd): (usize, usize, usize),
-    (rot_heads, split): (usize, usize),
+    (rot_heads, first, count): (usize, usize, usize),
 ) -> Result<CudaStorage> {
-    if rot_heads > heads || split > heads {
+    if rot_heads > heads || first + count > heads || count == 0 {
         return err(TwellError::Invalid(format!(
-            "rope: {rot_heads} turned and {split} leading heads of {heads}"
+            "rope: {rot_heads} turned heads and heads {first}..{} of {heads}",
+            first + count
         )));
     }
     if !hd.is_multiple_of(16) {
@@ -38,8 +40,9 @@ pub fn rope(
         )));
     }
     let (xv, cv) = (bf16_view("x", x, xl)?, bf16_view("cos_sin", cs, cl)?);
-    let rows = (xl.shape().elem_count() / hd) as i64;
-    let threads = rows as usize * (hd / 16);
+    let tokens = (xl.shape().elem_count() / (heads * hd)) as i64;
+    let rows = tokens as usize * count;
+    let threads = rows * (hd / 16);
     let blocks = threads.div_ceil(ROPE_THREADS as usize);
     if blocks > i32::MAX as usize {
         return err(TwellError::Invalid(format!(
@@ -48,21 +51,22 @@ pub fn rope(
     }
     let dev = x.device().clone();
     // SAFETY: the kernel writes every element.
-    let mut out = unsafe { dev.alloc::<bf16>(rows as usize * hd)? };
+    let mut out = unsafe { dev.alloc::<bf16>(rows * hd)? };
     let func = dev.get_or_load_custom_func("rope_bf16", "rope", ROPE_PTX)?;
     let (t_i, heads_i, hd_i) = (t as i32, heads as i32, hd as i32);
-    let (rot_i, split_i) = (rot_heads as i32, split as i32);
+    let (rot_i, first_i, count_i) = (rot_heads as i32, first as i32, count as i32);
     let mut builder = func.builder();
     builder
         .arg(&xv)
         .arg(&cv)
         .arg(&mut out)
-        .arg(&rows)
+        .arg(&tokens)
         .arg(&t_i)
         .arg(&heads_i)
         .arg(&hd_i)
         .arg(&rot_i)
-        .arg(&split_i);
+        .arg(&first_i)
+        .arg(&count_i);
     let cfg = super::grid_1d(blocks, ROPE_THREADS);
     // SAFETY: one thread per 8 pairs of a row, bounded in the kernel; shapes checked by
     // the op.

@@ -57,7 +57,7 @@ pub use gated_t2d::{gated_t2d, GatedT2d};
 pub use kl_divergence::{
     kl_divergence, kl_divergence_fused, kl_divergence_reference, KlDivergence,
 };
-pub use rope::{rope, rope_qkv, Rope, RopeQkv, RopeTable};
+pub use rope::{rope, rope_qkv, QkvPart, Rope, RopeQkv, RopeTable};
 pub use twell_mlp::{
     gate_screen, twell_mlp, twell_mlp_screened, twell_mlp_with_backward_path, BackwardPath,
     TwellMlp,

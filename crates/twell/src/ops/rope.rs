@@ -58,7 +58,7 @@ impl CustomOp2 for Rope {
         csl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (t, heads, hd) = dims(xl, csl)?;
-        let out = turn_cpu(xs, xl, css, csl, (t, heads, hd), (heads, heads))?;
+        let out = turn_cpu(xs, xl, css, csl, (t, heads, hd), (heads, 0, heads))?;
         Ok((out, Shape::from(xl.dims())))
     }
 
@@ -71,7 +71,7 @@ impl CustomOp2 for Rope {
         csl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (t, heads, hd) = dims(xl, csl)?;
-        let out = crate::cuda::rope(xs, xl, css, csl, (t, heads, hd), (heads, heads))?;
+        let out = crate::cuda::rope(xs, xl, css, csl, (t, heads, hd), (heads, 0, heads))?;
         Ok((out, Shape::from(xl.dims())))
     }
 
@@ -96,27 +96,27 @@ impl CustomOp2 for Rope {
     }
 }
 
-/// The CPU form of `kernels/rope.cu`: the first `rot_heads` heads of each token row
-/// turn, the others are copied, and the first `split` heads of every token come out as
-/// rows of their own, then the rest (planar; `rot_heads = split = heads` is plain RoPE).
+/// The CPU form of `kernels/rope.cu`: heads `first..first + count` of each token row
+/// as rows of their own, those below `rot_heads` turned, the others copied (`rot_heads =
+/// count = heads`, `first = 0` is plain RoPE).
 fn turn_cpu(
     xs: &CpuStorage,
     xl: &Layout,
     css: &CpuStorage,
     csl: &Layout,
     (t, heads, hd): (usize, usize, usize),
-    (rot_heads, split): (usize, usize),
+    (rot_heads, first, count): (usize, usize, usize),
 ) -> Result<CpuStorage> {
     let x = Rows::new("x", xs, xl)?;
     let dtype = x.dtype();
     let (x, cs) = (x.to_f32_vec(), Rows::new("cos_sin", css, csl)?.to_f32_vec());
     let half = hd / 2;
     let tokens = x.len() / (heads * hd);
-    let mut out = vec![0f32; x.len()];
-    let (out_lead, out_rest) = out.split_at_mut(tokens * split * hd);
-    let turn = |row: usize, o: &mut [f32]| {
-        let (token, head) = (row / heads, row % heads);
-        let x = &x[row * hd..][..hd];
+    let mut out = vec![0f32; tokens * count * hd];
+    // Output row `r` is token `r / count`, head `first + r % count`.
+    out.par_chunks_mut(hd).enumerate().for_each(|(r, o)| {
+        let (token, head) = (r / count, first + r % count);
+        let x = &x[(token * heads + head) * hd..][..hd];
         if head >= rot_heads {
             o.copy_from_slice(x);
             return;
@@ -127,37 +127,42 @@ fn turn_cpu(
             o[i] = x[i] * co[i] - x[i + half] * sn[i];
             o[i + half] = x[i] * sn[i] + x[i + half] * co[i];
         }
-    };
-    // Output row `r` of the leading block is token `r / split`, head `r % split`; of the
-    // rest, token `r / (heads - split)`, head `split + r % (heads - split)`.
-    out_lead
-        .par_chunks_mut(hd)
-        .enumerate()
-        .for_each(|(r, o)| turn((r / split) * heads + r % split, o));
-    let others = heads - split;
-    out_rest
-        .par_chunks_mut(hd)
-        .enumerate()
-        .for_each(|(r, o)| turn((r / others) * heads + split + r % others, o));
+    });
     crate::cpu::float::storage_from_f32(out, dtype)
 }
 
 /// The op behind [`rope_qkv`]: input fused projection rows `[rows, (q_heads + 2 ·
-/// kv_heads) · hd]` (queries, keys, values) and `cos_sin [t, hd]`; output the queries
-/// and keys turned, the values copied, as `rows · q_heads · hd` query elements followed
-/// by `rows · 2 · kv_heads · hd` key | value elements (flat).
+/// kv_heads) · hd]` (queries, keys, values) and `cos_sin [t, hd]`; output one part of
+/// them, the queries turned (`[rows, q_heads · hd]`) or the keys turned and the values
+/// copied (`[rows, 2 · kv_heads · hd]`).
 pub struct RopeQkv {
     pub q_heads: usize,
     pub kv_heads: usize,
+    pub part: QkvPart,
+}
+
+/// Which part of fused q | k | v rows a [`RopeQkv`] returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkvPart {
+    Queries,
+    KeysValues,
 }
 
 impl RopeQkv {
-    /// `(t, heads, hd)` of a call, checked, and the kernel's `(rot_heads, split)`: the
-    /// queries and keys turn, the queries come out first.
+    /// `(t, heads, hd)` of a call, checked, and the kernel's `(rot_heads, first, count)`:
+    /// the queries and keys turn; the part's heads come out.
     #[allow(clippy::type_complexity)]
-    fn dims(&self, x: &Layout, cs: &Layout) -> Result<((usize, usize, usize), (usize, usize))> {
+    fn dims(
+        &self,
+        x: &Layout,
+        cs: &Layout,
+    ) -> Result<((usize, usize, usize), (usize, usize, usize))> {
         let heads = self.q_heads + 2 * self.kv_heads;
-        let turned = (self.q_heads + self.kv_heads, self.q_heads);
+        let rot_heads = self.q_heads + self.kv_heads;
+        let (first, count) = match self.part {
+            QkvPart::Queries => (0, self.q_heads),
+            QkvPart::KeysValues => (self.q_heads, 2 * self.kv_heads),
+        };
         match (x.dims(), cs.dims()) {
             (&[rows, width], &[t, hd])
                 if self.q_heads > 0
@@ -168,7 +173,7 @@ impl RopeQkv {
                     && rows % t == 0
                     && width == heads * hd =>
             {
-                Ok(((t, heads, hd), turned))
+                Ok(((t, heads, hd), (rot_heads, first, count)))
             }
             _ => err(TwellError::ShapeMismatch {
                 what: "rope_qkv",
@@ -182,6 +187,11 @@ impl RopeQkv {
                 ),
             }),
         }
+    }
+
+    /// The part's `[rows, count · hd]`.
+    fn out_shape(x: &Layout, (_, _, hd): (usize, usize, usize), count: usize) -> Shape {
+        Shape::from((x.dims()[0], count * hd))
     }
 }
 
@@ -197,9 +207,9 @@ impl CustomOp2 for RopeQkv {
         css: &CpuStorage,
         csl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (dims, turned) = self.dims(xl, csl)?;
-        let out = turn_cpu(xs, xl, css, csl, dims, turned)?;
-        Ok((out, Shape::from(xl.shape().elem_count())))
+        let (dims, part) = self.dims(xl, csl)?;
+        let out = turn_cpu(xs, xl, css, csl, dims, part)?;
+        Ok((out, Self::out_shape(xl, dims, part.2)))
     }
 
     #[cfg(feature = "cuda")]
@@ -210,18 +220,19 @@ impl CustomOp2 for RopeQkv {
         css: &candle_core::CudaStorage,
         csl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (dims, turned) = self.dims(xl, csl)?;
-        let out = crate::cuda::rope(xs, xl, css, csl, dims, turned)?;
-        Ok((out, Shape::from(xl.shape().elem_count())))
+        let (dims, part) = self.dims(xl, csl)?;
+        let out = crate::cuda::rope(xs, xl, css, csl, dims, part)?;
+        Ok((out, Self::out_shape(xl, dims, part.2)))
     }
 }
 
 /// RoPE of fused projection rows `qkv [b·t, (q_heads + 2·kv_heads)·hd]` (queries, keys,
 /// values, as one matrix product of the three weights gives them): returns the turned
 /// queries `[b·t, q_heads·hd]` and keys | values `[b·t, 2·kv_heads·hd]` (the values
-/// unchanged), each contiguous. One launch where the split projections take three
-/// products and two RoPE passes, and the KV cache appends the second tensor with one
-/// copy. For inference: no backward.
+/// unchanged), each a tensor of its own, so a KV cache that keeps the second holds
+/// nothing else and copies nothing. Two launches, each reading its part of the rows,
+/// where the split projections take three products and two RoPE passes and a join. For
+/// inference: no backward.
 pub fn rope_qkv(
     qkv: &Tensor,
     angles: &RopeTable,
@@ -236,26 +247,26 @@ pub fn rope_qkv(
             cs.dtype()
         )));
     }
-    let op = RopeQkv { q_heads, kv_heads };
+    let op = |part| RopeQkv {
+        q_heads,
+        kv_heads,
+        part,
+    };
     let qkv = qkv.contiguous()?;
-    let ((_, _, hd), _) = op.dims(qkv.layout(), cs.layout())?;
-    let rows = qkv.dim(0)?;
-    let (q_width, kv_width) = (q_heads * hd, 2 * kv_heads * hd);
+    let ((_, _, hd), _) = op(QkvPart::Queries).dims(qkv.layout(), cs.layout())?;
     if !kernel_runs(&qkv, hd) && !qkv.device().is_cpu() {
         // No kernel for this case: the split form (RoPE on each part, then one join).
+        let q_width = q_heads * hd;
         let q = rope(&qkv.narrow(1, 0, q_width)?, angles)?;
         let k = rope(&qkv.narrow(1, q_width, kv_heads * hd)?, angles)?;
         let v = qkv.narrow(1, q_width + kv_heads * hd, kv_heads * hd)?;
         return Ok((q, Tensor::cat(&[&k, &v], 1)?));
     }
-    let flat = qkv.apply_op2_no_bwd(&cs.contiguous()?, &op)?;
-    let q = flat
-        .narrow(0, 0, rows * q_width)?
-        .reshape((rows, q_width))?;
-    let kv = flat
-        .narrow(0, rows * q_width, rows * kv_width)?
-        .reshape((rows, kv_width))?;
-    Ok((q, kv))
+    let cs = cs.contiguous()?;
+    Ok((
+        qkv.apply_op2_no_bwd(&cs, &op(QkvPart::Queries))?,
+        qkv.apply_op2_no_bwd(&cs, &op(QkvPart::KeysValues))?,
+    ))
 }
 
 /// The RoPE angles of a run of positions, in both forms: candle's `cos, sin [positions,
