@@ -131,10 +131,11 @@ pub fn model_speedups(path: &Path, report: &crate::bench::model::ModelReport) ->
             let dense = report.measurements.iter().find(|d| {
                 d.ffn == "dense" && d.phase == m.phase && d.batch == m.batch && d.seq == m.seq
             })?;
-            Some((
-                format!("{} {}x{}", m.phase, m.batch, m.seq),
-                m.tokens_per_sec / dense.tokens_per_sec,
-            ))
+            let ratio = m.tokens_per_sec / dense.tokens_per_sec;
+            // A rate that could not be measured (not a number) has no bar.
+            ratio
+                .is_finite()
+                .then(|| (format!("{} {}x{}", m.phase, m.batch, m.seq), ratio))
         })
         .collect();
     let root = SVGBackend::new(path, (900, 480)).into_drawing_area();

@@ -71,7 +71,8 @@ pub struct ModelBenchArgs {
     /// SVG chart of the sparse/dense speed-up per measurement.
     #[arg(long)]
     pub svg: Option<PathBuf>,
-    /// FFN paths to run: dense, sparse or both (one alone, to profile or trace it).
+    /// FFN paths to run: some of dense, sparse and auto (`SparseMlp`'s own choice per
+    /// call); one alone, to profile or trace it.
     #[arg(long, value_delimiter = ',', default_value = "dense,sparse")]
     pub ffn_paths: Vec<String>,
 }
@@ -305,7 +306,19 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             &mut prefill_only,
         )?;
         for (w, p) in with.into_iter().zip(without) {
-            let ms = (w.ms - p.ms).max(1e-6);
+            // Steps that take less than the noise of the context prefill's time give no
+            // rate: not a number (null in the JSON) and a warning, never a made-up one.
+            let ms = if w.ms > p.ms {
+                w.ms - p.ms
+            } else {
+                eprintln!(
+                    "warning: decode batch {b} ({}): {steps} steps took no measurable time \
+                     beyond the {}-token context prefill ({:.3} against {:.3} ms); raise \
+                     --decode-steps or --reps",
+                    w.ffn, args.context, w.ms, p.ms
+                );
+                f64::NAN
+            };
             let mj_per_token = decode_mj_per_token(w.mj_per_token, p.mj_per_token, b, steps);
             measurements.push(Measurement {
                 tokens_per_sec: (b * steps) as f64 / (ms / 1e3),
@@ -404,22 +417,26 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
     })
 }
 
-/// The `--ffn-paths` list as FFN modes with their labels, dense first.
+/// The `--ffn-paths` list as FFN modes with their labels, in the order dense, sparse,
+/// auto (`Auto` picks per call, as `SparseMlp` does for a user who leaves it to it).
 fn ffn_paths(paths: &[String]) -> Result<Vec<(FfnMode, &'static str)>> {
-    let mut modes = Vec::new();
-    for (mode, label) in [(FfnMode::Dense, "dense"), (FfnMode::Sparse, "sparse")] {
-        if paths.iter().any(|p| p == label) {
-            modes.push((mode, label));
-        }
-    }
+    const PATHS: [(FfnMode, &str); 3] = [
+        (FfnMode::Dense, "dense"),
+        (FfnMode::Sparse, "sparse"),
+        (FfnMode::Auto, "auto"),
+    ];
     if let Some(bad) = paths
         .iter()
-        .find(|p| !["dense", "sparse"].contains(&p.as_str()))
+        .find(|p| !PATHS.iter().any(|(_, label)| label == p))
     {
-        bail!("--ffn-paths '{bad}': want dense, sparse or both (dense,sparse)");
+        bail!("--ffn-paths '{bad}': want some of dense, sparse, auto (e.g. dense,sparse)");
     }
+    let modes: Vec<_> = PATHS
+        .into_iter()
+        .filter(|(_, label)| paths.iter().any(|p| p == label))
+        .collect();
     if modes.is_empty() {
-        bail!("--ffn-paths: name at least one of dense, sparse");
+        bail!("--ffn-paths: name at least one of dense, sparse, auto");
     }
     Ok(modes)
 }
@@ -593,6 +610,26 @@ pub fn print(report: &ModelReport) {
 #[cfg(test)]
 mod tests {
     use super::decode_mj_per_token;
+
+    #[test]
+    fn ffn_paths_come_in_a_fixed_order_and_bad_names_are_refused() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let labels = |v: &[&str]| {
+            super::ffn_paths(&names(v))
+                .unwrap()
+                .into_iter()
+                .map(|(_, l)| l)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(labels(&["auto", "dense"]), ["dense", "auto"]);
+        assert_eq!(
+            labels(&["sparse", "auto", "dense"]),
+            ["dense", "sparse", "auto"]
+        );
+        let err = super::ffn_paths(&names(&["dense", "fast"])).unwrap_err();
+        assert!(err.to_string().contains("'fast'"), "{err}");
+        assert!(super::ffn_paths(&[]).is_err());
+    }
 
     #[test]
     fn decode_energy_is_the_steps_less_the_prefill() {
