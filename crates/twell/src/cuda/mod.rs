@@ -554,13 +554,9 @@ pub fn twell_mlp_forward(
     let mut values = unsafe { dev.alloc::<bf16>(m * n_tiles * cap)? };
 
     // 16-byte loads need every row and tile start aligned: d_ff % 8 == 0. The vector
-    // kernel splits its warp index into (row, tile) in 32 bits.
-    if m * n_tiles > u32::MAX as usize {
-        return err(TwellError::Invalid(format!(
-            "{m} tokens × {n_tiles} tiles exceed the gate pack's 2^32 (row, tile) items"
-        )));
-    }
-    let pack_name = if f % 8 == 0 {
+    // kernel splits its warp index into (row, tile) in 32 bits; the scalar one in 64,
+    // so past 2^32 (row, tile) items it takes over.
+    let pack_name = if f % 8 == 0 && m * n_tiles <= u32::MAX as usize {
         "twell_gate_pack_vec_bf16"
     } else {
         "twell_gate_pack_bf16"
