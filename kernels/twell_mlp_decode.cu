@@ -14,11 +14,16 @@
 // The sums, the L1 term and the per-tile counts live in a scratch buffer that the host
 // keeps per stream, zeroed. The last block to finish (a ticket counter after a fence)
 // turns the sums into the bf16 output row and the counts into the output counts, and
-// zeroes the scratch again for the next launch on the stream.
+// zeroes the scratch again for the next launch on the stream. Given a residual row, it
+// also writes the residual add and the next sublayer's RMS norm of it.
 #include "twell_common.cuh"
 
 // Active neurons one block lists between the phases (at 3% density a block holds 1-2).
 #define DECODE_LIST 128
+// The fused residual add + norm: the block size and the row's 16-byte vectors per
+// thread of `add_rms_norm.cu` (NORM_THREADS, NORM_MAX_VECS), so it rounds the same way.
+#define ADD_NORM_THREADS 256
+#define ADD_NORM_MAX_VECS 4
 
 // x . w0 and x . w1 with both rows' loads in flight at once (w1 may be null: 0).
 template <int MAXV>
@@ -106,7 +111,11 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]
                            uint32_t* ticket,                        // scratch, zero
                            __nv_bfloat16* __restrict__ out,         // [1, d], then the L1 term
                            uint32_t* __restrict__ counts,           // [1, n_tiles]
-                           int d, int f, int tile, int n_tiles) {
+                           int d, int f, int tile, int n_tiles,
+                           const __nv_bfloat16* __restrict__ residual,  // [1, d], or null
+                           const __nv_bfloat16* __restrict__ alpha,     // [d] norm weight
+                           __nv_bfloat16* __restrict__ sum_normed,      // [2, d]
+                           float eps) {
     __shared__ int listed_j[DECODE_LIST];
     __shared__ float listed_g[DECODE_LIST];
     __shared__ int n_listed;
@@ -177,6 +186,48 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]
         tile_counts[t] = 0u;
     }
     if (threadIdx.x == 0) *ticket = 0u;
+    if (residual == nullptr) return;
+    // The residual add and the next sublayer's RMS norm (`add_rms_norm.cu` with x the
+    // residual and y this row, the same partition of the row over 256 threads and the
+    // same order of operations, so the same bits): one launch fewer per layer.
+    __syncthreads();  // this block's writes of `out`, read back below
+    const int vecs = d / VEC;
+    float sums[ADD_NORM_MAX_VECS][VEC];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < ADD_NORM_MAX_VECS; ++i) {
+        const int v = threadIdx.x + i * ADD_NORM_THREADS;
+        if (v < vecs) {
+            float a[VEC], b[VEC];
+            load8(residual + v * VEC, a);
+            load8(out + v * VEC, b);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                sums[i][k] = round_bf16(a[k] + b[k]);
+                ss = fmaf(sums[i][k], sums[i][k], ss);
+            }
+            store8(sum_normed + v * VEC, sums[i]);
+        }
+    }
+    __shared__ float partial[ADD_NORM_THREADS / 32];
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < ADD_NORM_THREADS / 32; ++w) total += partial[w];
+    const float scale = rsqrtf(total / d + eps);
+#pragma unroll
+    for (int i = 0; i < ADD_NORM_MAX_VECS; ++i) {
+        const int v = threadIdx.x + i * ADD_NORM_THREADS;
+        if (v < vecs) {
+            float a[VEC], o[VEC];
+            load8(alpha + v * VEC, a);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) o[k] = scale * sums[i][k] * a[k];
+            store8(sum_normed + d + v * VEC, o);
+        }
+    }
 }
 
 // Two blocks per multiprocessor where the row fits 128 registers a thread (up to d = 2048):
@@ -186,8 +237,10 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]
         const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wg,                   \
         const __nv_bfloat16* __restrict__ w_ud, float* acc, float* l1, uint32_t* tile_counts,         \
         uint32_t* ticket, __nv_bfloat16* __restrict__ out, uint32_t* __restrict__ counts, int d,      \
-        int f, int tile, int n_tiles) {                                                               \
-        decode_row<MAXV>(x, wg, w_ud, acc, l1, tile_counts, ticket, out, counts, d, f, tile, n_tiles); \
+        int f, int tile, int n_tiles, const __nv_bfloat16* __restrict__ residual,                    \
+        const __nv_bfloat16* __restrict__ alpha, __nv_bfloat16* __restrict__ sum_normed, float eps) { \
+        decode_row<MAXV>(x, wg, w_ud, acc, l1, tile_counts, ticket, out, counts, d, f, tile, n_tiles,  \
+                         residual, alpha, sum_normed, eps);                                           \
     }
 
 DECODE_KERNEL(1, 2)

@@ -658,15 +658,20 @@ impl Llama {
                 // takes it as inference does.
                 _ => {
                     let (sum, hm) = block.post_attention_layernorm.add_forward(&x, &attn)?;
-                    let out = match pass {
+                    (x, h) = match pass {
                         Pass::Train => {
                             let (out, l1_tokens) = block.mlp.forward_with_l1(&hm)?;
                             l1.push(l1_tokens.to_dtype(DType::F32)?.mean_all()?);
-                            out
+                            next.add_forward(&sum, &out)?
                         }
-                        Pass::Inference => block.mlp.forward(&hm)?,
+                        // A one-token step on the sparse CUDA path folds the add and
+                        // the next norm into the MLP's launch.
+                        Pass::Inference => {
+                            block
+                                .mlp
+                                .forward_add_norm(&hm, &sum, &next.weight, next.eps)?
+                        }
                     };
-                    (x, h) = next.add_forward(&sum, &out)?;
                 }
             }
         }

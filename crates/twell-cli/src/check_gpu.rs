@@ -478,6 +478,55 @@ struct NormResult {
 
 /// The fused residual add + RMS norm (bf16) and its backward against candle's ops on
 /// the GPU.
+/// One token's MLP with the residual add and norm folded into its launch
+/// (`twell_mlp_add_norm`) against the two launches it replaces (`twell_mlp`, then
+/// `add_rms_norm`) on the same inputs: the same bits are expected.
+#[derive(Serialize, Debug)]
+struct MlpAddNormResult {
+    d: usize,
+    f: usize,
+    target_density: f64,
+    /// Largest absolute difference of the sums and of the normalised rows.
+    sum_diff: f64,
+    norm_diff: f64,
+    pass: bool,
+}
+
+fn check_mlp_add_norm(
+    dev: &Device,
+    (d, f, density): (usize, usize, f64),
+    seed: u64,
+) -> Result<MlpAddNormResult> {
+    let (config, w, x) = case_inputs(dev, (1, d, f, density, 256, 8), seed)?;
+    dev.set_seed(seed)?;
+    let residual = Tensor::randn(0f32, 1.0, (1, d), dev)?.to_dtype(DType::BF16)?;
+    let alpha = Tensor::randn(1f32, 0.1, d, dev)?.to_dtype(DType::BF16)?;
+    let eps = 1e-5;
+    let w_ud = up_down_matrix(&w.up, &w.down)?;
+    if !twell::ops::add_norm_fuses(&x) {
+        bail!("mlp + add + norm (d {d}) would not fold on this device");
+    }
+    let (sum, normed) =
+        twell::ops::twell_mlp_add_norm(&x, &w.gate, &w_ud, config, (&residual, &alpha, eps))?;
+    let out = twell_mlp(&x, &w.gate, &w_ud, config)?.out;
+    let (want_sum, want_normed) = twell::ops::add_rms_norm(&residual, &out, &alpha, eps)?;
+    let diff = |a: &Tensor, b: &Tensor| -> Result<f64> {
+        Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()? as f64)
+    };
+    let (sum_diff, norm_diff) = (diff(&sum, &want_sum)?, diff(&normed, &want_normed)?);
+    Ok(MlpAddNormResult {
+        d,
+        f,
+        target_density: density,
+        sum_diff,
+        norm_diff,
+        pass: sum_diff == 0.0 && norm_diff == 0.0,
+    })
+}
+
 fn check_add_rms_norm(dev: &Device, (m, d): (usize, usize), seed: u64) -> Result<NormResult> {
     dev.set_seed(seed)?;
     let x = Tensor::randn(0f32, 1.0, (m, d), dev)?.to_dtype(DType::BF16)?;
@@ -864,6 +913,7 @@ struct Report {
     backward: Vec<BackwardResult>,
     attention: Vec<AttentionResult>,
     add_rms_norm: Vec<NormResult>,
+    mlp_add_norm: Vec<MlpAddNormResult>,
     rope: Vec<RopeResult>,
     cross_entropy: Vec<LossResult>,
     kl_divergence_f32_teacher: Vec<LossResult>,
@@ -1070,6 +1120,29 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         add_rms_norm.push(r);
     }
+    let mut mlp_add_norm = Vec::new();
+    for (k, &dims) in [
+        (2048, 5632, 0.01),
+        (576, 1536, 0.05),
+        (4096, 11008, 0.03),
+        (2048, 5632, 0.5),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let r = check_mlp_add_norm(&dev, dims, 960 + k as u64)?;
+        println!(
+            "mlp + add + norm in one launch (d, d_ff, density) = ({}, {}, {}): largest \
+             difference to twell_mlp then add_rms_norm: sums {:.2e}, normalised {:.2e} {}",
+            r.d,
+            r.f,
+            r.target_density,
+            r.sum_diff,
+            r.norm_diff,
+            tally.record(r.pass)
+        );
+        mlp_add_norm.push(r);
+    }
     let mut rope = Vec::new();
     for (k, &dims) in [(1, 1, 9, 64), (2, 333, 8, 64), (4, 2048, 32, 64)]
         .iter()
@@ -1201,6 +1274,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             backward,
             attention,
             add_rms_norm,
+            mlp_add_norm,
             rope,
             cross_entropy,
             kl_divergence_f32_teacher,

@@ -537,9 +537,61 @@ impl SparseMlp {
         self.record_stats = on;
     }
 
+    /// The MLP of `x` and the residual add and RMS norm after it, as a Llama block runs
+    /// them: `(residual + mlp(x), rms_norm(residual + mlp(x)) · alpha)` (`alpha [d]`, the
+    /// next norm's weight). One token of inference on the sparse CUDA path folds the add
+    /// and the norm into the MLP's own launch ([`crate::ops::twell_mlp_add_norm`], the
+    /// same bits); everything else is [`Module::forward`] then
+    /// [`crate::ops::add_rms_norm`].
+    pub fn forward_add_norm(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        alpha: &Tensor,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        let measure = self.measure_now(x.device());
+        let d = x.dims().last().copied().unwrap_or(0);
+        let folds = !measure
+            && !self.record_stats
+            && crate::ops::add_norm_fuses(x)
+            && d == self.hidden()
+            && residual.dims() == x.dims()
+            && [x, residual, alpha, &self.gate, &self.up, &self.down]
+                .iter()
+                .all(|t| !t.track_op())
+            && self.use_sparse(1, x.device());
+        if folds {
+            let rows = |t: &Tensor| crate::ops::reshaped(t, &[1, d]);
+            let (sum, normed) = crate::ops::twell_mlp_add_norm(
+                &rows(x)?,
+                &self.gate,
+                &self.up_down()?,
+                self.config,
+                (&rows(residual)?, alpha, eps),
+            )?;
+            return Ok((
+                crate::ops::reshaped(&sum, x.dims())?,
+                crate::ops::reshaped(&normed, x.dims())?,
+            ));
+        }
+        let (out, _) = self.run_measured(x, false, measure)?;
+        crate::ops::add_rms_norm(residual, &out, alpha, eps)
+    }
+
     /// The forward pass; the dense path computes the L1 term only when asked (the
     /// sparse path gets it for free).
     fn run(&self, x: &Tensor, want_l1: bool) -> Result<(Tensor, Option<Tensor>)> {
+        self.run_measured(x, want_l1, self.measure_now(x.device()))
+    }
+
+    /// [`Self::run`] where the caller has asked [`Self::measure_now`] already.
+    fn run_measured(
+        &self,
+        x: &Tensor,
+        want_l1: bool,
+        measure: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let dims = x.dims().to_vec();
         let d = *dims.last().unwrap_or(&0);
         if d != self.hidden() {
@@ -551,7 +603,6 @@ impl SparseMlp {
         let lead = &dims[..dims.len() - 1];
         let rows = x.elem_count() / d.max(1);
         let x2 = crate::ops::reshaped(x, &[rows, d])?;
-        let measure = self.measure_now(x.device());
         let sparse = self.use_sparse(x2.dim(0)?, x.device());
         if sparse && want_l1 && self.l1_term != L1Term::Plain {
             return err(TwellError::Invalid(format!(

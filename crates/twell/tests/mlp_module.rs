@@ -331,3 +331,61 @@ fn loads_a_fused_up_down_matrix_from_a_var_builder() {
     let e = rel_l2(&mlp.forward(&x).unwrap(), &separate.forward(&x).unwrap()).unwrap();
     assert!(e < 1e-5, "{e}");
 }
+
+#[test]
+fn forward_add_norm_is_the_mlp_then_the_residual_add_and_norm() {
+    // On the host (and wherever the one-launch CUDA kernel does not fold it) the call is
+    // the MLP, then `add_rms_norm`: the same tensors.
+    let dev = Device::Cpu;
+    let w = synthetic_mlp(64, 384, 0.02, DType::F32, &dev, 5).unwrap();
+    let mlp = SparseMlp::new(
+        w.gate.clone(),
+        w.up.clone(),
+        w.down.clone(),
+        Activation::Relu,
+        FfnMode::Sparse,
+    )
+    .unwrap();
+    for rows in [1, 3] {
+        let x = synthetic_input(rows, 64, DType::F32, &dev, 6).unwrap();
+        let residual = Tensor::randn(0f32, 1.0, (rows, 64), &dev).unwrap();
+        let alpha = Tensor::randn(1f32, 0.1, 64, &dev).unwrap();
+        let (sum, normed) = mlp.forward_add_norm(&x, &residual, &alpha, 1e-5).unwrap();
+        let out = mlp.forward(&x).unwrap();
+        let (want_sum, want_normed) =
+            twell::ops::add_rms_norm(&residual, &out, &alpha, 1e-5).unwrap();
+        assert_eq!(sum.dims(), x.dims());
+        assert!(rel_l2(&sum, &want_sum).unwrap() < 1e-6, "rows {rows}");
+        assert!(rel_l2(&normed, &want_normed).unwrap() < 1e-6, "rows {rows}");
+    }
+    // The one-launch form itself is CUDA-only, and says what to use instead.
+    let x = synthetic_input(1, 64, DType::F32, &dev, 7).unwrap();
+    let residual = Tensor::zeros((1, 64), DType::F32, &dev).unwrap();
+    let alpha = Tensor::ones(64, DType::F32, &dev).unwrap();
+    let w_ud = twell::up_down_matrix(&w.up, &w.down).unwrap();
+    assert!(!twell::ops::add_norm_fuses(&x));
+    let err = twell::ops::twell_mlp_add_norm(
+        &x,
+        &w.gate,
+        &w_ud,
+        Default::default(),
+        (&residual, &alpha, 1e-5),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("CUDA") && err.contains("add_rms_norm"),
+        "{err}"
+    );
+    // Bad shapes are named.
+    let err = twell::ops::twell_mlp_add_norm(
+        &x,
+        &w.gate,
+        &w_ud,
+        Default::default(),
+        (&alpha, &alpha, 1e-5),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("residual [1, d]"), "{err}");
+}

@@ -34,7 +34,8 @@ pub use embedding::embedding_grad;
 pub use gate_l0::{gate_l0, gate_l0_grad_gate, gate_l0_grad_norms};
 pub use kl_divergence::{kl_divergence, kl_divergence_bwd};
 pub use rope::rope;
-use twell_mlp_decode::{twell_mlp_decode, use_fused_decode};
+pub use twell_mlp_decode::ADD_NORM_MAX_HIDDEN;
+use twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm};
 
 const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
 const GATED_T2D_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));
@@ -64,6 +65,15 @@ fn decode_max_tokens() -> Result<usize> {
 fn row_vectors(d: usize) -> Option<usize> {
     let need = d.div_ceil(32 * 8);
     [1, 2, 4, 8, 16].into_iter().find(|&v| v >= need)
+}
+
+/// Whether one token row of hidden `d` takes the one-launch decode kernel with the
+/// residual add and norm after it folded in ([`twell_mlp_add_norm`]); not with
+/// `TWELL_DECODE_ADD_NORM=0`, to measure it against the two launches on one build.
+pub fn add_norm_folds(d: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("TWELL_DECODE_ADD_NORM").map_or(true, |v| v != "0"));
+    on && use_fused_decode(1, d, false) && d.is_multiple_of(8) && d <= ADD_NORM_MAX_HIDDEN
 }
 
 /// Warps per multiprocessor that the prefill row kernels aim to fill before they split
@@ -469,6 +479,59 @@ fn poison(dev: &CudaDevice, buf: &mut CudaSlice<bf16>) -> Result<()> {
     Ok(())
 }
 
+/// One token row's MLP (`x [1, d]`, `wg [f, d]`, `w_ud [f, 2d]`, bf16) with the residual
+/// add and RMS norm after it folded into the same launch: returns `[2 · d]`, the sum
+/// `residual + mlp(x)` then its norm with weight `alpha [d]`, as `add_rms_norm` writes
+/// them. Inference only; the one-launch decode kernel's cases (see `use_fused_decode`).
+#[allow(clippy::too_many_arguments)]
+pub fn twell_mlp_add_norm(
+    (x, xl): (&CudaStorage, &Layout),
+    (wg, wl): (&CudaStorage, &Layout),
+    (w_ud, ul): (&CudaStorage, &Layout),
+    (residual, rl): (&CudaStorage, &Layout),
+    (alpha, al): (&CudaStorage, &Layout),
+    config: TwellConfig,
+    eps: f32,
+) -> Result<CudaStorage> {
+    let (m, d) = xl.shape().dims2()?;
+    let f = wl.shape().dims2()?.0;
+    if !use_fused_decode(m, d, false) || d % 8 != 0 {
+        return err(TwellError::Invalid(format!(
+            "twell_mlp_add_norm takes one token row whose hidden size the one-launch \
+             decode kernel takes, got [{m}, {d}]"
+        )));
+    }
+    let dev = x.device().clone();
+    let n_tiles = config.n_tiles(f);
+    let dims = KernelDims {
+        m: 1,
+        d: d as i32,
+        f: f as i32,
+        tile: config.tile() as i32,
+        cap: config.capacity() as i32,
+        n_tiles: n_tiles as i32,
+    };
+    // SAFETY: the kernel's last block writes every element of both.
+    let mut out = unsafe { dev.alloc::<bf16>(mlp_result_len(1, d))? };
+    let mut sum_normed = unsafe { dev.alloc::<bf16>(2 * d)? };
+    poison(&dev, &mut sum_normed)?;
+    twell_mlp_decode(
+        &dev,
+        &bf16_view("x", x, xl)?,
+        &bf16_view("gate_proj", wg, wl)?,
+        &bf16_view("w_ud", w_ud, ul)?,
+        &mut out,
+        &dims,
+        Some(AddNorm {
+            residual: bf16_view("residual", residual, rl)?,
+            alpha: bf16_view("alpha", alpha, al)?,
+            eps,
+            sum_normed: &mut sum_normed,
+        }),
+    )?;
+    Ok(CudaStorage::wrap_cuda_slice(sum_normed, dev))
+}
+
 /// The whole ReGLU MLP for `x [m, d]`, `wg [f, d]`, `w_ud [f, 2d]` (bf16):
 /// returns the result `[mlp_result_len(m, d)]` (the `[m, d]` outputs, then each token's
 /// L1 term) and the counts,
@@ -523,7 +586,7 @@ pub fn twell_mlp_forward(
         // tests check that.
         let mut out = unsafe { dev.alloc::<bf16>(len)? };
         poison(&dev, &mut out)?;
-        let counts = twell_mlp_decode(&dev, &xv, &wgv, &wudv, &mut out, &dims)?;
+        let counts = twell_mlp_decode(&dev, &xv, &wgv, &wudv, &mut out, &dims, None)?;
         let storage = CudaStorage::wrap_cuda_slice(out, dev);
         let activity = Activity {
             counts,

@@ -69,8 +69,23 @@ fn one_wave(dev: &CudaDevice, func: &CudaFunction) -> Result<u32> {
 /// Keyed by the stream, so two candle devices never share one.
 static SCRATCH: Mutex<Option<HashMap<usize, Scratch>>> = Mutex::new(None);
 
-/// Runs the fused MLP of the row `x [1, d]` into `out [mlp_result_len(1, d)]` and
-/// returns the `[1, n_tiles]` true nonzero counts.
+/// The residual add and RMS norm that a launch may fold into its epilogue: `residual
+/// [1, d]`, the norm's weight `alpha [d]` and `eps`, into `sum_normed [2, d]` (the sum,
+/// then the normalised row), as `add_rms_norm` would write them.
+pub struct AddNorm<'a> {
+    pub residual: CudaView<'a, bf16>,
+    pub alpha: CudaView<'a, bf16>,
+    pub eps: f32,
+    pub sum_normed: &'a mut CudaSlice<bf16>,
+}
+
+/// Hidden sizes the folded add + norm takes: 16-byte vectors, at most four per thread
+/// of the last block (`ADD_NORM_MAX_VECS` × 256 × 8 in the .cu).
+pub const ADD_NORM_MAX_HIDDEN: usize = 4 * 256 * 8;
+
+/// Runs the fused MLP of the row `x [1, d]` into `out [mlp_result_len(1, d)]` (and, with
+/// `add_norm`, the residual add and norm after it) and returns the `[1, n_tiles]` true
+/// nonzero counts.
 pub fn twell_mlp_decode(
     dev: &CudaDevice,
     x: &CudaView<bf16>,
@@ -78,9 +93,27 @@ pub fn twell_mlp_decode(
     w_ud: &CudaView<bf16>,
     out: &mut CudaSlice<bf16>,
     dims: &KernelDims,
+    add_norm: Option<AddNorm<'_>>,
 ) -> Result<CudaSlice<u32>> {
     let (d, f, n_tiles) = (dims.d as usize, dims.f as usize, dims.n_tiles as usize);
     debug_assert_eq!(out.len(), mlp_result_len(1, d));
+    let mut add_norm = add_norm;
+    if let Some(a) = &add_norm {
+        if d > ADD_NORM_MAX_HIDDEN
+            || a.residual.len() != d
+            || a.alpha.len() != d
+            || a.sum_normed.len() != 2 * d
+        {
+            return crate::error::err(crate::error::TwellError::Invalid(format!(
+                "twell_mlp_decode: the folded add + norm takes hidden <= {ADD_NORM_MAX_HIDDEN}, \
+                 a residual and a norm weight of {d} and a result of {}, got {}, {} and {}",
+                2 * d,
+                a.residual.len(),
+                a.alpha.len(),
+                a.sum_normed.len()
+            )));
+        }
+    }
     let v = super::row_vectors(d).expect("use_fused_decode checked the hidden size");
     // SAFETY: the kernel's last block writes every count.
     let mut counts = unsafe { dev.alloc::<u32>(n_tiles)? };
@@ -119,6 +152,20 @@ pub fn twell_mlp_decode(
         .arg(&dims.f)
         .arg(&dims.tile)
         .arg(&dims.n_tiles);
+    // Null pointers tell the kernel there is no add + norm to fold in.
+    let null: u64 = 0;
+    let no_eps = 0f32;
+    match add_norm.as_mut() {
+        Some(a) => {
+            b.arg(&a.residual)
+                .arg(&a.alpha)
+                .arg(&mut *a.sum_normed)
+                .arg(&a.eps);
+        }
+        None => {
+            b.arg(&null).arg(&null).arg(&null).arg(&no_eps);
+        }
+    }
     let warps_per_block = (BLOCK_THREADS / 32) as usize;
     let cfg = super::grid_1d(
         f.div_ceil(warps_per_block).min(wave as usize),

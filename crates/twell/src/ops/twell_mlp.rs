@@ -17,6 +17,7 @@ use super::{
 use crate::cpu::float::Rows;
 use crate::cpu::screen::GateScreen;
 use crate::cpu::t2d::{self, GateGrad};
+use crate::error::{err, TwellError};
 use crate::format::{check_size, TwellConfig, TwellPattern};
 use crate::knobs;
 
@@ -414,6 +415,104 @@ pub fn twell_mlp_screened(
         Some(screen),
         BackwardPath::Sparse,
     )
+}
+
+/// Whether [`twell_mlp_add_norm`] runs for `x`: CUDA, bf16, one token, a hidden size the
+/// one-launch decode kernel and its folded norm take.
+pub fn add_norm_fuses(x: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        let d = x.dims().last().copied().unwrap_or(0);
+        x.device().is_cuda()
+            && x.dtype() == candle_core::DType::BF16
+            && x.elem_count() == d
+            && crate::cuda::add_norm_folds(d)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        false
+    }
+}
+
+/// One token's MLP (`x [1, d]`, `gate_proj [f, d]`, `w_ud [f, 2d]`) and the residual add
+/// and RMS norm after it, `(residual + mlp(x), rms_norm(residual + mlp(x)) · alpha)`, in
+/// one CUDA launch: what `twell_mlp` then `add_rms_norm` give, bit for bit, one launch
+/// fewer per layer of a decode step. Inference only (no backward); the cases of
+/// [`add_norm_fuses`], else an error.
+pub fn twell_mlp_add_norm(
+    x: &Tensor,
+    gate_proj: &Tensor,
+    w_ud: &Tensor,
+    config: TwellConfig,
+    (residual, alpha, eps): (&Tensor, &Tensor, f64),
+) -> Result<(Tensor, Tensor)> {
+    let (m, d) = matrix_dims("x", x)?;
+    let (f, dg) = matrix_dims("gate_proj", gate_proj)?;
+    let (f2, dw) = matrix_dims("w_ud", w_ud)?;
+    if m != 1
+        || dg != d
+        || f2 != f
+        || dw != 2 * d
+        || residual.dims() != [1, d]
+        || alpha.dims() != [d]
+    {
+        return shape_err(
+            "twell_mlp_add_norm",
+            format!(
+                "want x [1, d], gate_proj [f, d], w_ud [f, 2d], residual [1, d] and alpha [d], \
+                 got {:?}, {:?}, {:?}, {:?} and {:?}",
+                x.dims(),
+                gate_proj.dims(),
+                w_ud.dims(),
+                residual.dims(),
+                alpha.dims()
+            ),
+        );
+    }
+    for t in [gate_proj, w_ud, residual, alpha] {
+        same_dtype_and_device("twell_mlp_add_norm", x, t)?;
+    }
+    check_size("twell_mlp_add_norm", m, f, config)?;
+    if !add_norm_fuses(x) {
+        return err(TwellError::Invalid(format!(
+            "twell_mlp_add_norm runs on CUDA in bf16 for hidden sizes of the one-launch \
+             decode kernel; got {:?} {:?} with hidden {d} (elsewhere: twell_mlp, then \
+             add_rms_norm)",
+            x.device().location(),
+            x.dtype()
+        )));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::{op::BackpropOp, Storage};
+        let ts = [x, gate_proj, w_ud, residual, alpha].map(|t| t.contiguous());
+        let [x, gate_proj, w_ud, residual, alpha] = ts;
+        let ts = [x?, gate_proj?, w_ud?, residual?, alpha?];
+        let parts = ts.each_ref().map(|t| t.storage_and_layout());
+        let cuda = |i: usize| match &*parts[i].0 {
+            Storage::Cuda(s) => Ok((s, parts[i].1)),
+            _ => Err(candle_core::Error::Msg(
+                "twell_mlp_add_norm: every input must be on the CUDA device".into(),
+            )),
+        };
+        let both = crate::cuda::twell_mlp_add_norm(
+            cuda(0)?,
+            cuda(1)?,
+            cuda(2)?,
+            cuda(3)?,
+            cuda(4)?,
+            config,
+            eps as f32,
+        )?;
+        let both = Tensor::from_storage(Storage::Cuda(both), (2, d), BackpropOp::none(), false);
+        Ok((both.narrow(0, 0, 1)?, both.narrow(0, 1, 1)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = eps;
+        unreachable!("add_norm_fuses is false without the cuda feature")
+    }
 }
 
 /// Builds the int8 screen of a host `gate_proj [f, d]` for [`twell_mlp_screened`].
