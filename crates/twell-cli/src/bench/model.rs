@@ -306,19 +306,15 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             &mut prefill_only,
         )?;
         for (w, p) in with.into_iter().zip(without) {
-            // Steps that take less than the noise of the context prefill's time give no
-            // rate: not a number (null in the JSON) and a warning, never a made-up one.
-            let ms = if w.ms > p.ms {
-                w.ms - p.ms
-            } else {
+            let ms = decode_ms(w.ms, p.ms);
+            if ms.is_nan() {
                 eprintln!(
                     "warning: decode batch {b} ({}): {steps} steps took no measurable time \
                      beyond the {}-token context prefill ({:.3} against {:.3} ms); raise \
                      --decode-steps or --reps",
                     w.ffn, args.context, w.ms, p.ms
                 );
-                f64::NAN
-            };
+            }
             let mj_per_token = decode_mj_per_token(w.mj_per_token, p.mj_per_token, b, steps);
             measurements.push(Measurement {
                 tokens_per_sec: (b * steps) as f64 / (ms / 1e3),
@@ -439,6 +435,17 @@ fn ffn_paths(paths: &[String]) -> Result<Vec<(FfnMode, &'static str)>> {
         bail!("--ffn-paths: name at least one of dense, sparse, auto");
     }
     Ok(modes)
+}
+
+/// Time of a decode run's steps: the run with them (`with_ms`) less the context prefill
+/// alone (`prefill_ms`). Steps lost in the prefill's timing noise give no time (not a
+/// number, null in the JSON), never a made-up one.
+fn decode_ms(with_ms: f64, prefill_ms: f64) -> f64 {
+    if with_ms > prefill_ms {
+        with_ms - prefill_ms
+    } else {
+        f64::NAN
+    }
 }
 
 /// Energy per generated token of a decode run, measured as its time is: a run with the
@@ -629,6 +636,15 @@ mod tests {
         let err = super::ffn_paths(&names(&["dense", "fast"])).unwrap_err();
         assert!(err.to_string().contains("'fast'"), "{err}");
         assert!(super::ffn_paths(&[]).is_err());
+    }
+
+    #[test]
+    fn decode_steps_lost_in_the_prefill_noise_have_no_time() {
+        assert_eq!(super::decode_ms(12.5, 10.0), 2.5);
+        assert!(super::decode_ms(10.0, 10.0).is_nan());
+        assert!(super::decode_ms(9.9, 10.0).is_nan());
+        // ... and so no rate: NaN tokens/s, not billions.
+        assert!((64.0 / (super::decode_ms(9.9, 10.0) / 1e3)).is_nan());
     }
 
     #[test]
