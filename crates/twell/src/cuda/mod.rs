@@ -34,7 +34,6 @@ pub use embedding::embedding_grad;
 pub use gate_l0::{gate_l0, gate_l0_grad_gate, gate_l0_grad_norms};
 pub use kl_divergence::{kl_divergence, kl_divergence_bwd};
 pub use rope::rope;
-pub use twell_mlp_decode::ADD_NORM_MAX_HIDDEN;
 use twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm};
 
 const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
@@ -73,7 +72,7 @@ fn row_vectors(d: usize) -> Option<usize> {
 pub fn add_norm_folds(d: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("TWELL_DECODE_ADD_NORM").map_or(true, |v| v != "0"));
-    on && use_fused_decode(1, d, false) && d.is_multiple_of(8) && d <= ADD_NORM_MAX_HIDDEN
+    on && use_fused_decode(1, d, false) && d.is_multiple_of(8) && d <= ADD_RMS_NORM_MAX_HIDDEN
 }
 
 /// Warps per multiprocessor that the prefill row kernels aim to fill before they split
@@ -150,6 +149,19 @@ struct KernelDims {
 }
 
 impl KernelDims {
+    /// The shape arguments of `m` rows of hidden `d` through `f` neurons in `config`'s
+    /// tiles.
+    fn new(m: usize, d: usize, f: usize, config: TwellConfig) -> Self {
+        Self {
+            m: m as i32,
+            d: d as i32,
+            f: f as i32,
+            tile: config.tile() as i32,
+            cap: config.capacity() as i32,
+            n_tiles: config.n_tiles(f) as i32,
+        }
+    }
+
     /// The shape arguments of the pair-grouping kernels: all but d.
     fn push_pattern<'a>(
         &'a self,
@@ -502,15 +514,7 @@ pub fn twell_mlp_add_norm(
         )));
     }
     let dev = x.device().clone();
-    let n_tiles = config.n_tiles(f);
-    let dims = KernelDims {
-        m: 1,
-        d: d as i32,
-        f: f as i32,
-        tile: config.tile() as i32,
-        cap: config.capacity() as i32,
-        n_tiles: n_tiles as i32,
-    };
+    let dims = KernelDims::new(1, d, f, config);
     // SAFETY: the kernel's last block writes every element of both.
     let mut out = unsafe { dev.alloc::<bf16>(mlp_result_len(1, d))? };
     let mut sum_normed = unsafe { dev.alloc::<bf16>(2 * d)? };
@@ -560,25 +564,9 @@ pub fn twell_mlp_forward(
         bf16_view("gate_proj", wg, wl)?,
         bf16_view("w_ud", w_ud, ul)?,
     );
-    let (tile, cap) = (config.tile(), config.capacity());
+    let cap = config.capacity();
     let n_tiles = config.n_tiles(f);
-    let (m_i, d_i, f_i, tile_i, cap_i, nt_i) = (
-        m as i32,
-        d as i32,
-        f as i32,
-        tile as i32,
-        cap as i32,
-        n_tiles as i32,
-    );
-
-    let dims = KernelDims {
-        m: m_i,
-        d: d_i,
-        f: f_i,
-        tile: tile_i,
-        cap: cap_i,
-        n_tiles: nt_i,
-    };
+    let dims = KernelDims::new(m, d, f, config);
 
     if use_fused_decode(m, d, keep_for_backward) {
         let len = mlp_result_len(m, d);
@@ -630,7 +618,7 @@ pub fn twell_mlp_forward(
         .arg(&mut counts)
         .arg(&mut indices)
         .arg(&mut values);
-    b.arg(&m_i).arg(&f_i).arg(&tile_i).arg(&cap_i).arg(&nt_i);
+    dims.push_pattern(&mut b);
     // SAFETY: one warp per (row, tile), bounds checked in the kernel.
     unsafe { b.launch(warp_launch(m * n_tiles)?) }.w()?;
     // For a backward pass: the slots' g before `up` writes h over them, and a buffer
@@ -749,7 +737,7 @@ pub fn twell_mlp_forward(
                     GATED_T2D_PTX,
                 )?;
                 let mut b = finish.builder();
-                b.arg(&acc).arg(&l1).arg(&mut out).arg(&m_i).arg(&d_i);
+                b.arg(&acc).arg(&l1).arg(&mut out).arg(&dims.m).arg(&dims.d);
                 let blocks = len.div_ceil(BLOCK_THREADS as usize).min(4096);
                 let cfg = grid_1d(blocks, BLOCK_THREADS);
                 // SAFETY: grid-stride loop over the `len` elements of `out`.
@@ -804,7 +792,7 @@ pub fn twell_mlp_backward(
     let (m, d) = xl.shape().dims2()?;
     let f = wl.shape().dims2()?.0;
     let len = mlp_result_len(m, d);
-    let (tile, cap) = (config.tile(), config.capacity());
+    let cap = config.capacity();
     let n_tiles = config.n_tiles(f);
     if rl.shape().dims() != [len] || cl.shape().dims2()? != (m, n_tiles) {
         return err(TwellError::Invalid(format!(
@@ -834,14 +822,7 @@ pub fn twell_mlp_backward(
             ))
         }
     };
-    let dims = KernelDims {
-        m: m as i32,
-        d: d as i32,
-        f: f as i32,
-        tile: tile as i32,
-        cap: cap as i32,
-        n_tiles: n_tiles as i32,
-    };
+    let dims = KernelDims::new(m, d, f, config);
     // The pair lists index slots with u32.
     let sparse_weight_grads = sparse_weight_grads && m * n_tiles * (cap + 1) < u32::MAX as usize;
     // The dense h, dg and du: GEMMs read them whole (zeroed, every pair scattered in);

@@ -79,9 +79,9 @@ pub struct AddNorm<'a> {
     pub sum_normed: &'a mut CudaSlice<bf16>,
 }
 
-/// Hidden sizes the folded add + norm takes: 16-byte vectors, at most four per thread
-/// of the last block (`ADD_NORM_MAX_VECS` × 256 × 8 in the .cu).
-pub const ADD_NORM_MAX_HIDDEN: usize = 4 * 256 * 8;
+// Hidden sizes the folded add + norm takes: those of `add_rms_norm.cu`, whose partition
+// of the row (256 threads, at most four 16-byte vectors each) it repeats.
+use super::ADD_RMS_NORM_MAX_HIDDEN as ADD_NORM_MAX_HIDDEN;
 
 /// Runs the fused MLP of the row `x [1, d]` into `out [mlp_result_len(1, d)]` (and, with
 /// `add_norm`, the residual add and norm after it) and returns the `[1, n_tiles]` true

@@ -486,10 +486,11 @@ pub fn twell_mlp_add_norm(
     #[cfg(feature = "cuda")]
     {
         use candle_core::{op::BackpropOp, Storage};
-        let ts = [x, gate_proj, w_ud, residual, alpha].map(|t| t.contiguous());
-        let [x, gate_proj, w_ud, residual, alpha] = ts;
-        let ts = [x?, gate_proj?, w_ud?, residual?, alpha?];
-        let parts = ts.each_ref().map(|t| t.storage_and_layout());
+        let ts = [x, gate_proj, w_ud, residual, alpha]
+            .map(|t| t.contiguous())
+            .into_iter()
+            .collect::<Result<Vec<_>>>()?;
+        let parts: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
         let cuda = |i: usize| match &*parts[i].0 {
             Storage::Cuda(s) => Ok((s, parts[i].1)),
             _ => Err(candle_core::Error::Msg(
