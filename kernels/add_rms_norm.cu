@@ -11,9 +11,8 @@
 // autograd node of its own, so that the norm's input gets its gradient without the
 // halves of a joined [2M, d] result (each half a narrow, whose backward pads its
 // gradient with zeros to the whole).
-#include "twell_common.cuh"
+#include "rms_norm_row.cuh"
 
-#define NORM_THREADS 256
 // 16-byte vectors a thread keeps in registers between the two passes (d up to 8,192).
 #define NORM_MAX_VECS 4
 
@@ -27,44 +26,21 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rms_norm_bf16(
     if (row >= M) return;
     const int vecs = d / VEC;
     const long long base = row * d;
-    __nv_bfloat16* sum = out + base;
-    __nv_bfloat16* normed = out + (y ? static_cast<long long>(M) * d : 0LL) + base;
+    uint4 a[NORM_MAX_VECS], b[NORM_MAX_VECS];
     float s[NORM_MAX_VECS][VEC];
-    float ss = 0.f;
+    norm_row_load<NORM_MAX_VECS>(x + base, vecs, a);
+    if (y) {
+        norm_row_load<NORM_MAX_VECS>(y + base, vecs, b);
+    } else {
 #pragma unroll
-    for (int i = 0; i < NORM_MAX_VECS; ++i) {
-        const int v = threadIdx.x + i * NORM_THREADS;
-        if (v < vecs) {
-            float a[VEC], b[VEC] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            load8(x + base + v * VEC, a);
-            if (y) load8(y + base + v * VEC, b);
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-                s[i][k] = round_bf16(a[k] + b[k]);
-                ss = fmaf(s[i][k], s[i][k], ss);
-            }
-            if (y) store8(sum + v * VEC, s[i]);
-        }
+        for (int i = 0; i < NORM_MAX_VECS; ++i) b[i] = make_uint4(0u, 0u, 0u, 0u);
     }
-    __shared__ float partial[NORM_THREADS / 32];
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < NORM_THREADS / 32; ++w) total += partial[w];
-    const float scale = rsqrtf(total / d + eps);
-#pragma unroll
-    for (int i = 0; i < NORM_MAX_VECS; ++i) {
-        const int v = threadIdx.x + i * NORM_THREADS;
-        if (v < vecs) {
-            float a[VEC], o[VEC];
-            load8(alpha + v * VEC, a);
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) o[k] = scale * s[i][k] * a[k];
-            store8(normed + v * VEC, o);
-        }
-    }
+    const float ss = norm_row_add<NORM_MAX_VECS>(a, b, s);
+    if (y) norm_row_store<NORM_MAX_VECS>(out + base, vecs, s);
+    const float scale = norm_row_scale(ss, d, eps);
+    // alpha is read after the reduction, so the sums' registers are free for it.
+    norm_row_load<NORM_MAX_VECS>(alpha, vecs, a);
+    norm_row_store_scaled<NORM_MAX_VECS>(out + (y ? static_cast<long long>(M) * d : 0LL) + base, vecs, scale, s, a);
 }
 
 // The backward of the norm. With s its input (the sum), r = rsqrt(mean(s²) + eps), and the

@@ -313,25 +313,26 @@ ATTEND_KERNEL(64)
 // its share of the keys, and the shares meet in shared memory.
 #define DECODE_THREADS 256
 
-// The decode attention of block (head, batch) once its query sits scaled in `qs`: scores
-// of the T keys of KV head `kvh` into `scores`, softmax, and p · v into the output row.
-// `xk, xv` (shared memory, or null) are one more key and value after those T.
+// The decode attention of block (head, batch) once its query sits scaled in `qs`, over
+// the T keys j0 .. j0 + T - 1 of KV head `kvh` (scores in `scores`) and, with `xk, xv`
+// (shared memory, or null), one more key and value after them. Leaves the block's running
+// maximum m and sum l of exp(s - m) in every thread, and in threads tid < HD / 2 the
+// unnormalised sums Σ p · v of their pair of dims.
 template <int HD>
-__device__ __forceinline__ void attend_one_from(const float* qs, const __nv_bfloat16* __restrict__ k,
-                                                const __nv_bfloat16* __restrict__ v,
-                                                __nv_bfloat16* __restrict__ out, int heads, int kvh,
-                                                int T, Strides kst, Strides vst, float* scores,
-                                                const float* xk, const float* xv) {
+__device__ __forceinline__ void attend_range(const float* qs, const __nv_bfloat16* __restrict__ k,
+                                             const __nv_bfloat16* __restrict__ v, int kvh, int j0, int T,
+                                             Strides kst, Strides vst, float* scores, const float* xk,
+                                             const float* xv, float& m_out, float& l_out, float2& o_out) {
     __shared__ float reduce[DECODE_THREADS / 32];
     constexpr int PAIRS = HD / 2;
     constexpr int GROUPS = DECODE_THREADS / PAIRS;
     __shared__ float2 part[GROUPS][PAIRS];
-    const int h = blockIdx.x, b = blockIdx.y;
+    const int b = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
     float m = -INFINITY;
     for (int j = tid; j < T; j += DECODE_THREADS) {
-        const __nv_bfloat16* kr = k + kst.row(b, kvh, j);
+        const __nv_bfloat16* kr = k + kst.row(b, kvh, j0 + j);
         float s = 0.f;
 #pragma unroll
         for (int e = 0; e < HD; e += VEC) {
@@ -374,7 +375,7 @@ __device__ __forceinline__ void attend_one_from(const float* qs, const __nv_bflo
     for (int w = 0; w < DECODE_THREADS / 32; ++w) l += reduce[w];
 
     const int pair = tid % PAIRS, group = tid / PAIRS;
-    const __nv_bfloat16* vp = v + vst.row(b, kvh, 0) + 2 * pair;
+    const __nv_bfloat16* vp = v + vst.row(b, kvh, j0) + 2 * pair;
     float2 acc = make_float2(0.f, 0.f);
 #pragma unroll 4
     for (int j = group; j < T; j += GROUPS) {
@@ -391,16 +392,34 @@ __device__ __forceinline__ void attend_one_from(const float* qs, const __nv_bflo
     }
     part[group][pair] = acc;
     __syncthreads();
+    float2 o = make_float2(0.f, 0.f);
     if (tid < PAIRS) {
-        float2 o = make_float2(0.f, 0.f);
 #pragma unroll
         for (int g = 0; g < GROUPS; ++g) {
             o.x += part[g][tid].x;
             o.y += part[g][tid].y;
         }
+    }
+    m_out = m;
+    l_out = l;
+    o_out = o;
+}
+
+// The decode attention of block (head, batch) over all T keys (and the extra one), into
+// its output row.
+template <int HD>
+__device__ __forceinline__ void attend_one_from(const float* qs, const __nv_bfloat16* __restrict__ k,
+                                                const __nv_bfloat16* __restrict__ v,
+                                                __nv_bfloat16* __restrict__ out, int heads, int kvh,
+                                                int T, Strides kst, Strides vst, float* scores,
+                                                const float* xk, const float* xv) {
+    float m, l;
+    float2 o;
+    attend_range<HD>(qs, k, v, kvh, 0, T, kst, vst, scores, xk, xv, m, l, o);
+    if (threadIdx.x < HD / 2) {
         const float inv = 1.f / l;
-        *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, 0, heads, 1, HD) + 2 * tid) =
-            __floats2bfloat162_rn(o.x * inv, o.y * inv);
+        *reinterpret_cast<__nv_bfloat162*>(out + out_row(blockIdx.y, blockIdx.x, 0, heads, 1, HD) +
+                                           2 * threadIdx.x) = __floats2bfloat162_rn(o.x * inv, o.y * inv);
     }
 }
 
@@ -439,37 +458,50 @@ ATTEND_ONE_KERNEL(64)
 // and no block reads what another writes, so the cached positions before the step are
 // read-only for the kernel (the non-coherent load path, as in the decode kernel). One
 // launch where RoPE, the cache append and the attention took three.
+//
+// With few sequences, (head, batch) blocks alone would leave most of the card idle while
+// each reads its whole share of the cache, so the cached positions are split over
+// `splits` blocks (blockIdx.z, `chunk` positions each; the last also takes the new key).
+// Each leaves its maximum, sum and unnormalised p · v in `part` ([b, heads, splits] of
+// (m, l, HD sums)); the last block of a (head, batch) to finish (a ticket counter after a
+// fence, as in the one-token MLP) merges them into the output row and zeroes its ticket.
 template <int HD>
 __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, (heads + 2 kv_heads) HD]
                             const __nv_bfloat16* __restrict__ cs,        // [HD]: cos, then sin
                             const __nv_bfloat16* __restrict__ cache_in,  // [b, cap, 2 kv_heads HD]
                             __nv_bfloat16* cache_out,                    // the same buffer
                             __nv_bfloat16* __restrict__ out,             // [b, heads HD]
-                            int heads, int kv_heads, int len, long long cache_b, float scale) {
-    extern __shared__ float scores[];  // [len + 1]
+                            int heads, int kv_heads, int len, long long cache_b, float scale,
+                            int chunk,        // cached positions per split (len with one split)
+                            float* part,      // [b, heads, splits, 2 + HD], with splits > 1
+                            uint32_t* tickets) {  // [b, heads], zero, with splits > 1
+    extern __shared__ float scores[];  // [chunk + 1]
     __shared__ float qs[HD], ks[HD], vs[HD];
-    const int h = blockIdx.x, b = blockIdx.y;
+    const int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int kvh = h / (heads / kv_heads);
     const int tid = threadIdx.x;
     constexpr int HALF = HD / 2;
     const long long w = static_cast<long long>(kv_heads) * HD;
     const __nv_bfloat16* row = qkv + static_cast<long long>(b) * (heads * HD + 2 * w);
     __nv_bfloat16* slot = cache_out + b * cache_b + static_cast<long long>(len) * 2 * w;
+    const bool last_split = split == splits - 1;
     if (tid < HALF) {
         const float co = __bfloat162float(cs[tid]), sn = __bfloat162float(cs[HALF + tid]);
         const __nv_bfloat16* qr = row + h * HD;
         const float q1 = __bfloat162float(qr[tid]), q2 = __bfloat162float(qr[HALF + tid]);
         qs[tid] = round_bf16(q1 * co - q2 * sn) * scale;
         qs[HALF + tid] = round_bf16(q1 * sn + q2 * co) * scale;
-        const __nv_bfloat16* kr = row + heads * HD + kvh * HD;
-        const float k1 = __bfloat162float(kr[tid]), k2 = __bfloat162float(kr[HALF + tid]);
-        const __nv_bfloat16 o1 = __float2bfloat16(k1 * co - k2 * sn);
-        const __nv_bfloat16 o2 = __float2bfloat16(k1 * sn + k2 * co);
-        slot[kvh * HD + tid] = o1;
-        slot[kvh * HD + HALF + tid] = o2;
-        ks[tid] = __bfloat162float(o1);
-        ks[HALF + tid] = __bfloat162float(o2);
-    } else if (tid < HALF + HD) {
+        if (last_split) {
+            const __nv_bfloat16* kr = row + heads * HD + kvh * HD;
+            const float k1 = __bfloat162float(kr[tid]), k2 = __bfloat162float(kr[HALF + tid]);
+            const __nv_bfloat16 o1 = __float2bfloat16(k1 * co - k2 * sn);
+            const __nv_bfloat16 o2 = __float2bfloat16(k1 * sn + k2 * co);
+            slot[kvh * HD + tid] = o1;
+            slot[kvh * HD + HALF + tid] = o2;
+            ks[tid] = __bfloat162float(o1);
+            ks[HALF + tid] = __bfloat162float(o2);
+        }
+    } else if (tid < HALF + HD && last_split) {
         const int e = tid - HALF;
         const __nv_bfloat16 x = row[heads * HD + w + kvh * HD + e];
         slot[w + kvh * HD + e] = x;
@@ -477,7 +509,53 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
     }
     __syncthreads();
     const Strides kst{cache_b, HD, 2 * w};
-    attend_one_from<HD>(qs, cache_in, cache_in + w, out, heads, kvh, len, kst, kst, scores, ks, vs);
+    if (splits == 1) {
+        attend_one_from<HD>(qs, cache_in, cache_in + w, out, heads, kvh, len, kst, kst, scores, ks, vs);
+        return;
+    }
+    const int j0 = split * chunk;
+    const int n = min(chunk, len - j0);
+    float m, l;
+    float2 o;
+    attend_range<HD>(qs, cache_in, cache_in + w, kvh, j0, n, kst, kst, scores, last_split ? ks : nullptr,
+                     last_split ? vs : nullptr, m, l, o);
+    const long long pair_of = static_cast<long long>(b) * heads + h;
+    float* mine = part + (pair_of * splits + split) * (2 + HD);
+    if (tid == 0) {
+        mine[0] = m;
+        mine[1] = l;
+    }
+    if (tid < HALF) {
+        mine[2 + 2 * tid] = o.x;
+        mine[3 + 2 * tid] = o.y;
+    }
+    __shared__ bool merges;
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        merges = atomicAdd(tickets + pair_of, 1u) == static_cast<uint32_t>(splits - 1);
+    }
+    __syncthreads();
+    if (!merges) return;
+    __threadfence();
+    if (tid < HALF) {
+        const float* first = part + pair_of * splits * (2 + HD);
+        float top = -INFINITY;
+        for (int s = 0; s < splits; ++s) top = fmaxf(top, __ldcg(first + s * (2 + HD)));
+        float sum = 0.f;
+        float2 acc = make_float2(0.f, 0.f);
+        for (int s = 0; s < splits; ++s) {
+            const float* p = first + s * (2 + HD);
+            const float f = __expf(__ldcg(p) - top);
+            sum = fmaf(f, __ldcg(p + 1), sum);
+            acc.x = fmaf(f, __ldcg(p + 2 + 2 * tid), acc.x);
+            acc.y = fmaf(f, __ldcg(p + 3 + 2 * tid), acc.y);
+        }
+        const float inv = 1.f / sum;
+        *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, 0, heads, 1, HD) + 2 * tid) =
+            __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+    }
+    if (tid == 0) tickets[pair_of] = 0u;
 }
 
 #define ATTEND_STEP_KERNEL(HD)                                                                    \
@@ -485,7 +563,8 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
         const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ cs,              \
         const __nv_bfloat16* __restrict__ cache_in, __nv_bfloat16* cache_out,                     \
         __nv_bfloat16* __restrict__ out, int heads, int kv_heads, int len, long long cache_b,     \
-        float scale) {                                                                            \
-        attend_step<HD>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, len, cache_b, scale); \
+        float scale, int chunk, float* part, uint32_t* tickets) {                                 \
+        attend_step<HD>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, len, cache_b, scale,  \
+                        chunk, part, tickets);                                                    \
     }
 ATTEND_STEP_KERNEL(64)

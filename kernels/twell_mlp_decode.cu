@@ -15,15 +15,24 @@
 // keeps per stream, zeroed. The last block to finish (a ticket counter after a fence)
 // turns the sums into the bf16 output row and the counts into the output counts, and
 // zeroes the scratch again for the next launch on the stream. Given a residual row, it
-// also writes the residual add and the next sublayer's RMS norm of it.
-#include "twell_common.cuh"
+// also writes the residual add and the next sublayer's RMS norm of it (and the MLP row
+// and the counts only where asked: a decode step needs neither).
+//
+// Given a norm weight `pre_alpha` too, x is the previous sublayer's output y and the MLP's
+// input is rms_norm(residual + y) · pre_alpha, which every block works out for itself at
+// the start (two reads of a 4 KB row from L2), while its first gate rows are on their way;
+// the sum then adds to `residual + y`. A decode step's MLP sublayer is then one launch:
+// the add + norm before it, the MLP, the add + norm after it.
+#include "rms_norm_row.cuh"
 
 // Active neurons one block lists between the phases (at 3% density a block holds 1-2).
 #define DECODE_LIST 128
-// The fused residual add + norm: the block size and the row's 16-byte vectors per
-// thread of `add_rms_norm.cu` (NORM_THREADS, NORM_MAX_VECS), so it rounds the same way.
-#define ADD_NORM_THREADS 256
-#define ADD_NORM_MAX_VECS 4
+// The block is one norm block (`rms_norm_row.cuh`), so the folded norms partition the
+// row as `add_rms_norm.cu` does.
+#define DECODE_THREADS NORM_THREADS
+
+// Asks L2 for the 128-byte line at p.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // x . w0 and x . w1 with both rows' loads in flight at once (w1 may be null: 0).
 template <int MAXV>
@@ -101,32 +110,60 @@ __device__ __forceinline__ void add_neuron(const uint4* xr, const __nv_bfloat16*
     }
 }
 
-template <int MAXV>
-__device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]
+template <int MAXV, bool PRE>
+__device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]: the input, or y with pre_alpha
                            const __nv_bfloat16* __restrict__ wg,    // [f, d]
                            const __nv_bfloat16* __restrict__ w_ud,  // [f, 2d]: Wu_j then Wd_j
                            float* acc,                              // scratch [d], zero
                            float* l1,                               // scratch [1], zero
                            uint32_t* tile_counts,                   // scratch [n_tiles], zero
                            uint32_t* ticket,                        // scratch, zero
-                           __nv_bfloat16* __restrict__ out,         // [1, d], then the L1 term
-                           uint32_t* __restrict__ counts,           // [1, n_tiles]
+                           __nv_bfloat16* __restrict__ out,         // [1, d], then the L1 term; or null
+                           uint32_t* __restrict__ counts,           // [1, n_tiles], or null
                            int d, int f, int tile, int n_tiles,
-                           const __nv_bfloat16* __restrict__ residual,  // [1, d], or null
-                           const __nv_bfloat16* __restrict__ alpha,     // [d] norm weight
-                           __nv_bfloat16* __restrict__ sum_normed,      // [2, d]
-                           float eps) {
+                           const __nv_bfloat16* __restrict__ residual,   // [1, d], or null
+                           const __nv_bfloat16* __restrict__ alpha,      // [d] norm weight
+                           __nv_bfloat16* __restrict__ sum_normed,       // [2, d]
+                           float eps,
+                           const __nv_bfloat16* __restrict__ pre_alpha,  // [d] with PRE
+                           float pre_eps) {
+    // The norm's 16-byte vectors per thread: MAXV · 32 vectors over the block.
+    constexpr int NV = (MAXV * 32 + DECODE_THREADS - 1) / DECODE_THREADS;
     __shared__ int listed_j[DECODE_LIST];
     __shared__ float listed_g[DECODE_LIST];
     __shared__ int n_listed;
     if (threadIdx.x == 0) n_listed = 0;
-    __syncthreads();
     const int lane = threadIdx.x & 31;
+    const int vecs = d / VEC;
+
+    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x >> 5);
     uint4 xr[MAXV];
-    row_to_registers<MAXV>(x, d, xr);
+    if constexpr (PRE) {
+        // The warp's first two gate rows do not depend on x: L2 fetches them while the
+        // block works out its input (a hint, so it costs no registers).
+        for (int k = 0; k < 2; ++k) {
+            const long long jk = global_warp() + k * warps;
+            if (jk < f)
+                for (int e = lane * 64; e < d; e += 32 * 64) prefetch_l2(wg + jk * d + e);
+        }
+        // The MLP's input, rms_norm(residual + y) · pre_alpha, through shared memory
+        // into every warp's registers.
+        __shared__ __align__(16) __nv_bfloat16 row_in[MAXV * 32 * VEC];
+        uint4 r[NV], y[NV], al[NV];
+        float sum[NV][VEC];
+        norm_row_load<NV>(residual, vecs, r);
+        norm_row_load<NV>(x, vecs, y);
+        norm_row_load<NV>(pre_alpha, vecs, al);
+        const float scale = norm_row_scale(norm_row_add<NV>(r, y, sum), d, pre_eps);
+        norm_row_store_scaled<NV>(row_in, vecs, scale, sum, al);
+        __syncthreads();
+        row_to_registers<MAXV>(row_in, d, xr);
+    } else {
+        __syncthreads();  // n_listed
+        row_to_registers<MAXV>(x, d, xr);
+    }
 
     // Phase 1: the gates, two neurons per warp-step.
-    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x >> 5);
     for (long long j = global_warp(); j < f; j += 2 * warps) {
         const long long j2 = j + warps;
         float g[2];
@@ -167,84 +204,86 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // Four sums per thread and step (d % 8 == 0): this block runs alone, so its few
-    // round trips to L2 are the kernel's tail.
-#pragma unroll 2
-    for (int c = 4 * threadIdx.x; c < d; c += 4 * blockDim.x) {
-        const float4 a = __ldcg(reinterpret_cast<const float4*>(acc + c));
-        *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + c);
-        o[0] = __floats2bfloat162_rn(a.x, a.y);
-        o[1] = __floats2bfloat162_rn(a.z, a.w);
+    // This block runs alone, so its round trips to L2 are the kernel's tail: every read
+    // (the sums, and for the folded norm the residual, y and alpha) goes out at once.
+    uint4 mlp[NV], r[NV], y[NV], al[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int v = threadIdx.x + i * DECODE_THREADS;
+        mlp[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (v < vecs) {
+            const float4 lo = __ldcg(reinterpret_cast<const float4*>(acc + v * VEC));
+            const float4 hi = __ldcg(reinterpret_cast<const float4*>(acc + v * VEC + 4));
+            *reinterpret_cast<float4*>(acc + v * VEC) = make_float4(0.f, 0.f, 0.f, 0.f);
+            *reinterpret_cast<float4*>(acc + v * VEC + 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+            // The row as the bf16 output holds it: the sum below adds these values.
+            __nv_bfloat162* m = reinterpret_cast<__nv_bfloat162*>(&mlp[i]);
+            m[0] = __floats2bfloat162_rn(lo.x, lo.y);
+            m[1] = __floats2bfloat162_rn(lo.z, lo.w);
+            m[2] = __floats2bfloat162_rn(hi.x, hi.y);
+            m[3] = __floats2bfloat162_rn(hi.z, hi.w);
+            if (out != nullptr) *reinterpret_cast<uint4*>(out + v * VEC) = mlp[i];
+        }
+    }
+    if (residual != nullptr) {
+        norm_row_load<NV>(residual, vecs, r);
+        norm_row_load<NV>(alpha, vecs, al);
+        if constexpr (PRE) norm_row_load<NV>(x, vecs, y);
     }
     if (threadIdx.x == 0) {
-        out[l1_at(1, d, 0)] = __float2bfloat16(__ldcg(l1));
+        if (out != nullptr) out[l1_at(1, d, 0)] = __float2bfloat16(__ldcg(l1));
         *l1 = 0.f;
     }
     for (int t = threadIdx.x; t < n_tiles; t += blockDim.x) {
-        counts[t] = __ldcg(tile_counts + t);
+        if (counts != nullptr) counts[t] = __ldcg(tile_counts + t);
         tile_counts[t] = 0u;
     }
     if (threadIdx.x == 0) *ticket = 0u;
     if (residual == nullptr) return;
-    // The residual add and the next sublayer's RMS norm (`add_rms_norm.cu` with x the
-    // residual and y this row, the same partition of the row over 256 threads and the
-    // same order of operations, so the same bits): one launch fewer per layer.
-    __syncthreads();  // this block's writes of `out`, read back below
-    const int vecs = d / VEC;
-    float sums[ADD_NORM_MAX_VECS][VEC];
-    float ss = 0.f;
+    // The residual add and the next sublayer's RMS norm: with the norm before the MLP
+    // folded in too, the residual is that norm's sum, residual + y, worked out again.
+    uint4 h[NV];
+    float sum[NV][VEC];
+    if constexpr (PRE) {
+        // residual + y again, as the prologue rounded it (exact in bf16 once rounded).
+        float hf[NV][VEC];
+        norm_row_add<NV>(r, y, hf);
 #pragma unroll
-    for (int i = 0; i < ADD_NORM_MAX_VECS; ++i) {
-        const int v = threadIdx.x + i * ADD_NORM_THREADS;
-        if (v < vecs) {
-            float a[VEC], b[VEC];
-            load8(residual + v * VEC, a);
-            load8(out + v * VEC, b);
+        for (int i = 0; i < NV; ++i) {
+            __nv_bfloat162* hh = reinterpret_cast<__nv_bfloat162*>(&h[i]);
 #pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-                sums[i][k] = round_bf16(a[k] + b[k]);
-                ss = fmaf(sums[i][k], sums[i][k], ss);
-            }
-            store8(sum_normed + v * VEC, sums[i]);
+            for (int q = 0; q < VEC / 2; ++q) hh[q] = __floats2bfloat162_rn(hf[i][2 * q], hf[i][2 * q + 1]);
         }
+    } else {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) h[i] = r[i];
     }
-    __shared__ float partial[ADD_NORM_THREADS / 32];
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < ADD_NORM_THREADS / 32; ++w) total += partial[w];
-    const float scale = rsqrtf(total / d + eps);
-#pragma unroll
-    for (int i = 0; i < ADD_NORM_MAX_VECS; ++i) {
-        const int v = threadIdx.x + i * ADD_NORM_THREADS;
-        if (v < vecs) {
-            float a[VEC], o[VEC];
-            load8(alpha + v * VEC, a);
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) o[k] = scale * sums[i][k] * a[k];
-            store8(sum_normed + d + v * VEC, o);
-        }
-    }
+    const float scale = norm_row_scale(norm_row_add<NV>(h, mlp, sum), d, eps);
+    norm_row_store<NV>(sum_normed, vecs, sum);
+    norm_row_store_scaled<NV>(sum_normed + d, vecs, scale, sum, al);
 }
 
 // Two blocks per multiprocessor where the row fits 128 registers a thread (up to d = 2048):
 // twice the loads in flight. At d = 4096 that bound would spill the rows, so one block.
-#define DECODE_KERNEL(MAXV, MIN_BLOCKS)                                                              \
-    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) twell_mlp_decode_bf16_v##MAXV(     \
+// The entry points with the norm before the MLP folded in (`_norm`) are their own
+// instantiations: the prologue's registers would otherwise spill the plain kernel's loop.
+#define DECODE_KERNEL(NAME, PRE, MAXV, MIN_BLOCKS)                                                    \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS) NAME##_bf16_v##MAXV(     \
         const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wg,                   \
         const __nv_bfloat16* __restrict__ w_ud, float* acc, float* l1, uint32_t* tile_counts,         \
         uint32_t* ticket, __nv_bfloat16* __restrict__ out, uint32_t* __restrict__ counts, int d,      \
         int f, int tile, int n_tiles, const __nv_bfloat16* __restrict__ residual,                    \
-        const __nv_bfloat16* __restrict__ alpha, __nv_bfloat16* __restrict__ sum_normed, float eps) { \
-        decode_row<MAXV>(x, wg, w_ud, acc, l1, tile_counts, ticket, out, counts, d, f, tile, n_tiles,  \
-                         residual, alpha, sum_normed, eps);                                           \
+        const __nv_bfloat16* __restrict__ alpha, __nv_bfloat16* __restrict__ sum_normed, float eps,   \
+        const __nv_bfloat16* __restrict__ pre_alpha, float pre_eps) {                                 \
+        decode_row<MAXV, PRE>(x, wg, w_ud, acc, l1, tile_counts, ticket, out, counts, d, f, tile,     \
+                              n_tiles, residual, alpha, sum_normed, eps, pre_alpha, pre_eps);         \
     }
+#define DECODE_KERNELS(MAXV, MIN_BLOCKS)                          \
+    DECODE_KERNEL(twell_mlp_decode, false, MAXV, MIN_BLOCKS)      \
+    DECODE_KERNEL(twell_mlp_decode_norm, true, MAXV, MIN_BLOCKS)
 
-DECODE_KERNEL(1, 2)
-DECODE_KERNEL(2, 2)
-DECODE_KERNEL(4, 2)
-DECODE_KERNEL(8, 2)
-DECODE_KERNEL(16, 1)
+DECODE_KERNELS(1, 2)
+DECODE_KERNELS(2, 2)
+DECODE_KERNELS(4, 2)
+DECODE_KERNELS(8, 2)
+DECODE_KERNELS(16, 1)

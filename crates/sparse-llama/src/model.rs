@@ -657,19 +657,24 @@ impl Llama {
                 // The fused add + norm has a backward, so training with the fused ops
                 // takes it as inference does.
                 _ => {
-                    let (sum, hm) = block.post_attention_layernorm.add_forward(&x, &attn)?;
                     (x, h) = match pass {
                         Pass::Train => {
+                            let (sum, hm) =
+                                block.post_attention_layernorm.add_forward(&x, &attn)?;
                             let (out, l1_tokens) = block.mlp.forward_with_l1(&hm)?;
                             l1.push(l1_tokens.to_dtype(DType::F32)?.mean_all()?);
                             next.add_forward(&sum, &out)?
                         }
-                        // A one-token step on the sparse CUDA path folds the add and
-                        // the next norm into the MLP's launch.
+                        // A one-token step on the sparse CUDA path runs the whole MLP
+                        // sublayer, the add + norm on each side included, as one launch.
                         Pass::Inference => {
-                            block
-                                .mlp
-                                .forward_add_norm(&hm, &sum, &next.weight, next.eps)?
+                            let norm = &block.post_attention_layernorm;
+                            block.mlp.forward_sublayer(
+                                &x,
+                                &attn,
+                                (&norm.weight, norm.eps),
+                                (&next.weight, next.eps),
+                            )?
                         }
                     };
                 }

@@ -476,19 +476,22 @@ struct NormResult {
     pass: bool,
 }
 
-/// The fused residual add + RMS norm (bf16) and its backward against candle's ops on
-/// the GPU.
 /// One token's MLP with the residual add and norm folded into its launch
 /// (`twell_mlp_add_norm`) against the two launches it replaces (`twell_mlp`, then
-/// `add_rms_norm`) on the same inputs: the same bits are expected.
+/// `add_rms_norm`) on the same inputs, and with the add and norm before the MLP folded in
+/// too against the three (`add_rms_norm`, `twell_mlp`, `add_rms_norm`): the same bits are
+/// expected.
 #[derive(Serialize, Debug)]
 struct MlpAddNormResult {
     d: usize,
     f: usize,
     target_density: f64,
-    /// Largest absolute difference of the sums and of the normalised rows.
+    /// Largest absolute difference of the sums and of the normalised rows: the norm
+    /// after the MLP folded in, then both norms.
     sum_diff: f64,
     norm_diff: f64,
+    both_sum_diff: f64,
+    both_norm_diff: f64,
     pass: bool,
 }
 
@@ -506,27 +509,51 @@ fn check_mlp_add_norm(
     if !twell::ops::add_norm_fuses(&x) {
         bail!("mlp + add + norm (d {d}) would not fold on this device");
     }
-    let (sum, normed) =
-        twell::ops::twell_mlp_add_norm(&x, &w.gate, &w_ud, config, (&residual, &alpha, eps))?;
-    let out = twell_mlp(&x, &w.gate, &w_ud, config)?.out;
-    let (want_sum, want_normed) = twell::ops::add_rms_norm(&residual, &out, &alpha, eps)?;
     let diff = |a: &Tensor, b: &Tensor| -> Result<f64> {
         Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
             .abs()?
             .max_all()?
             .to_scalar::<f32>()? as f64)
     };
+    let (sum, normed) =
+        twell::ops::twell_mlp_add_norm(&x, &w.gate, &w_ud, config, (&residual, &alpha, eps), None)?;
+    let out = twell_mlp(&x, &w.gate, &w_ud, config)?.out;
+    let (want_sum, want_normed) = twell::ops::add_rms_norm(&residual, &out, &alpha, eps)?;
     let (sum_diff, norm_diff) = (diff(&sum, &want_sum)?, diff(&normed, &want_normed)?);
+    // Both norms: x stands for the attention's output y; the MLP's input is the norm of
+    // residual + y, whose scale (about 1/√2 of x's) keeps the density near the target.
+    let pre_alpha = Tensor::randn(1f32, 0.1, d, dev)?.to_dtype(DType::BF16)?;
+    let (both_sum, both_normed) = twell::ops::twell_mlp_add_norm(
+        &x,
+        &w.gate,
+        &w_ud,
+        config,
+        (&residual, &alpha, eps),
+        Some((&pre_alpha, eps)),
+    )?;
+    let (h, hm) = twell::ops::add_rms_norm(&residual, &x, &pre_alpha, eps)?;
+    let out = twell_mlp(&hm, &w.gate, &w_ud, config)?.out;
+    let (want_sum, want_normed) = twell::ops::add_rms_norm(&h, &out, &alpha, eps)?;
+    let (both_sum_diff, both_norm_diff) = (
+        diff(&both_sum, &want_sum)?,
+        diff(&both_normed, &want_normed)?,
+    );
     Ok(MlpAddNormResult {
         d,
         f,
         target_density: density,
         sum_diff,
         norm_diff,
-        pass: sum_diff == 0.0 && norm_diff == 0.0,
+        both_sum_diff,
+        both_norm_diff,
+        pass: [sum_diff, norm_diff, both_sum_diff, both_norm_diff]
+            .iter()
+            .all(|&e| e == 0.0),
     })
 }
 
+/// The fused residual add + RMS norm (bf16) and its backward against candle's ops on
+/// the GPU.
 fn check_add_rms_norm(dev: &Device, (m, d): (usize, usize), seed: u64) -> Result<NormResult> {
     dev.set_seed(seed)?;
     let x = Tensor::randn(0f32, 1.0, (m, d), dev)?.to_dtype(DType::BF16)?;
@@ -1133,12 +1160,15 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         let r = check_mlp_add_norm(&dev, dims, 960 + k as u64)?;
         println!(
             "mlp + add + norm in one launch (d, d_ff, density) = ({}, {}, {}): largest \
-             difference to twell_mlp then add_rms_norm: sums {:.2e}, normalised {:.2e} {}",
+             difference to twell_mlp then add_rms_norm: sums {:.2e}, normalised {:.2e}; \
+             with the norm before it: sums {:.2e}, normalised {:.2e} {}",
             r.d,
             r.f,
             r.target_density,
             r.sum_diff,
             r.norm_diff,
+            r.both_sum_diff,
+            r.both_norm_diff,
             tally.record(r.pass)
         );
         mlp_add_norm.push(r);
@@ -1221,12 +1251,14 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
     );
     let mut attention_step = Vec::new();
     // (batch, heads, kv_heads, cached positions, capacity): one sequence and several,
-    // grouped and plain heads, an empty cache, the last free position, the longest step.
+    // grouped and plain heads, an empty cache, the last free position, the longest step;
+    // all but the empty cache split the positions over 2-9 blocks a head.
     for (k, dims) in [
         (1, 32, 32, 511, 768),
         (3, 9, 3, 0, 256),
         (2, 32, 8, 255, 256),
         (4, 16, 4, 1000, 1024),
+        (1, 8, 2, 130, 256),
         (
             1,
             32,

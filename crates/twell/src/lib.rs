@@ -10,6 +10,8 @@
 //! * [`mlp`]: [`SparseMlp`], a `candle_nn::Module` that swaps for a dense MLP;
 //! * [`density`]: synthetic weights with a chosen activation density, for benchmarks.
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod attention_split;
 pub mod compare;
 pub mod cpu;
 #[cfg(feature = "cuda")]

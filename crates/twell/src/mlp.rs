@@ -551,32 +551,92 @@ impl SparseMlp {
         eps: f64,
     ) -> Result<(Tensor, Tensor)> {
         let measure = self.measure_now(x.device());
+        self.add_norm_measured(x, residual, (alpha, eps), measure)
+    }
+
+    /// The whole MLP sublayer of a pre-norm (Llama) block, from the previous sublayer's
+    /// output `y`: with `h = residual + y`, returns `(out, rms_norm(out) · alpha)` where
+    /// `out = h + mlp(rms_norm(h) · pre_alpha)` (`pre_alpha`, this sublayer's norm;
+    /// `alpha`, the next one's). One token of inference on the sparse CUDA path runs it
+    /// as one launch, the same bits as the three steps; everything else is
+    /// [`crate::ops::add_rms_norm`], then [`Self::forward_add_norm`].
+    pub fn forward_sublayer(
+        &self,
+        residual: &Tensor,
+        y: &Tensor,
+        (pre_alpha, pre_eps): (&Tensor, f64),
+        (alpha, eps): (&Tensor, f64),
+    ) -> Result<(Tensor, Tensor)> {
+        let measure = self.measure_now(y.device());
+        if crate::ops::pre_norm_folds()
+            && self.folds_add_norm(y, residual, &[pre_alpha, alpha], measure)
+        {
+            return self.folded_add_norm(y, residual, (alpha, eps), Some((pre_alpha, pre_eps)));
+        }
+        let (h, normed) = crate::ops::add_rms_norm(residual, y, pre_alpha, pre_eps)?;
+        self.add_norm_measured(&normed, &h, (alpha, eps), measure)
+    }
+
+    /// [`Self::forward_add_norm`] where the caller has asked [`Self::measure_now`].
+    fn add_norm_measured(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        (alpha, eps): (&Tensor, f64),
+        measure: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        if self.folds_add_norm(x, residual, &[alpha], measure) {
+            return self.folded_add_norm(x, residual, (alpha, eps), None);
+        }
+        let (out, _) = self.run_measured(x, false, measure)?;
+        crate::ops::add_rms_norm(residual, &out, alpha, eps)
+    }
+
+    /// Whether a call on `x` (and `residual`, and the norm weights) runs as the one
+    /// launch: not while measuring or recording (those read the packed activations),
+    /// not under autograd (the launch has no backward), on the sparse path.
+    fn folds_add_norm(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        alphas: &[&Tensor],
+        measure: bool,
+    ) -> bool {
         let d = x.dims().last().copied().unwrap_or(0);
-        let folds = !measure
+        !measure
             && !self.record_stats
             && crate::ops::add_norm_fuses(x)
             && d == self.hidden()
             && residual.dims() == x.dims()
-            && [x, residual, alpha, &self.gate, &self.up, &self.down]
-                .iter()
+            && [x, residual, &self.gate, &self.up, &self.down]
+                .into_iter()
+                .chain(alphas.iter().copied())
                 .all(|t| !t.track_op())
-            && self.use_sparse(1, x.device());
-        if folds {
-            let rows = |t: &Tensor| crate::ops::reshaped(t, &[1, d]);
-            let (sum, normed) = crate::ops::twell_mlp_add_norm(
-                &rows(x)?,
-                &self.gate,
-                &self.up_down()?,
-                self.config,
-                (&rows(residual)?, alpha, eps),
-            )?;
-            return Ok((
-                crate::ops::reshaped(&sum, x.dims())?,
-                crate::ops::reshaped(&normed, x.dims())?,
-            ));
-        }
-        let (out, _) = self.run_measured(x, false, measure)?;
-        crate::ops::add_rms_norm(residual, &out, alpha, eps)
+            && self.use_sparse(1, x.device())
+    }
+
+    /// The one launch of [`Self::folds_add_norm`], in `x`'s shape.
+    fn folded_add_norm(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        post: (&Tensor, f64),
+        pre: Option<(&Tensor, f64)>,
+    ) -> Result<(Tensor, Tensor)> {
+        let d = self.hidden();
+        let rows = |t: &Tensor| crate::ops::reshaped(t, &[1, d]);
+        let (sum, normed) = crate::ops::twell_mlp_add_norm(
+            &rows(x)?,
+            &self.gate,
+            &self.up_down()?,
+            self.config,
+            (&rows(residual)?, post.0, post.1),
+            pre,
+        )?;
+        Ok((
+            crate::ops::reshaped(&sum, x.dims())?,
+            crate::ops::reshaped(&normed, x.dims())?,
+        ))
     }
 
     /// The forward pass; the dense path computes the L1 term only when asked (the

@@ -333,7 +333,7 @@ fn loads_a_fused_up_down_matrix_from_a_var_builder() {
 }
 
 #[test]
-fn forward_add_norm_is_the_mlp_then_the_residual_add_and_norm() {
+fn forward_add_norm_and_forward_sublayer_are_the_steps_they_fold() {
     // On the host (and wherever the one-launch CUDA kernel does not fold it) the call is
     // the MLP, then `add_rms_norm`: the same tensors.
     let dev = Device::Cpu;
@@ -357,6 +357,21 @@ fn forward_add_norm_is_the_mlp_then_the_residual_add_and_norm() {
         assert_eq!(sum.dims(), x.dims());
         assert!(rel_l2(&sum, &want_sum).unwrap() < 1e-6, "rows {rows}");
         assert!(rel_l2(&normed, &want_normed).unwrap() < 1e-6, "rows {rows}");
+        // The whole sublayer from the attention's output y: add + norm, MLP, add + norm.
+        let y = Tensor::randn(0f32, 1.0, (rows, 64), &dev).unwrap();
+        let pre_alpha = Tensor::randn(1f32, 0.1, 64, &dev).unwrap();
+        let (sum, normed) = mlp
+            .forward_sublayer(&residual, &y, (&pre_alpha, 1e-5), (&alpha, 1e-6))
+            .unwrap();
+        let (h, hm) = twell::ops::add_rms_norm(&residual, &y, &pre_alpha, 1e-5).unwrap();
+        let out = mlp.forward(&hm).unwrap();
+        let (want_sum, want_normed) = twell::ops::add_rms_norm(&h, &out, &alpha, 1e-6).unwrap();
+        assert_eq!(sum.dims(), y.dims());
+        assert!(rel_l2(&sum, &want_sum).unwrap() < 1e-6, "rows {rows}");
+        assert!(rel_l2(&normed, &want_normed).unwrap() < 1e-6, "rows {rows}");
+        // Not the sublayer without its first norm.
+        let (skipped, _) = mlp.forward_add_norm(&y, &residual, &alpha, 1e-6).unwrap();
+        assert!(rel_l2(&skipped, &want_sum).unwrap() > 1e-3, "rows {rows}");
     }
     // The one-launch form itself is CUDA-only, and says what to use instead.
     let x = synthetic_input(1, 64, DType::F32, &dev, 7).unwrap();
@@ -370,6 +385,7 @@ fn forward_add_norm_is_the_mlp_then_the_residual_add_and_norm() {
         &w_ud,
         Default::default(),
         (&residual, &alpha, 1e-5),
+        None,
     )
     .unwrap_err()
     .to_string();
@@ -384,8 +400,20 @@ fn forward_add_norm_is_the_mlp_then_the_residual_add_and_norm() {
         &w_ud,
         Default::default(),
         (&alpha, &alpha, 1e-5),
+        None,
     )
     .unwrap_err()
     .to_string();
     assert!(err.contains("residual [1, d]"), "{err}");
+    let err = twell::ops::twell_mlp_add_norm(
+        &x,
+        &w.gate,
+        &w_ud,
+        Default::default(),
+        (&residual, &alpha, 1e-5),
+        Some((&residual, 1e-5)),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("pre_alpha"), "{err}");
 }

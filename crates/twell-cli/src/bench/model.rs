@@ -98,6 +98,11 @@ pub struct Measurement {
     /// Training: mean FFN density (L0 / d_ff over layers) of the timed steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub train_density: Option<f64>,
+    /// Decode: the host's time to enqueue one step (ms, median of the timed runs), the
+    /// steps running without a sync between them. Near `ms` the host bounds the step;
+    /// well under it, the GPU does.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_ms: Option<f64>,
 }
 
 #[derive(Serialize, Debug)]
@@ -263,15 +268,19 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
         let ctx = random_tokens(b, args.context, cfg.vocab_size, &device)?;
         let step_tokens = random_tokens(b, 1, cfg.vocab_size, &device)?;
         let steps = args.decode_steps;
+        // The host's time to enqueue the steps, one entry per call of `run`.
+        let host_secs = std::cell::RefCell::new(Vec::new());
         // Decode time is (context prefill + steps) minus the context prefill alone, both
         // measured the same way: the cache must be rebuilt for every repetition.
         let mut run = |model: &Llama| -> candle_core::Result<()> {
             let mut cache = Cache::new(true, dtype, &cfg, &device)?;
             model.forward(&ctx, 0, &mut cache)?;
             device.synchronize()?;
+            let t0 = Instant::now();
             for s in 0..steps {
                 model.forward(&step_tokens, args.context + s, &mut cache)?;
             }
+            host_secs.borrow_mut().push(t0.elapsed().as_secs_f64());
             Ok(())
         };
         let mut prefill_only = |model: &Llama| -> candle_core::Result<()> {
@@ -305,8 +314,11 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
             true,
             &mut prefill_only,
         )?;
-        for (w, p) in with.into_iter().zip(without) {
+        let host_secs = host_secs.into_inner();
+        for (k, (w, p)) in with.into_iter().zip(without).enumerate() {
             let ms = decode_ms(w.ms, p.ms);
+            let host_ms = timed_runs_of(&host_secs, modes.len(), k, args.warmup, args.reps)
+                .map(|runs| 1e3 * median(runs) / steps.max(1) as f64);
             if ms.is_nan() {
                 eprintln!(
                     "warning: decode batch {b} ({}): {steps} steps took no measurable time \
@@ -323,6 +335,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
                 phase_ms: None,
                 device_backward_passes: None,
                 train_density: None,
+                host_ms,
                 ..w
             });
         }
@@ -397,6 +410,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
                 phase_ms,
                 device_backward_passes,
                 train_density: Some(train_density),
+                host_ms: None,
             });
         }
         bar.inc(1);
@@ -546,9 +560,25 @@ fn measure(
                 phase_ms: None,
                 device_backward_passes: None,
                 train_density: None,
+                host_ms: None,
             }
         })
         .collect())
+}
+
+/// The entries of mode `k` in the timed rounds of [`measure`], from a record with one
+/// entry per call of its `run` (rounds of `n_modes` calls, `warmup` rounds first; the
+/// energy runs after them are left out); `None` if the record is short.
+fn timed_runs_of(
+    record: &[f64],
+    n_modes: usize,
+    k: usize,
+    warmup: usize,
+    reps: usize,
+) -> Option<Vec<f64>> {
+    (warmup..warmup + reps)
+        .map(|round| record.get(round * n_modes + k).copied())
+        .collect()
 }
 
 pub fn print(report: &ModelReport) {
@@ -604,6 +634,14 @@ pub fn print(report: &ModelReport) {
                 m.device_backward_passes.unwrap_or(0)
             );
         }
+        if let Some(host) = m.host_ms {
+            println!(
+                "{:>15} the host enqueues a step in {:.3} ms ({:.0}% of the step)",
+                "",
+                host,
+                100.0 * host / m.ms
+            );
+        }
         if let Some(density) = m.train_density {
             println!(
                 "{:>15} FFN density of a training step (after the timed ones, same weights): {:.2}%",
@@ -617,6 +655,21 @@ pub fn print(report: &ModelReport) {
 #[cfg(test)]
 mod tests {
     use super::decode_mj_per_token;
+
+    #[test]
+    fn timed_runs_are_picked_by_round_and_mode() {
+        // Two modes, one warm-up round, two timed rounds, then two energy runs.
+        let record = [0.0, 0.1, 1.0, 1.1, 2.0, 2.1, 9.0, 9.0];
+        assert_eq!(
+            super::timed_runs_of(&record, 2, 0, 1, 2),
+            Some(vec![1.0, 2.0])
+        );
+        assert_eq!(
+            super::timed_runs_of(&record, 2, 1, 1, 2),
+            Some(vec![1.1, 2.1])
+        );
+        assert_eq!(super::timed_runs_of(&record[..4], 2, 1, 1, 2), None);
+    }
 
     #[test]
     fn ffn_paths_come_in_a_fixed_order_and_bad_names_are_refused() {

@@ -20,6 +20,7 @@ use crate::ops::mlp_result_len;
 mod adamw;
 mod add_rms_norm;
 mod attention_softmax_grad;
+mod attention_step;
 mod cross_entropy;
 mod embedding;
 mod gate_l0;
@@ -34,7 +35,7 @@ pub use embedding::embedding_grad;
 pub use gate_l0::{gate_l0, gate_l0_grad_gate, gate_l0_grad_norms};
 pub use kl_divergence::{kl_divergence, kl_divergence_bwd};
 pub use rope::rope;
-use twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm};
+use twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm, PreNorm};
 
 const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
 const GATED_T2D_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));
@@ -73,6 +74,14 @@ pub fn add_norm_folds(d: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("TWELL_DECODE_ADD_NORM").map_or(true, |v| v != "0"));
     on && use_fused_decode(1, d, false) && d.is_multiple_of(8) && d <= ADD_RMS_NORM_MAX_HIDDEN
+}
+
+/// Whether the one-token launch of [`twell_mlp_add_norm`] also takes the add and norm
+/// before the MLP when asked; not with `TWELL_DECODE_PRE_NORM=0`, to measure it against
+/// a separate `add_rms_norm` launch on one build.
+pub fn pre_norm_folds() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TWELL_DECODE_PRE_NORM").map_or(true, |v| v != "0"))
 }
 
 /// Warps per multiprocessor that the prefill row kernels aim to fill before they split
@@ -494,7 +503,10 @@ fn poison(dev: &CudaDevice, buf: &mut CudaSlice<bf16>) -> Result<()> {
 /// One token row's MLP (`x [1, d]`, `wg [f, d]`, `w_ud [f, 2d]`, bf16) with the residual
 /// add and RMS norm after it folded into the same launch: returns `[2 · d]`, the sum
 /// `residual + mlp(x)` then its norm with weight `alpha [d]`, as `add_rms_norm` writes
-/// them. Inference only; the one-launch decode kernel's cases (see `use_fused_decode`).
+/// them. With `pre` (a norm weight and its eps), `x` is the previous sublayer's output
+/// `y`: the MLP's input is `rms_norm(residual + y)` and the sum adds to `residual + y`
+/// (see `PreNorm`). Inference only; the one-launch decode kernel's cases (see
+/// `use_fused_decode`).
 #[allow(clippy::too_many_arguments)]
 pub fn twell_mlp_add_norm(
     (x, xl): (&CudaStorage, &Layout),
@@ -504,6 +516,7 @@ pub fn twell_mlp_add_norm(
     (alpha, al): (&CudaStorage, &Layout),
     config: TwellConfig,
     eps: f32,
+    pre: Option<((&CudaStorage, &Layout), f32)>,
 ) -> Result<CudaStorage> {
     let (m, d) = xl.shape().dims2()?;
     let f = wl.shape().dims2()?.0;
@@ -515,22 +528,30 @@ pub fn twell_mlp_add_norm(
     }
     let dev = x.device().clone();
     let dims = KernelDims::new(1, d, f, config);
-    // SAFETY: the kernel's last block writes every element of both.
-    let mut out = unsafe { dev.alloc::<bf16>(mlp_result_len(1, d))? };
+    // SAFETY: the kernel's last block writes every element.
     let mut sum_normed = unsafe { dev.alloc::<bf16>(2 * d)? };
     poison(&dev, &mut sum_normed)?;
+    let pre = match pre {
+        Some(((s, l), eps)) => Some(PreNorm {
+            alpha: bf16_view("pre_alpha", s, l)?,
+            eps,
+        }),
+        None => None,
+    };
     twell_mlp_decode(
         &dev,
         &bf16_view("x", x, xl)?,
         &bf16_view("gate_proj", wg, wl)?,
         &bf16_view("w_ud", w_ud, ul)?,
-        &mut out,
+        None,
+        false,
         &dims,
         Some(AddNorm {
             residual: bf16_view("residual", residual, rl)?,
             alpha: bf16_view("alpha", alpha, al)?,
             eps,
             sum_normed: &mut sum_normed,
+            pre,
         }),
     )?;
     Ok(CudaStorage::wrap_cuda_slice(sum_normed, dev))
@@ -574,7 +595,8 @@ pub fn twell_mlp_forward(
         // tests check that.
         let mut out = unsafe { dev.alloc::<bf16>(len)? };
         poison(&dev, &mut out)?;
-        let counts = twell_mlp_decode(&dev, &xv, &wgv, &wudv, &mut out, &dims, None)?;
+        let counts = twell_mlp_decode(&dev, &xv, &wgv, &wudv, Some(&mut out), true, &dims, None)?
+            .expect("counts asked for");
         let storage = CudaStorage::wrap_cuda_slice(out, dev);
         let activity = Activity {
             counts,
@@ -1170,32 +1192,52 @@ pub fn causal_attention_step(
     );
     let cache_b = (kl.dims()[1] * kl.dims()[2]) as i64;
     let dev = qkv.device().clone();
+    let split = crate::attention_split::plan(
+        b * heads,
+        len,
+        multiprocessors(&dev)?,
+        crate::attention_split::forced_splits()?,
+    );
     // SAFETY: the kernel writes every output row.
     let mut out = unsafe { dev.alloc::<bf16>(b * heads * hd)? };
     let cfg = LaunchConfig {
-        grid_dim: (heads as u32, b as u32, 1),
+        grid_dim: (heads as u32, b as u32, split.splits as u32),
         block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
-        shared_mem_bytes: ((len + 1) * std::mem::size_of::<f32>()) as u32,
+        shared_mem_bytes: ((split.chunk + 1) * std::mem::size_of::<f32>()) as u32,
     };
     let name = format!("causal_attention_step_bf16_hd{hd}");
     let func = dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?;
-    let (heads_i, kv_i, len_i) = (heads as i32, kv_heads as i32, len as i32);
-    let mut builder = func.builder();
-    builder
-        .arg(&qv)
-        .arg(&cv)
-        // Read (the positions before `len`), then written (position `len`).
-        .arg(&kv)
-        .arg(&kv)
-        .arg(&mut out)
-        .arg(&heads_i)
-        .arg(&kv_i)
-        .arg(&len_i)
-        .arg(&cache_b)
-        .arg(&scale);
-    // SAFETY: a block per (head, batch); rows addressed within the shapes the op checked
-    // (position `len` < capacity); the dynamic shared memory holds `len + 1` scores.
-    unsafe { builder.launch(cfg) }.w()?;
+    let (heads_i, kv_i, len_i, chunk_i) = (
+        heads as i32,
+        kv_heads as i32,
+        len as i32,
+        split.chunk as i32,
+    );
+    let part_len = b * heads * split.splits * (2 + hd);
+    attention_step::with_scratch(&dev, part_len, b * heads, |scratch| {
+        let mut builder = func.builder();
+        builder
+            .arg(&qv)
+            .arg(&cv)
+            // Read (the positions before `len`), then written (position `len`).
+            .arg(&kv)
+            .arg(&kv)
+            .arg(&mut out)
+            .arg(&heads_i)
+            .arg(&kv_i)
+            .arg(&len_i)
+            .arg(&cache_b)
+            .arg(&scale)
+            .arg(&chunk_i)
+            .arg(&mut scratch.part)
+            .arg(&mut scratch.tickets);
+        // SAFETY: a block per (head, batch, split); rows addressed within the shapes the
+        // op checked (position `len` < capacity); the dynamic shared memory holds `chunk
+        // + 1` scores; the scratch holds every split's partial sums and a ticket per
+        // (head, batch).
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(())
+    })?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 

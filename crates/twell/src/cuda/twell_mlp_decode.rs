@@ -16,6 +16,8 @@ use crate::ops::mlp_result_len;
 
 const TWELL_MLP_DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_decode.ptx"));
 
+/// `DECODE_THREADS` in the kernel: one block is one norm block of `rms_norm_row.cuh`, for
+/// the folded norms.
 const BLOCK_THREADS: u32 = 256;
 
 /// Whether a forward of `m` rows takes the fused kernel: one row (each active neuron
@@ -36,8 +38,8 @@ struct Scratch {
     l1: CudaSlice<f32>,
     tile_counts: CudaSlice<u32>,
     ticket: CudaSlice<u32>,
-    /// Blocks of one wave, per kernel variant.
-    grids: HashMap<usize, u32>,
+    /// Blocks of one wave, per kernel (its name).
+    grids: HashMap<String, u32>,
 }
 
 impl Scratch {
@@ -77,6 +79,16 @@ pub struct AddNorm<'a> {
     pub alpha: CudaView<'a, bf16>,
     pub eps: f32,
     pub sum_normed: &'a mut CudaSlice<bf16>,
+    /// The norm before the MLP, folded in too.
+    pub pre: Option<PreNorm<'a>>,
+}
+
+/// The residual add and RMS norm before the MLP: the launch's `x` is then the previous
+/// sublayer's output `y`, the MLP's input `rms_norm(residual + y) · alpha`, and the add
+/// after the MLP adds to `residual + y`. A decode step's MLP sublayer is then one launch.
+pub struct PreNorm<'a> {
+    pub alpha: CudaView<'a, bf16>,
+    pub eps: f32,
 }
 
 // Hidden sizes the folded add + norm takes: those of `add_rms_norm.cu`, whose partition
@@ -85,38 +97,56 @@ use super::ADD_RMS_NORM_MAX_HIDDEN as ADD_NORM_MAX_HIDDEN;
 
 /// Runs the fused MLP of the row `x [1, d]` into `out [mlp_result_len(1, d)]` (and, with
 /// `add_norm`, the residual add and norm after it) and returns the `[1, n_tiles]` true
-/// nonzero counts.
+/// nonzero counts. With `add_norm`, the MLP row and the counts are written only where
+/// asked for (`out`, `want_counts`): a decode step reads neither, and each is an
+/// allocation a layer.
+#[allow(clippy::too_many_arguments)]
 pub fn twell_mlp_decode(
     dev: &CudaDevice,
     x: &CudaView<bf16>,
     wg: &CudaView<bf16>,
     w_ud: &CudaView<bf16>,
-    out: &mut CudaSlice<bf16>,
+    out: Option<&mut CudaSlice<bf16>>,
+    want_counts: bool,
     dims: &KernelDims,
     add_norm: Option<AddNorm<'_>>,
-) -> Result<CudaSlice<u32>> {
+) -> Result<Option<CudaSlice<u32>>> {
     let (d, f, n_tiles) = (dims.d as usize, dims.f as usize, dims.n_tiles as usize);
-    debug_assert_eq!(out.len(), mlp_result_len(1, d));
+    if add_norm.is_none() && (out.is_none() || !want_counts) {
+        return crate::error::err(crate::error::TwellError::Invalid(
+            "twell_mlp_decode: without a folded add + norm the MLP row and counts are the \
+             results, so both must be asked for"
+                .into(),
+        ));
+    }
+    if let Some(o) = &out {
+        debug_assert_eq!(o.len(), mlp_result_len(1, d));
+    }
     let mut add_norm = add_norm;
     if let Some(a) = &add_norm {
         if d > ADD_NORM_MAX_HIDDEN
             || a.residual.len() != d
             || a.alpha.len() != d
             || a.sum_normed.len() != 2 * d
+            || a.pre.as_ref().is_some_and(|p| p.alpha.len() != d)
         {
             return crate::error::err(crate::error::TwellError::Invalid(format!(
                 "twell_mlp_decode: the folded add + norm takes hidden <= {ADD_NORM_MAX_HIDDEN}, \
-                 a residual and a norm weight of {d} and a result of {}, got {}, {} and {}",
+                 a residual and norm weights of {d} and a result of {}, got {}, {}, {:?} and {}",
                 2 * d,
                 a.residual.len(),
                 a.alpha.len(),
+                a.pre.as_ref().map(|p| p.alpha.len()),
                 a.sum_normed.len()
             )));
         }
     }
     let v = super::row_vectors(d).expect("use_fused_decode checked the hidden size");
     // SAFETY: the kernel's last block writes every count.
-    let mut counts = unsafe { dev.alloc::<u32>(n_tiles)? };
+    let mut counts = match want_counts {
+        true => Some(unsafe { dev.alloc::<u32>(n_tiles)? }),
+        false => None,
+    };
     let key = dev.cuda_stream().cu_stream() as usize;
     let mut guard = SCRATCH.lock().expect("decode scratch lock");
     let map = guard.get_or_insert_with(HashMap::new);
@@ -125,19 +155,24 @@ pub fn twell_mlp_decode(
         map.insert(key, Scratch::new(dev, d, n_tiles)?);
     }
     let s = map.get_mut(&key).expect("inserted above");
-    let func = dev.get_or_load_custom_func(
-        &format!("twell_mlp_decode_bf16_v{v}"),
-        "twell_mlp_decode",
-        TWELL_MLP_DECODE_PTX,
-    )?;
-    let wave = match s.grids.get(&v) {
+    // The norm before the MLP has entry points of its own (`_norm`).
+    let folds_pre = add_norm.as_ref().is_some_and(|a| a.pre.is_some());
+    let name = match folds_pre {
+        true => format!("twell_mlp_decode_norm_bf16_v{v}"),
+        false => format!("twell_mlp_decode_bf16_v{v}"),
+    };
+    let func = dev.get_or_load_custom_func(&name, "twell_mlp_decode", TWELL_MLP_DECODE_PTX)?;
+    let wave = match s.grids.get(&name) {
         Some(&g) => g,
         None => {
             let g = one_wave(dev, &func)?;
-            s.grids.insert(v, g);
+            s.grids.insert(name, g);
             g
         }
     };
+    // Null pointers tell the kernel there is no row, counts or add + norm to write.
+    let null: u64 = 0;
+    let no_eps = 0f32;
     let mut b = func.builder();
     b.arg(x)
         .arg(wg)
@@ -145,25 +180,37 @@ pub fn twell_mlp_decode(
         .arg(&mut s.acc)
         .arg(&mut s.l1)
         .arg(&mut s.tile_counts)
-        .arg(&mut s.ticket)
-        .arg(out)
-        .arg(&mut counts);
+        .arg(&mut s.ticket);
+    match out {
+        Some(o) => b.arg(o),
+        None => b.arg(&null),
+    };
+    match counts.as_mut() {
+        Some(c) => b.arg(c),
+        None => b.arg(&null),
+    };
     b.arg(&dims.d)
         .arg(&dims.f)
         .arg(&dims.tile)
         .arg(&dims.n_tiles);
-    // Null pointers tell the kernel there is no add + norm to fold in.
-    let null: u64 = 0;
-    let no_eps = 0f32;
     match add_norm.as_mut() {
         Some(a) => {
             b.arg(&a.residual)
                 .arg(&a.alpha)
                 .arg(&mut *a.sum_normed)
                 .arg(&a.eps);
+            match &a.pre {
+                Some(p) => b.arg(&p.alpha).arg(&p.eps),
+                None => b.arg(&null).arg(&no_eps),
+            };
         }
         None => {
-            b.arg(&null).arg(&null).arg(&null).arg(&no_eps);
+            b.arg(&null)
+                .arg(&null)
+                .arg(&null)
+                .arg(&no_eps)
+                .arg(&null)
+                .arg(&no_eps);
         }
     }
     let warps_per_block = (BLOCK_THREADS / 32) as usize;

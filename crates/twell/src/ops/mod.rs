@@ -59,7 +59,7 @@ pub use kl_divergence::{
 };
 pub use rope::{rope, rope_qkv, QkvPart, Rope, RopeQkv, RopeTable};
 pub use twell_mlp::{
-    add_norm_fuses, gate_screen, twell_mlp, twell_mlp_add_norm, twell_mlp_screened,
+    add_norm_fuses, gate_screen, pre_norm_folds, twell_mlp, twell_mlp_add_norm, twell_mlp_screened,
     twell_mlp_with_backward_path, BackwardPath, TwellMlp,
 };
 

@@ -435,17 +435,34 @@ pub fn add_norm_fuses(x: &Tensor) -> bool {
     }
 }
 
+/// Whether [`twell_mlp_add_norm`] is asked to fold the norm before the MLP too where it
+/// can (CUDA builds, unless `TWELL_DECODE_PRE_NORM=0`).
+pub fn pre_norm_folds() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::pre_norm_folds()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
 /// One token's MLP (`x [1, d]`, `gate_proj [f, d]`, `w_ud [f, 2d]`) and the residual add
 /// and RMS norm after it, `(residual + mlp(x), rms_norm(residual + mlp(x)) · alpha)`, in
 /// one CUDA launch: what `twell_mlp` then `add_rms_norm` give, bit for bit, one launch
-/// fewer per layer of a decode step. Inference only (no backward); the cases of
-/// [`add_norm_fuses`], else an error.
+/// fewer per layer of a decode step. With `pre_norm = Some((pre_alpha, pre_eps))` the
+/// norm before the MLP is folded in too: `x` is then the previous sublayer's output `y`,
+/// `h = residual + y`, and the result is `(h + mlp(rms_norm(h) · pre_alpha), its norm)`,
+/// what `add_rms_norm`, `twell_mlp` and `add_rms_norm` give. Inference only (no
+/// backward); the cases of [`add_norm_fuses`], else an error.
 pub fn twell_mlp_add_norm(
     x: &Tensor,
     gate_proj: &Tensor,
     w_ud: &Tensor,
     config: TwellConfig,
     (residual, alpha, eps): (&Tensor, &Tensor, f64),
+    pre_norm: Option<(&Tensor, f64)>,
 ) -> Result<(Tensor, Tensor)> {
     let (m, d) = matrix_dims("x", x)?;
     let (f, dg) = matrix_dims("gate_proj", gate_proj)?;
@@ -456,21 +473,27 @@ pub fn twell_mlp_add_norm(
         || dw != 2 * d
         || residual.dims() != [1, d]
         || alpha.dims() != [d]
+        || pre_norm.is_some_and(|(a, _)| a.dims() != [d])
     {
         return shape_err(
             "twell_mlp_add_norm",
             format!(
-                "want x [1, d], gate_proj [f, d], w_ud [f, 2d], residual [1, d] and alpha [d], \
-                 got {:?}, {:?}, {:?}, {:?} and {:?}",
+                "want x [1, d], gate_proj [f, d], w_ud [f, 2d], residual [1, d] and alpha (and \
+                 pre_alpha) [d], got {:?}, {:?}, {:?}, {:?}, {:?} and {:?}",
                 x.dims(),
                 gate_proj.dims(),
                 w_ud.dims(),
                 residual.dims(),
-                alpha.dims()
+                alpha.dims(),
+                pre_norm.map(|(a, _)| a.dims())
             ),
         );
     }
-    for t in [gate_proj, w_ud, residual, alpha] {
+    let pre_alpha = pre_norm.map(|(a, _)| a);
+    for t in [gate_proj, w_ud, residual, alpha]
+        .into_iter()
+        .chain(pre_alpha)
+    {
         same_dtype_and_device("twell_mlp_add_norm", x, t)?;
     }
     check_size("twell_mlp_add_norm", m, f, config)?;
@@ -487,8 +510,9 @@ pub fn twell_mlp_add_norm(
     {
         use candle_core::{op::BackpropOp, Storage};
         let ts = [x, gate_proj, w_ud, residual, alpha]
-            .map(|t| t.contiguous())
             .into_iter()
+            .chain(pre_alpha)
+            .map(|t| t.contiguous())
             .collect::<Result<Vec<_>>>()?;
         let parts: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
         let cuda = |i: usize| match &*parts[i].0 {
@@ -496,6 +520,10 @@ pub fn twell_mlp_add_norm(
             _ => Err(candle_core::Error::Msg(
                 "twell_mlp_add_norm: every input must be on the CUDA device".into(),
             )),
+        };
+        let pre = match pre_norm {
+            Some((_, pre_eps)) => Some((cuda(5)?, pre_eps as f32)),
+            None => None,
         };
         let both = crate::cuda::twell_mlp_add_norm(
             cuda(0)?,
@@ -505,6 +533,7 @@ pub fn twell_mlp_add_norm(
             cuda(4)?,
             config,
             eps as f32,
+            pre,
         )?;
         let both = Tensor::from_storage(Storage::Cuda(both), (2, d), BackpropOp::none(), false);
         Ok((both.narrow(0, 0, 1)?, both.narrow(0, 1, 1)?))
