@@ -57,70 +57,30 @@ pub fn forced_splits() -> candle_core::Result<Option<usize>> {
 
 #[cfg(test)]
 mod tests {
-    use super::{plan, StepSplit};
+    use super::plan;
+
+    /// (splits, chunk) of a plan.
+    fn of(pairs: usize, len: usize, forced: Option<usize>) -> (usize, usize) {
+        let p = plan(pairs, len, 132, forced);
+        (p.splits, p.chunk)
+    }
 
     #[test]
     fn few_sequences_split_the_cache_and_many_do_not() {
-        // One sequence of 32 heads on 132 multiprocessors: 9 splits of 57 positions.
-        assert_eq!(
-            plan(32, 511, 132, None),
-            StepSplit {
-                splits: 9,
-                chunk: 57
-            }
-        );
+        // One sequence of 32 heads on 132 multiprocessors: 9 splits would fill a wave,
+        // 64 positions a split allow 7 of 511 positions, and all 9 of 2047.
+        assert_eq!(of(32, 511, None), (7, 73));
+        assert_eq!(of(32, 2047, None), (9, 228));
         // A short cache is not split below 64 positions a split.
-        assert_eq!(
-            plan(32, 100, 132, None),
-            StepSplit {
-                splits: 1,
-                chunk: 100
-            }
-        );
-        assert_eq!(
-            plan(8, 130, 132, None),
-            StepSplit {
-                splits: 2,
-                chunk: 65
-            }
-        );
+        assert_eq!(of(32, 100, None), (1, 100));
+        assert_eq!(of(8, 130, None), (2, 65));
         // Enough (head, sequence) blocks for the card: one block each.
-        assert_eq!(
-            plan(512, 2047, 132, None),
-            StepSplit {
-                splits: 1,
-                chunk: 2047
-            }
-        );
+        assert_eq!(of(512, 2047, None), (1, 2047));
         // An empty cache never splits, even when asked to.
-        assert_eq!(
-            plan(4, 0, 132, Some(8)),
-            StepSplit {
-                splits: 1,
-                chunk: 0
-            }
-        );
+        assert_eq!(of(4, 0, Some(8)), (1, 0));
         // Asked for, within the positions; every split holds one at least.
-        assert_eq!(
-            plan(32, 3, 132, Some(8)),
-            StepSplit {
-                splits: 3,
-                chunk: 1
-            }
-        );
-        assert_eq!(
-            plan(32, 10, 132, Some(4)),
-            StepSplit {
-                splits: 4,
-                chunk: 3
-            }
-        );
-        assert_eq!(
-            plan(32, 511, 132, Some(1)),
-            StepSplit {
-                splits: 1,
-                chunk: 511
-            }
-        );
+        assert_eq!(of(32, 3, Some(8)), (3, 1));
+        assert_eq!(of(32, 10, Some(4)), (4, 3));
+        assert_eq!(of(32, 511, Some(1)), (1, 511));
     }
 }

@@ -379,41 +379,26 @@ fn forward_add_norm_and_forward_sublayer_are_the_steps_they_fold() {
     let alpha = Tensor::ones(64, DType::F32, &dev).unwrap();
     let w_ud = twell::up_down_matrix(&w.up, &w.down).unwrap();
     assert!(!twell::ops::add_norm_fuses(&x));
-    let err = twell::ops::twell_mlp_add_norm(
-        &x,
-        &w.gate,
-        &w_ud,
-        Default::default(),
-        (&residual, &alpha, 1e-5),
-        None,
-    )
-    .unwrap_err()
-    .to_string();
+    let fold_err = |residual: &Tensor, pre: Option<(&Tensor, f64)>| {
+        twell::ops::twell_mlp_add_norm(
+            &x,
+            &w.gate,
+            &w_ud,
+            Default::default(),
+            (residual, &alpha, 1e-5),
+            pre,
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    let err = fold_err(&residual, None);
     assert!(
         err.contains("CUDA") && err.contains("add_rms_norm"),
         "{err}"
     );
     // Bad shapes are named.
-    let err = twell::ops::twell_mlp_add_norm(
-        &x,
-        &w.gate,
-        &w_ud,
-        Default::default(),
-        (&alpha, &alpha, 1e-5),
-        None,
-    )
-    .unwrap_err()
-    .to_string();
+    let err = fold_err(&alpha, None);
     assert!(err.contains("residual [1, d]"), "{err}");
-    let err = twell::ops::twell_mlp_add_norm(
-        &x,
-        &w.gate,
-        &w_ud,
-        Default::default(),
-        (&residual, &alpha, 1e-5),
-        Some((&residual, 1e-5)),
-    )
-    .unwrap_err()
-    .to_string();
+    let err = fold_err(&residual, Some((&residual, 1e-5)));
     assert!(err.contains("pre_alpha"), "{err}");
 }
