@@ -9,6 +9,7 @@
 //   adamw_update_f32: p ← p·(1 − lr·wd) − lr·(m / c1) / (√(v / c2) + eps), in place.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include "twell_common.cuh"
 
 // One moment's update with the (scaled, possibly squared) gradient g.
 __device__ __forceinline__ float adam_moment(float beta, float m, float g) {
@@ -102,7 +103,7 @@ __device__ __forceinline__ void sum_squares(const G* __restrict__ x, long long n
     if (threadIdx.x == 0) {
         float total = 0.f;
         for (int w = 0; w < (blockDim.x + 31) / 32; ++w) total += partial[w];
-        atomicAdd(out, total);
+        red_add(out, total);
     }
 }
 

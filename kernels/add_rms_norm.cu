@@ -118,7 +118,7 @@ __device__ __forceinline__ void add_rms_norm_bwd(
         const int v = threadIdx.x + i * NORM_THREADS;
         if (v < vecs) {
 #pragma unroll
-            for (int k = 0; k < VEC; ++k) atomicAdd(dalpha + v * VEC + k, acc[i][k]);
+            for (int k = 0; k < VEC; ++k) red_add(dalpha + v * VEC + k, acc[i][k]);
         }
     }
 }

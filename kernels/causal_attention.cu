@@ -325,14 +325,18 @@ __device__ __forceinline__ void attend_range(const float* qs, const __nv_bfloat1
                                              const float* xv, float& m_out, float& l_out, float2& o_out) {
     __shared__ float reduce[DECODE_THREADS / 32];
     constexpr int PAIRS = HD / 2;
-    constexpr int GROUPS = DECODE_THREADS / PAIRS;
-    __shared__ float2 part[GROUPS][PAIRS];
+    constexpr int OCTS = HD / VEC;                // 16-byte pieces of a row
+    constexpr int ROWS = DECODE_THREADS / OCTS;   // value rows one pass of the block reads
+    static_assert(32 % OCTS == 0, "a warp holds whole rows");
+    __shared__ float part[DECODE_THREADS / 32][HD];
     const int b = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
     float m = -INFINITY;
     for (int j = tid; j < T; j += DECODE_THREADS) {
         const __nv_bfloat16* kr = k + kst.row(b, kvh, j0 + j);
+        // The value row is read after the softmax's reductions: on its way to L2 meanwhile.
+        for (int e = 0; e < HD; e += 64) prefetch_l2(v + vst.row(b, kvh, j0 + j) + e);
         float s = 0.f;
 #pragma unroll
         for (int e = 0; e < HD; e += VEC) {
@@ -374,30 +378,42 @@ __device__ __forceinline__ void attend_range(const float* qs, const __nv_bfloat1
 #pragma unroll
     for (int w = 0; w < DECODE_THREADS / 32; ++w) l += reduce[w];
 
-    const int pair = tid % PAIRS, group = tid / PAIRS;
-    const __nv_bfloat16* vp = v + vst.row(b, kvh, j0) + 2 * pair;
-    float2 acc = make_float2(0.f, 0.f);
-#pragma unroll 4
-    for (int j = group; j < T; j += GROUPS) {
-        const float2 vf =
-            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vp + static_cast<long long>(j) * vst.t));
+    // p · v: a thread takes 8 dims of a row (one 16-byte load), so a pass of the block
+    // covers ROWS rows and the unrolled loop keeps 8 loads in flight per thread: the
+    // value rows arrive in one or two memory round trips instead of one per 4 bytes.
+    const int oct = tid % OCTS, group = tid / OCTS;
+    const __nv_bfloat16* vp = v + vst.row(b, kvh, j0) + VEC * oct;
+    float acc[VEC] = {};
+#pragma unroll 8
+    for (int j = group; j < T; j += ROWS) {
+        float vf[VEC];
+        load8(vp + static_cast<long long>(j) * vst.t, vf);
         const float p = scores[j];
-        acc.x = fmaf(p, vf.x, acc.x);
-        acc.y = fmaf(p, vf.y, acc.y);
+#pragma unroll
+        for (int c = 0; c < VEC; ++c) acc[c] = fmaf(p, vf[c], acc[c]);
     }
     if (xv != nullptr && group == 0) {
         const float p = scores[T];
-        acc.x = fmaf(p, xv[2 * pair], acc.x);
-        acc.y = fmaf(p, xv[2 * pair + 1], acc.y);
+#pragma unroll
+        for (int c = 0; c < VEC; ++c) acc[c] = fmaf(p, xv[VEC * oct + c], acc[c]);
     }
-    part[group][pair] = acc;
+    // The lanes of a warp holding the same dims meet by shuffles, the warps in shared memory.
+#pragma unroll
+    for (int c = 0; c < VEC; ++c) {
+#pragma unroll
+        for (int o = OCTS; o < 32; o <<= 1) acc[c] += __shfl_xor_sync(FULL_MASK, acc[c], o);
+    }
+    if (lane < OCTS) {
+#pragma unroll
+        for (int c = 0; c < VEC; ++c) part[warp][VEC * lane + c] = acc[c];
+    }
     __syncthreads();
     float2 o = make_float2(0.f, 0.f);
     if (tid < PAIRS) {
 #pragma unroll
-        for (int g = 0; g < GROUPS; ++g) {
-            o.x += part[g][tid].x;
-            o.y += part[g][tid].y;
+        for (int w = 0; w < DECODE_THREADS / 32; ++w) {
+            o.x += part[w][2 * tid];
+            o.y += part[w][2 * tid + 1];
         }
     }
     m_out = m;

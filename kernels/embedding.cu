@@ -20,7 +20,7 @@ extern "C" __global__ void embedding_grad_accumulate_bf16(
     load8(grad + t * d + c, g);
     float* dst = acc + static_cast<long long>(ids[t]) * d + c;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) atomicAdd(dst + k, g[k]);
+    for (int k = 0; k < VEC; ++k) red_add(dst + k, g[k]);
 }
 
 extern "C" __global__ void embedding_grad_to_bf16(const float* __restrict__ acc,

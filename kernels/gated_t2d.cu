@@ -145,7 +145,7 @@ extern "C" __global__ void gated_t2d_down_bf16(
         if (chunk == 0 && lane == 0) out[l1_at(M, d, row)] = __float2bfloat16(l1[row]);
     } else if (mine) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) atomicAdd(acc_out + row * d + e0 + k, acc[k]);
+        for (int k = 0; k < VEC; ++k) red_add(acc_out + row * d + e0 + k, acc[k]);
     }
 }
 

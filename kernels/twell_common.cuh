@@ -38,6 +38,19 @@ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float* out) {
     }
 }
 
+// Adds into global memory without asking for the old value back. `atomicAdd` on a float
+// compiles to a returning atomic even when the value is unused, and those cost the
+// one-token MLP kernel 5 of its 19 us (nineteenth session, `docs/kernel-notes.md`).
+__device__ __forceinline__ void red_add(float* p, float v) {
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+__device__ __forceinline__ void red_add(uint32_t* p, uint32_t v) {
+    asm volatile("red.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Asks L2 for the 128-byte line at p.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ void store8(__nv_bfloat16* p, const float* in) {
     uint4 raw;
     __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);

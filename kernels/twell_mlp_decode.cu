@@ -18,9 +18,9 @@
 // also writes the residual add and the next sublayer's RMS norm of it (and the MLP row
 // and the counts only where asked: a decode step needs neither).
 //
-// Given a norm weight `pre_alpha` too, x is the previous sublayer's output y and the MLP's
-// input is rms_norm(residual + y) · pre_alpha, which every block works out for itself at
-// the start (two reads of a 4 KB row from L2), while its first gate rows are on their way;
+// In the `_norm` entry points x is the previous sublayer's output y, and the MLP's input
+// is rms_norm(residual + y) · pre_alpha, which every block works out for itself at the
+// start (two reads of a 4 KB row from L2), while its first gate rows are on their way;
 // the sum then adds to `residual + y`. A decode step's MLP sublayer is then one launch:
 // the add + norm before it, the MLP, the add + norm after it.
 #include "rms_norm_row.cuh"
@@ -30,9 +30,6 @@
 // The block is one norm block (`rms_norm_row.cuh`), so the folded norms partition the
 // row as `add_rms_norm.cu` does.
 #define DECODE_THREADS NORM_THREADS
-
-// Asks L2 for the 128-byte line at p.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // x . w0 and x . w1 with both rows' loads in flight at once (w1 may be null: 0).
 template <int MAXV>
@@ -100,13 +97,13 @@ __device__ __forceinline__ void add_neuron(const uint4* xr, const __nv_bfloat16*
         const int e = 2 * (lane + 32 * i);
         if (e < d) {
             const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wd[i]));
-            atomicAdd(acc + e, h * wf.x);
-            atomicAdd(acc + e + 1, h * wf.y);
+            red_add(acc + e, h * wf.x);
+            red_add(acc + e + 1, h * wf.y);
         }
     }
     if (lane == 0) {
-        atomicAdd(l1, fabsf(h));
-        atomicAdd(tile_counts + j / tile, 1u);
+        red_add(l1, fabsf(h));
+        red_add(tile_counts + j / tile, 1u);
     }
 }
 

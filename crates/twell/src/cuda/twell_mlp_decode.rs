@@ -39,7 +39,7 @@ struct Scratch {
     tile_counts: CudaSlice<u32>,
     ticket: CudaSlice<u32>,
     /// Blocks of one wave, per kernel (its name).
-    grids: HashMap<String, u32>,
+    grids: HashMap<&'static str, u32>,
 }
 
 impl Scratch {
@@ -55,6 +55,30 @@ impl Scratch {
 
     fn fits(&self, d: usize, n_tiles: usize) -> bool {
         self.acc.len() >= d && self.tile_counts.len() >= n_tiles
+    }
+}
+
+/// The entry point for a row of `v` 16-byte vectors a lane, named without formatting a
+/// string on every decode step.
+fn kernel_name(folds_pre: bool, v: usize) -> &'static str {
+    const PLAIN: [&str; 5] = [
+        "twell_mlp_decode_bf16_v1",
+        "twell_mlp_decode_bf16_v2",
+        "twell_mlp_decode_bf16_v4",
+        "twell_mlp_decode_bf16_v8",
+        "twell_mlp_decode_bf16_v16",
+    ];
+    const NORM: [&str; 5] = [
+        "twell_mlp_decode_norm_bf16_v1",
+        "twell_mlp_decode_norm_bf16_v2",
+        "twell_mlp_decode_norm_bf16_v4",
+        "twell_mlp_decode_norm_bf16_v8",
+        "twell_mlp_decode_norm_bf16_v16",
+    ];
+    let i = v.trailing_zeros() as usize;
+    match folds_pre {
+        true => NORM[i],
+        false => PLAIN[i],
     }
 }
 
@@ -157,12 +181,9 @@ pub fn twell_mlp_decode(
     let s = map.get_mut(&key).expect("inserted above");
     // The norm before the MLP has entry points of its own (`_norm`).
     let folds_pre = add_norm.as_ref().is_some_and(|a| a.pre.is_some());
-    let name = match folds_pre {
-        true => format!("twell_mlp_decode_norm_bf16_v{v}"),
-        false => format!("twell_mlp_decode_bf16_v{v}"),
-    };
-    let func = dev.get_or_load_custom_func(&name, "twell_mlp_decode", TWELL_MLP_DECODE_PTX)?;
-    let wave = match s.grids.get(&name) {
+    let name = kernel_name(folds_pre, v);
+    let func = dev.get_or_load_custom_func(name, "twell_mlp_decode", TWELL_MLP_DECODE_PTX)?;
+    let wave = match s.grids.get(name) {
         Some(&g) => g,
         None => {
             let g = one_wave(dev, &func)?;
