@@ -541,7 +541,8 @@ impl SparseMlp {
     /// them: `(residual + mlp(x), rms_norm(residual + mlp(x)) · alpha)` (`alpha [d]`, the
     /// next norm's weight). One token of inference on the sparse CUDA path folds the add
     /// and the norm into the MLP's own launch ([`crate::ops::twell_mlp_add_norm`], the
-    /// same bits); everything else is [`Module::forward`] then
+    /// same arithmetic, up to the order of the MLP's f32 atomic sums); everything else is
+    /// [`Module::forward`] then
     /// [`crate::ops::add_rms_norm`].
     pub fn forward_add_norm(
         &self,
@@ -558,7 +559,8 @@ impl SparseMlp {
     /// output `y`: with `h = residual + y`, returns `(out, rms_norm(out) · alpha)` where
     /// `out = h + mlp(rms_norm(h) · pre_alpha)` (`pre_alpha`, this sublayer's norm;
     /// `alpha`, the next one's). One token of inference on the sparse CUDA path runs it
-    /// as one launch, the same bits as the three steps; everything else is
+    /// as one launch, the same arithmetic as the three steps (up to the order of the
+    /// MLP's f32 atomic sums); everything else is
     /// [`crate::ops::add_rms_norm`], then [`Self::forward_add_norm`].
     pub fn forward_sublayer(
         &self,
