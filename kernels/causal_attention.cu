@@ -4,7 +4,7 @@
 // elementwise kernels over them; at 4 x 2048 tokens that is 24 ms a layer on an H200.
 // Here the scores never leave registers (online softmax, as in FlashAttention), and both
 // products run on tensor cores (mma.sync m16n8k16, bf16 in, f32 sums; sm_80 and later):
-// a block of ATT_WARPS warps takes ATT_QUERIES queries, 16 per warp, and walks the keys
+// a block of ATT_WARPS warps takes ATT_QUERIES queries, 32 per warp, and walks the keys
 // in tiles of ATT_KEYS, copied into shared memory with cp.async in two stages so the next
 // tile loads while this one is computed. A warp's scores S = Q Kᵀ come out of the mma in
 // the very register layout the next mma wants for P, so P V needs no shuffle; K's and
@@ -24,8 +24,11 @@
 // threads.
 #include "twell_common.cuh"
 
-#define ATT_WARPS 8
-#define ATT_QUERIES (16 * ATT_WARPS)
+#define ATT_WARPS 4
+// Query tiles of 16 per warp: each K and V fragment feeds ATT_MTILES mma, and their
+// softmax chains are independent.
+#define ATT_MTILES 2
+#define ATT_QUERIES (16 * ATT_MTILES * ATT_WARPS)
 #define ATT_KEYS 64
 // exp(x) = exp2(x · log2 e): the scale folds it in once.
 #define LOG2_E 1.4426950408889634f
@@ -111,6 +114,7 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
     constexpr int DIM_TILES = HD / 8;    // mma n-tiles over the head dims (O = P V)
     constexpr int KEY_TILES = ATT_KEYS / 8;
     constexpr int CHUNKS = ATT_KEYS * HD / VEC;  // 16-byte pieces of one K (or V) tile
+    constexpr int MT = ATT_MTILES;
     // Two stages: the next tile's copies fly while this one is computed.
     __shared__ __align__(16) __nv_bfloat16 ks[2][ATT_KEYS][STRIDE];
     __shared__ __align__(16) __nv_bfloat16 vs[2][ATT_KEYS][STRIDE];
@@ -121,9 +125,14 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
     const int g = lane >> 2, c = lane & 3;  // the fragment row and column pair of this lane
     // The last query blocks see the most keys: start them first.
     const int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_QUERIES;
-    const int wq0 = q0 + warp * 16;
-    const int row0 = wq0 + g, row1 = row0 + 8;  // the two query rows of this lane
-    const int pos0 = past + row0, pos1 = past + row1;
+    const int wq0 = q0 + warp * 16 * MT;
+    // Query rows of this lane: g and g + 8 of each of the warp's MT tiles of 16.
+    int pos[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        pos[mt][0] = past + wq0 + mt * 16 + g;
+        pos[mt][1] = pos[mt][0] + 8;
+    }
 
     // Keys past T are zeros: their scores are masked, and a zero V keeps 0 · V finite.
     // Each thread copies PIECES 16-byte pieces of every K and V tile, PIECE_ROWS rows
@@ -151,24 +160,33 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
         async_commit();
     };
     const int block_last = past + min(q0 + ATT_QUERIES, t) - 1;  // the furthest key of the block
-    const int warp_last = past + min(wq0 + 15, t - 1);            // ... and of this warp
+    const int warp_last = past + min(wq0 + 16 * MT - 1, t - 1);   // ... and of this warp
     stage(0, 0);
 
-    uint32_t qa[KSTEPS][4];
+    uint32_t qa[MT][KSTEPS][4];
 #pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-        const int col = kk * 16 + 2 * c;
-        const __nv_bfloat16* q0r = q + qs.row(b, h, row0) + col;
-        const __nv_bfloat16* q1r = q + qs.row(b, h, row1) + col;
-        qa[kk][0] = row0 < t ? load_pair(q0r) : 0u;
-        qa[kk][1] = row1 < t ? load_pair(q1r) : 0u;
-        qa[kk][2] = row0 < t ? load_pair(q0r + 8) : 0u;
-        qa[kk][3] = row1 < t ? load_pair(q1r + 8) : 0u;
+    for (int mt = 0; mt < MT; ++mt) {
+        const int row0 = wq0 + mt * 16 + g, row1 = row0 + 8;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            const int col = kk * 16 + 2 * c;
+            const __nv_bfloat16* q0r = q + qs.row(b, h, row0) + col;
+            const __nv_bfloat16* q1r = q + qs.row(b, h, row1) + col;
+            qa[mt][kk][0] = row0 < t ? load_pair(q0r) : 0u;
+            qa[mt][kk][1] = row1 < t ? load_pair(q1r) : 0u;
+            qa[mt][kk][2] = row0 < t ? load_pair(q0r + 8) : 0u;
+            qa[mt][kk][3] = row1 < t ? load_pair(q1r + 8) : 0u;
+        }
     }
-    float o[DIM_TILES][4];
+    float o[MT][DIM_TILES][4];
+    float m[MT][2], l[MT][2];
 #pragma unroll
-    for (int n = 0; n < DIM_TILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int n = 0; n < DIM_TILES; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.f;
+    }
     const float scale_log2 = scale * LOG2_E;
 
     for (int k0 = 0, buf = 0; k0 <= block_last; k0 += ATT_KEYS, buf ^= 1) {
@@ -181,9 +199,12 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
         }
         __syncthreads();  // ... everyone's
         if (wq0 < t && k0 <= warp_last) {  // the same in every lane of the warp
-            float s[KEY_TILES][4];
+            // S = Q Kᵀ: each K fragment feeds the MT query tiles.
+            float s[MT][KEY_TILES][4];
 #pragma unroll
-            for (int n = 0; n < KEY_TILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < KEY_TILES; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
@@ -191,82 +212,103 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
                     // Matrices: keys of tiles 2np and 2np + 1, dims kk·16 and kk·16 + 8.
                     uint32_t kb[4];
                     ldmatrix_x4(kb, &ks[buf][(2 * np + (lane >> 4)) * 8 + (lane & 7)][kk * 16 + ((lane >> 3) & 1) * 8]);
-                    mma_16816(s[2 * np], qa[kk], kb[0], kb[1]);
-                    mma_16816(s[2 * np + 1], qa[kk], kb[2], kb[3]);
-                }
-            }
-            // Mask the keys after each row where the tile crosses the diagonal. The scores
-            // stay unscaled (the scale is positive, so the maxima are the same keys'): the
-            // scale goes into the exponent's one fused multiply-add below.
-            const bool crosses = k0 + ATT_KEYS - 1 > past + wq0;
-            float mx0 = m0, mx1 = m1;
-            if (crosses) {
 #pragma unroll
-                for (int n = 0; n < KEY_TILES; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = k0 + n * 8 + 2 * c + (e & 1);
-                        if (key > (e < 2 ? pos0 : pos1)) s[n][e] = -INFINITY;
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816(s[mt][2 * np], qa[mt][kk], kb[0], kb[1]);
+                        mma_16816(s[mt][2 * np + 1], qa[mt][kk], kb[2], kb[3]);
                     }
                 }
             }
-            // A tree of maxima: three dependent steps instead of eight.
-            float r0[KEY_TILES / 2], r1[KEY_TILES / 2];
+            // Mask the keys after each row where the tile crosses the diagonal of the warp's
+            // first row. The scores stay unscaled (the scale is positive, so the maxima are
+            // the same keys'): the scale goes into the exponent's one fused multiply-add.
+            // The MT tiles go through each step together, in one basic block where they
+            // can, so their independent chains interleave.
+            if (k0 + ATT_KEYS - 1 > pos[0][0]) {
 #pragma unroll
-            for (int n = 0; n < KEY_TILES / 2; ++n) {
-                r0[n] = fmaxf(fmaxf(s[2 * n][0], s[2 * n][1]), fmaxf(s[2 * n + 1][0], s[2 * n + 1][1]));
-                r1[n] = fmaxf(fmaxf(s[2 * n][2], s[2 * n][3]), fmaxf(s[2 * n + 1][2], s[2 * n + 1][3]));
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = k0 + n * 8 + 2 * c + (e & 1);
+                            if (key > pos[mt][e >> 1]) s[mt][n][e] = -INFINITY;
+                        }
             }
+            // Row maxima by a tree (three dependent steps instead of eight), then across a
+            // row's four lanes. A row whose keys in this tile all lie past it keeps its
+            // maximum; every row has seen key 0 by then, so the maxima are finite.
+            float mx[MT][2];
 #pragma unroll
-            for (int w = KEY_TILES / 4; w > 0; w /= 2) {
+            for (int mt = 0; mt < MT; ++mt) {
+                float r0[KEY_TILES / 2], r1[KEY_TILES / 2];
 #pragma unroll
-                for (int n = 0; n < w; ++n) {
-                    r0[n] = fmaxf(r0[n], r0[n + w]);
-                    r1[n] = fmaxf(r1[n], r1[n + w]);
+                for (int n = 0; n < KEY_TILES / 2; ++n) {
+                    r0[n] = fmaxf(fmaxf(s[mt][2 * n][0], s[mt][2 * n][1]), fmaxf(s[mt][2 * n + 1][0], s[mt][2 * n + 1][1]));
+                    r1[n] = fmaxf(fmaxf(s[mt][2 * n][2], s[mt][2 * n][3]), fmaxf(s[mt][2 * n + 1][2], s[mt][2 * n + 1][3]));
                 }
+#pragma unroll
+                for (int w = KEY_TILES / 4; w > 0; w /= 2) {
+#pragma unroll
+                    for (int n = 0; n < w; ++n) {
+                        r0[n] = fmaxf(r0[n], r0[n + w]);
+                        r1[n] = fmaxf(r1[n], r1[n + w]);
+                    }
+                }
+                mx[mt][0] = fmaxf(m[mt][0], r0[0]);
+                mx[mt][1] = fmaxf(m[mt][1], r1[0]);
             }
-            mx0 = fmaxf(mx0, r0[0]);
-            mx1 = fmaxf(mx1, r1[0]);
-            // A row's four lanes share it; every live row has seen key 0, so the maxima
-            // are finite.
-            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
+            bool moved = false;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    mx[mt][r] = fmaxf(mx[mt][r], __shfl_xor_sync(FULL_MASK, mx[mt][r], 1));
+                    mx[mt][r] = fmaxf(mx[mt][r], __shfl_xor_sync(FULL_MASK, mx[mt][r], 2));
+                    moved |= mx[mt][r] != m[mt][r];
+                }
             // 0 on the first tile (m = -inf). Where no row of the warp has a new maximum
             // every factor is 1: the multiplications are skipped.
-            if (__any_sync(FULL_MASK, mx0 != m0 || mx1 != m1)) {
-                const float corr0 = fast_exp2((m0 - mx0) * scale_log2), corr1 = fast_exp2((m1 - mx1) * scale_log2);
-                m0 = mx0;
-                m1 = mx1;
-                l0 *= corr0;
-                l1 *= corr1;
+            if (__any_sync(FULL_MASK, moved)) {
 #pragma unroll
-                for (int n = 0; n < DIM_TILES; ++n) {
-                    o[n][0] *= corr0;
-                    o[n][1] *= corr0;
-                    o[n][2] *= corr1;
-                    o[n][3] *= corr1;
+                for (int mt = 0; mt < MT; ++mt) {
+                    const float corr0 = fast_exp2((m[mt][0] - mx[mt][0]) * scale_log2);
+                    const float corr1 = fast_exp2((m[mt][1] - mx[mt][1]) * scale_log2);
+                    m[mt][0] = mx[mt][0];
+                    m[mt][1] = mx[mt][1];
+                    l[mt][0] *= corr0;
+                    l[mt][1] *= corr1;
+#pragma unroll
+                    for (int n = 0; n < DIM_TILES; ++n) {
+                        o[mt][n][0] *= corr0;
+                        o[mt][n][1] *= corr0;
+                        o[mt][n][2] *= corr1;
+                        o[mt][n][3] *= corr1;
+                    }
                 }
             }
-            // P in bf16: key tiles 2kk and 2kk + 1 are the two halves of k-step kk's A fragment.
-            uint32_t pa[ATT_KEYS / 16][4];
-            const float ms0 = m0 * scale_log2, ms1 = m1 * scale_log2;
-            // A tile's p summed in two independent chains per row.
-            float t0[2] = {0.f, 0.f}, t1[2] = {0.f, 0.f};
+            // P in bf16: key tiles 2kk and 2kk + 1 are the two halves of k-step kk's A
+            // fragment. A tile's p summed in two independent chains per row.
+            uint32_t pa[MT][ATT_KEYS / 16][4];
 #pragma unroll
-            for (int n = 0; n < KEY_TILES; ++n) {
-                const float p0 = fast_exp2(fmaf(s[n][0], scale_log2, -ms0));
-                const float p1 = fast_exp2(fmaf(s[n][1], scale_log2, -ms0));
-                const float p2 = fast_exp2(fmaf(s[n][2], scale_log2, -ms1));
-                const float p3 = fast_exp2(fmaf(s[n][3], scale_log2, -ms1));
-                t0[n & 1] += p0 + p1;
-                t1[n & 1] += p2 + p3;
-                pa[n / 2][(n % 2) * 2] = pack_bf16(p0, p1);
-                pa[n / 2][(n % 2) * 2 + 1] = pack_bf16(p2, p3);
+            for (int mt = 0; mt < MT; ++mt) {
+                const float ms0 = m[mt][0] * scale_log2, ms1 = m[mt][1] * scale_log2;
+                float t0[2] = {0.f, 0.f}, t1[2] = {0.f, 0.f};
+#pragma unroll
+                for (int n = 0; n < KEY_TILES; ++n) {
+                    const float p0 = fast_exp2(fmaf(s[mt][n][0], scale_log2, -ms0));
+                    const float p1 = fast_exp2(fmaf(s[mt][n][1], scale_log2, -ms0));
+                    const float p2 = fast_exp2(fmaf(s[mt][n][2], scale_log2, -ms1));
+                    const float p3 = fast_exp2(fmaf(s[mt][n][3], scale_log2, -ms1));
+                    t0[n & 1] += p0 + p1;
+                    t1[n & 1] += p2 + p3;
+                    pa[mt][n / 2][(n % 2) * 2] = pack_bf16(p0, p1);
+                    pa[mt][n / 2][(n % 2) * 2 + 1] = pack_bf16(p2, p3);
+                }
+                l[mt][0] += t0[0] + t0[1];
+                l[mt][1] += t1[0] + t1[1];
             }
-            l0 += t0[0] + t0[1];
-            l1 += t1[0] + t1[1];
+            // O += P V: each V fragment feeds the MT query tiles.
 #pragma unroll
             for (int kk = 0; kk < ATT_KEYS / 16; ++kk) {
 #pragma unroll
@@ -274,27 +316,35 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
                     // Matrices: keys 0-7 and 8-15 of the k-step, at dims np·16 and np·16 + 8.
                     uint32_t bv[4];
                     ldmatrix_x4_trans(bv, &vs[buf][kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][np * 16 + (lane >> 4) * 8]);
-                    mma_16816(o[2 * np], pa[kk], bv[0], bv[1]);
-                    mma_16816(o[2 * np + 1], pa[kk], bv[2], bv[3]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816(o[mt][2 * np], pa[mt][kk], bv[0], bv[1]);
+                        mma_16816(o[mt][2 * np + 1], pa[mt][kk], bv[2], bv[3]);
+                    }
                 }
             }
         }
         __syncthreads();  // this stage is read; the next step may refill it
     }
-    l0 += __shfl_xor_sync(FULL_MASK, l0, 1);
-    l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
-    l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
-    l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
 #pragma unroll
-    for (int n = 0; n < DIM_TILES; ++n) {
-        const int col = n * 8 + 2 * c;
-        if (row0 < t)
-            *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, row0, heads, t, HD) + col) =
-                __floats2bfloat162_rn(o[n][0] * inv0, o[n][1] * inv0);
-        if (row1 < t)
-            *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, row1, heads, t, HD) + col) =
-                __floats2bfloat162_rn(o[n][2] * inv1, o[n][3] * inv1);
+    for (int mt = 0; mt < MT; ++mt) {
+        float l0 = l[mt][0], l1 = l[mt][1];
+        l0 += __shfl_xor_sync(FULL_MASK, l0, 1);
+        l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
+        l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
+        l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
+        const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+        const int row0 = wq0 + mt * 16 + g, row1 = row0 + 8;
+#pragma unroll
+        for (int n = 0; n < DIM_TILES; ++n) {
+            const int col = n * 8 + 2 * c;
+            if (row0 < t)
+                *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, row0, heads, t, HD) + col) =
+                    __floats2bfloat162_rn(o[mt][n][0] * inv0, o[mt][n][1] * inv0);
+            if (row1 < t)
+                *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, row1, heads, t, HD) + col) =
+                    __floats2bfloat162_rn(o[mt][n][2] * inv1, o[mt][n][3] * inv1);
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var, D};
 use serde::Serialize;
 use twell::density::{synthetic_input, synthetic_mlp, MlpWeights};
 use twell::{twell_mlp, up_down_matrix, TwellConfig};
@@ -503,13 +503,25 @@ struct MlpAddNormResult {
 /// The largest difference of two bf16 tensors in units of the bf16 spacing at each
 /// element's magnitude (0 where they are equal).
 fn bf16_steps(a: &Tensor, b: &Tensor) -> Result<f64> {
+    bf16_steps_at(a, b, &a.zeros_like()?)
+}
+
+/// [`bf16_steps`] with the spacing taken at least at `scale`'s magnitude per element:
+/// a sum that cancels to near zero carries the rounding of its terms, whose spacing is
+/// that of the terms, not of the result.
+fn bf16_steps_at(a: &Tensor, b: &Tensor, scale: &Tensor) -> Result<f64> {
     let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let b = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let scale = scale
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
     Ok(a.iter()
         .zip(&b)
-        .map(|(&x, &y)| {
+        .zip(&scale)
+        .map(|((&x, &y), &z)| {
             let (x, y) = (x as f64, y as f64);
-            let m = x.abs().max(y.abs());
+            let m = x.abs().max(y.abs()).max(z.abs() as f64);
             if x == y {
                 0.0
             } else if m == 0.0 || !m.is_finite() {
@@ -566,9 +578,19 @@ fn check_mlp_add_norm(
         diff(&both_sum, &want_sum)?,
         diff(&both_normed, &want_normed)?,
     );
+    // The kernel's f32 sums of the MLP output arrive in another order than the separate
+    // launch's: one bf16 step of the output, which the residual add can leave as many
+    // steps of a sum near zero. So the sum is measured at the terms' magnitude, and the
+    // normalised row at that magnitude through the norm's scale α / rms.
+    let terms = (h.to_dtype(DType::F32)?.abs()? + out.to_dtype(DType::F32)?.abs()?)?;
+    let want_sum32 = want_sum.to_dtype(DType::F32)?;
+    let rms = (want_sum32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
+    let normed_terms = terms
+        .broadcast_div(&rms)?
+        .broadcast_mul(&alpha.to_dtype(DType::F32)?.abs()?)?;
     let steps = plain_steps
-        .max(bf16_steps(&both_sum, &want_sum)?)
-        .max(bf16_steps(&both_normed, &want_normed)?);
+        .max(bf16_steps_at(&both_sum, &want_sum, &terms)?)
+        .max(bf16_steps_at(&both_normed, &want_normed, &normed_terms)?);
     Ok(MlpAddNormResult {
         d,
         f,
@@ -1362,7 +1384,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::bf16_steps;
+    use super::{bf16_steps, bf16_steps_at};
     use candle_core::{DType, Device, Tensor};
 
     #[test]
@@ -1376,6 +1398,10 @@ mod tests {
         assert_eq!(bf16_steps(&a, &t(&[4.0, 1.0, -3.03125])?)?, 2.0);
         // A value against zero is never within a step.
         assert!(bf16_steps(&t(&[0.0])?, &t(&[1.0])?)? >= 1.0);
+        // Near zero, a step of terms of magnitude 4 is one step, not hundreds.
+        let near_zero = (t(&[0.03125])?, t(&[0.0])?);
+        assert!(bf16_steps(&near_zero.0, &near_zero.1)? > 100.0);
+        assert_eq!(bf16_steps_at(&near_zero.0, &near_zero.1, &t(&[4.0])?)?, 1.0);
         Ok(())
     }
 }

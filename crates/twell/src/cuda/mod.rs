@@ -641,8 +641,14 @@ pub fn twell_mlp_forward(
         .arg(&mut indices)
         .arg(&mut values);
     dims.push_pattern(&mut b);
-    // SAFETY: one warp per (row, tile), bounds checked in the kernel.
-    unsafe { b.launch(warp_launch(m * n_tiles)?) }.w()?;
+    // The vector kernel takes PACK_UNITS (row, tile) units a warp, the scalar one one.
+    let pack_warps = if pack_name == "twell_gate_pack_vec_bf16" {
+        (m * n_tiles).div_ceil(PACK_UNITS)
+    } else {
+        m * n_tiles
+    };
+    // SAFETY: bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(pack_warps)?) }.w()?;
     // For a backward pass: the slots' g before `up` writes h over them, and a buffer
     // where `up` leaves each slot's u. A null pointer tells `up` not to.
     let mut kept = if keep_for_backward {
@@ -1124,10 +1130,12 @@ fn sparse_weight_grads_into(
     Ok(())
 }
 
-/// Queries per block of the attention kernel (`ATT_QUERIES` in the .cu), 16 per warp.
+/// (row, tile) units per warp of `twell_gate_pack_vec_bf16` (`PACK_UNITS` in the .cu).
+const PACK_UNITS: usize = 4;
+/// Queries per block of the attention kernel (`ATT_QUERIES` in the .cu), 32 per warp.
 const ATTENTION_QUERIES: usize = 128;
 /// Threads per block of the attention kernel (`ATT_WARPS` warps).
-const ATTENTION_THREADS: u32 = 256;
+const ATTENTION_THREADS: u32 = 128;
 /// Threads per (batch, head) of the one-query attention kernel (`DECODE_THREADS`).
 const ATTENTION_DECODE_THREADS: u32 = 256;
 
