@@ -3,9 +3,8 @@
 //
 // One warp per (row, tile) (the 16-byte kernel below: PACK_UNITS of them). Lanes read
 // 32 consecutive columns at a time, a ballot ranks the positive ones, and each writes
-// its slot. A tile with more nonzeros than
-// slots gets its true count (> capacity); consumers then read that tile from the dense
-// gate instead, so nothing is lost.
+// its slot. A tile with more nonzeros than slots gets its true count (> capacity);
+// consumers then read that tile from the dense gate instead, so nothing is lost.
 #include "twell_common.cuh"
 
 extern "C" __global__ void twell_gate_pack_bf16(
