@@ -641,7 +641,7 @@ pub fn twell_mlp_forward(
         .arg(&mut indices)
         .arg(&mut values);
     dims.push_pattern(&mut b);
-    // The vector kernel takes PACK_UNITS (row, tile) units a warp, the scalar one one.
+    // The vector kernel takes PACK_UNITS (row, tile) units a warp, the scalar kernel one.
     let pack_warps = if pack_name == "twell_gate_pack_vec_bf16" {
         (m * n_tiles).div_ceil(PACK_UNITS)
     } else {
