@@ -101,6 +101,133 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 __device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
+// One key tile's online softmax for a warp's MT query tiles of 16 (rows pos[mt][0] and
+// pos[mt][1] of this lane): masks the keys past each row where the tile crosses the
+// diagonal of the warp's first row, moves the running maxima m (rescaling the sums l and
+// the accumulators o where one moved) and leaves P = exp(s - m) in bf16 in `pa`, whose
+// k-step kk holds key tiles 2kk and 2kk + 1: the A fragments of O += P V.
+// The scores stay unscaled (the scale is positive, so the maxima are the same keys'):
+// the scale goes into the exponent's one fused multiply-add. The MT tiles go through each
+// step together, in one basic block where they can, so their independent chains
+// interleave.
+template <int MT, int DIM_TILES>
+__device__ __forceinline__ void softmax_tile(float (&s)[MT][ATT_KEYS / 8][4], float (&m)[MT][2], float (&l)[MT][2],
+                                             float (&o)[MT][DIM_TILES][4], uint32_t (&pa)[MT][ATT_KEYS / 16][4],
+                                             const int (&pos)[MT][2], int k0, int c, float scale_log2) {
+    constexpr int KEY_TILES = ATT_KEYS / 8;
+    if (k0 + ATT_KEYS - 1 > pos[0][0]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + n * 8 + 2 * c + (e & 1);
+                    if (key > pos[mt][e >> 1]) s[mt][n][e] = -INFINITY;
+                }
+    }
+    // Row maxima by a tree (three dependent steps instead of eight), then across a row's
+    // four lanes. A row whose keys in this tile all lie past it keeps its maximum; every
+    // row has seen key 0 by then, so the maxima are finite.
+    float mx[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        float r0[KEY_TILES / 2], r1[KEY_TILES / 2];
+#pragma unroll
+        for (int n = 0; n < KEY_TILES / 2; ++n) {
+            r0[n] = fmaxf(fmaxf(s[mt][2 * n][0], s[mt][2 * n][1]), fmaxf(s[mt][2 * n + 1][0], s[mt][2 * n + 1][1]));
+            r1[n] = fmaxf(fmaxf(s[mt][2 * n][2], s[mt][2 * n][3]), fmaxf(s[mt][2 * n + 1][2], s[mt][2 * n + 1][3]));
+        }
+#pragma unroll
+        for (int w = KEY_TILES / 4; w > 0; w /= 2) {
+#pragma unroll
+            for (int n = 0; n < w; ++n) {
+                r0[n] = fmaxf(r0[n], r0[n + w]);
+                r1[n] = fmaxf(r1[n], r1[n + w]);
+            }
+        }
+        mx[mt][0] = fmaxf(m[mt][0], r0[0]);
+        mx[mt][1] = fmaxf(m[mt][1], r1[0]);
+    }
+    bool moved = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[mt][r] = fmaxf(mx[mt][r], __shfl_xor_sync(FULL_MASK, mx[mt][r], 1));
+            mx[mt][r] = fmaxf(mx[mt][r], __shfl_xor_sync(FULL_MASK, mx[mt][r], 2));
+            moved |= mx[mt][r] != m[mt][r];
+        }
+    // 0 on the first tile (m = -inf). Where no row of the warp has a new maximum every
+    // factor is 1: the multiplications are skipped.
+    if (__any_sync(FULL_MASK, moved)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float corr0 = fast_exp2((m[mt][0] - mx[mt][0]) * scale_log2);
+            const float corr1 = fast_exp2((m[mt][1] - mx[mt][1]) * scale_log2);
+            m[mt][0] = mx[mt][0];
+            m[mt][1] = mx[mt][1];
+            l[mt][0] *= corr0;
+            l[mt][1] *= corr1;
+#pragma unroll
+            for (int n = 0; n < DIM_TILES; ++n) {
+                o[mt][n][0] *= corr0;
+                o[mt][n][1] *= corr0;
+                o[mt][n][2] *= corr1;
+                o[mt][n][3] *= corr1;
+            }
+        }
+    }
+    // A tile's p summed in two independent chains per row.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const float ms0 = m[mt][0] * scale_log2, ms1 = m[mt][1] * scale_log2;
+        float t0[2] = {0.f, 0.f}, t1[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n) {
+            const float p0 = fast_exp2(fmaf(s[mt][n][0], scale_log2, -ms0));
+            const float p1 = fast_exp2(fmaf(s[mt][n][1], scale_log2, -ms0));
+            const float p2 = fast_exp2(fmaf(s[mt][n][2], scale_log2, -ms1));
+            const float p3 = fast_exp2(fmaf(s[mt][n][3], scale_log2, -ms1));
+            t0[n & 1] += p0 + p1;
+            t1[n & 1] += p2 + p3;
+            pa[mt][n / 2][(n % 2) * 2] = pack_bf16(p0, p1);
+            pa[mt][n / 2][(n % 2) * 2 + 1] = pack_bf16(p2, p3);
+        }
+        l[mt][0] += t0[0] + t0[1];
+        l[mt][1] += t1[0] + t1[1];
+    }
+}
+
+// The finished rows of a warp's MT query tiles: o / l, the sums across a row's four
+// lanes, stored in bf16 for the query rows row0[mt] and row0[mt] + 8 that exist.
+template <int MT, int DIM_TILES>
+__device__ __forceinline__ void store_rows(__nv_bfloat16* __restrict__ out, const float (&o)[MT][DIM_TILES][4],
+                                           const float (&l)[MT][2], const int (&row0)[MT], int b, int h, int heads,
+                                           int t, int c) {
+    constexpr int HD = DIM_TILES * 8;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        float l0 = l[mt][0], l1 = l[mt][1];
+        l0 += __shfl_xor_sync(FULL_MASK, l0, 1);
+        l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
+        l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
+        l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
+        const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+        const int r0 = row0[mt], r1 = r0 + 8;
+#pragma unroll
+        for (int n = 0; n < DIM_TILES; ++n) {
+            const int col = n * 8 + 2 * c;
+            if (r0 < t)
+                *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, r0, heads, t, HD) + col) =
+                    __floats2bfloat162_rn(o[mt][n][0] * inv0, o[mt][n][1] * inv0);
+            if (r1 < t)
+                *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, r1, heads, t, HD) + col) =
+                    __floats2bfloat162_rn(o[mt][n][2] * inv1, o[mt][n][3] * inv1);
+        }
+    }
+}
+
 template <int HD>
 __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD], strided
                        const __nv_bfloat16* __restrict__ k,  // [b, kv_heads, T, HD], strided
@@ -127,10 +254,11 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
     const int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_QUERIES;
     const int wq0 = q0 + warp * 16 * MT;
     // Query rows of this lane: g and g + 8 of each of the warp's MT tiles of 16.
-    int pos[MT][2];
+    int row0[MT], pos[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        pos[mt][0] = past + wq0 + mt * 16 + g;
+        row0[mt] = wq0 + mt * 16 + g;
+        pos[mt][0] = past + row0[mt];
         pos[mt][1] = pos[mt][0] + 8;
     }
 
@@ -166,16 +294,16 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
     uint32_t qa[MT][KSTEPS][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        const int row0 = wq0 + mt * 16 + g, row1 = row0 + 8;
+        const int r0 = row0[mt], r1 = r0 + 8;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const int col = kk * 16 + 2 * c;
-            const __nv_bfloat16* q0r = q + qs.row(b, h, row0) + col;
-            const __nv_bfloat16* q1r = q + qs.row(b, h, row1) + col;
-            qa[mt][kk][0] = row0 < t ? load_pair(q0r) : 0u;
-            qa[mt][kk][1] = row1 < t ? load_pair(q1r) : 0u;
-            qa[mt][kk][2] = row0 < t ? load_pair(q0r + 8) : 0u;
-            qa[mt][kk][3] = row1 < t ? load_pair(q1r + 8) : 0u;
+            const __nv_bfloat16* q0r = q + qs.row(b, h, r0) + col;
+            const __nv_bfloat16* q1r = q + qs.row(b, h, r1) + col;
+            qa[mt][kk][0] = r0 < t ? load_pair(q0r) : 0u;
+            qa[mt][kk][1] = r1 < t ? load_pair(q1r) : 0u;
+            qa[mt][kk][2] = r0 < t ? load_pair(q0r + 8) : 0u;
+            qa[mt][kk][3] = r1 < t ? load_pair(q1r + 8) : 0u;
         }
     }
     float o[MT][DIM_TILES][4];
@@ -219,95 +347,8 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
                     }
                 }
             }
-            // Mask the keys after each row where the tile crosses the diagonal of the warp's
-            // first row. The scores stay unscaled (the scale is positive, so the maxima are
-            // the same keys'): the scale goes into the exponent's one fused multiply-add.
-            // The MT tiles go through each step together, in one basic block where they
-            // can, so their independent chains interleave.
-            if (k0 + ATT_KEYS - 1 > pos[0][0]) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int n = 0; n < KEY_TILES; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int key = k0 + n * 8 + 2 * c + (e & 1);
-                            if (key > pos[mt][e >> 1]) s[mt][n][e] = -INFINITY;
-                        }
-            }
-            // Row maxima by a tree (three dependent steps instead of eight), then across a
-            // row's four lanes. A row whose keys in this tile all lie past it keeps its
-            // maximum; every row has seen key 0 by then, so the maxima are finite.
-            float mx[MT][2];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                float r0[KEY_TILES / 2], r1[KEY_TILES / 2];
-#pragma unroll
-                for (int n = 0; n < KEY_TILES / 2; ++n) {
-                    r0[n] = fmaxf(fmaxf(s[mt][2 * n][0], s[mt][2 * n][1]), fmaxf(s[mt][2 * n + 1][0], s[mt][2 * n + 1][1]));
-                    r1[n] = fmaxf(fmaxf(s[mt][2 * n][2], s[mt][2 * n][3]), fmaxf(s[mt][2 * n + 1][2], s[mt][2 * n + 1][3]));
-                }
-#pragma unroll
-                for (int w = KEY_TILES / 4; w > 0; w /= 2) {
-#pragma unroll
-                    for (int n = 0; n < w; ++n) {
-                        r0[n] = fmaxf(r0[n], r0[n + w]);
-                        r1[n] = fmaxf(r1[n], r1[n + w]);
-                    }
-                }
-                mx[mt][0] = fmaxf(m[mt][0], r0[0]);
-                mx[mt][1] = fmaxf(m[mt][1], r1[0]);
-            }
-            bool moved = false;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    mx[mt][r] = fmaxf(mx[mt][r], __shfl_xor_sync(FULL_MASK, mx[mt][r], 1));
-                    mx[mt][r] = fmaxf(mx[mt][r], __shfl_xor_sync(FULL_MASK, mx[mt][r], 2));
-                    moved |= mx[mt][r] != m[mt][r];
-                }
-            // 0 on the first tile (m = -inf). Where no row of the warp has a new maximum
-            // every factor is 1: the multiplications are skipped.
-            if (__any_sync(FULL_MASK, moved)) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const float corr0 = fast_exp2((m[mt][0] - mx[mt][0]) * scale_log2);
-                    const float corr1 = fast_exp2((m[mt][1] - mx[mt][1]) * scale_log2);
-                    m[mt][0] = mx[mt][0];
-                    m[mt][1] = mx[mt][1];
-                    l[mt][0] *= corr0;
-                    l[mt][1] *= corr1;
-#pragma unroll
-                    for (int n = 0; n < DIM_TILES; ++n) {
-                        o[mt][n][0] *= corr0;
-                        o[mt][n][1] *= corr0;
-                        o[mt][n][2] *= corr1;
-                        o[mt][n][3] *= corr1;
-                    }
-                }
-            }
-            // P in bf16: key tiles 2kk and 2kk + 1 are the two halves of k-step kk's A
-            // fragment. A tile's p summed in two independent chains per row.
             uint32_t pa[MT][ATT_KEYS / 16][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const float ms0 = m[mt][0] * scale_log2, ms1 = m[mt][1] * scale_log2;
-                float t0[2] = {0.f, 0.f}, t1[2] = {0.f, 0.f};
-#pragma unroll
-                for (int n = 0; n < KEY_TILES; ++n) {
-                    const float p0 = fast_exp2(fmaf(s[mt][n][0], scale_log2, -ms0));
-                    const float p1 = fast_exp2(fmaf(s[mt][n][1], scale_log2, -ms0));
-                    const float p2 = fast_exp2(fmaf(s[mt][n][2], scale_log2, -ms1));
-                    const float p3 = fast_exp2(fmaf(s[mt][n][3], scale_log2, -ms1));
-                    t0[n & 1] += p0 + p1;
-                    t1[n & 1] += p2 + p3;
-                    pa[mt][n / 2][(n % 2) * 2] = pack_bf16(p0, p1);
-                    pa[mt][n / 2][(n % 2) * 2 + 1] = pack_bf16(p2, p3);
-                }
-                l[mt][0] += t0[0] + t0[1];
-                l[mt][1] += t1[0] + t1[1];
-            }
+            softmax_tile(s, m, l, o, pa, pos, k0, c, scale_log2);
             // O += P V: each V fragment feeds the MT query tiles.
 #pragma unroll
             for (int kk = 0; kk < ATT_KEYS / 16; ++kk) {
@@ -326,27 +367,216 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
         }
         __syncthreads();  // this stage is read; the next step may refill it
     }
+    store_rows(out, o, l, row0, b, h, heads, t, c);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Hopper (sm_90a): both products by wgmma, a warpgroup (the block's 4 warps) at a time.
+// Q, K and V sit in shared memory in the layout wgmma reads through a descriptor: rows of
+// 64 bf16 (128 bytes), the 16-byte pieces of row r stored at piece ^ (r % 8) (the 128-byte
+// swizzle), 8-row groups 1024 bytes apart. S = Q Kᵀ reads Q and K from there (both
+// K-major); O += P V takes P from registers, in the accumulator layout S came out in, and
+// V from there (N-major, transposed by the instruction). No ldmatrix, and 8 instructions
+// a tile instead of 256 mma.sync for the two products of a warp's 32 queries.
+
+// Descriptor of a 128-byte-swizzled tile at `p` (1024-byte aligned for the first k-step;
+// a k-step inside the row adds its byte offset to the address): start address >> 4,
+// leading offset 1 (unused with this swizzle), stride 1024 bytes between 8-row groups,
+// swizzle mode 1 (128 bytes).
+__device__ __forceinline__ uint64_t swizzled_desc(const void* p) {
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// Element offset of (row, 16-byte piece) in a 128-byte-swizzled tile of 64-wide rows.
+__device__ __forceinline__ int swizzled(int row, int piece) { return row * 64 + ((piece ^ (row & 7)) * VEC); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Keeps the compiler from moving reads or writes of an accumulator across the
+// asynchronous products (it does not know the registers change under it).
+__device__ __forceinline__ void hold(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void hold(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+// Shared memory written through the generic proxy (cp.async), read next by wgmma.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+#define WGMMA_D32(d)                                                                                            \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),     \
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), \
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), \
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define WGMMA_REGS32                                                                                       \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+    "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
+// d (64 x 64 f32, this thread's 32) = a · bᵀ (+ d when `accumulate`), a and b K-major
+// tiles in shared memory (16 of the K dims each).
+__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : WGMMA_D32(d)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d (64 x 64 f32) += a · b, a this thread's A fragment (64 x 16 bf16, rows as mma.sync's
+// m16 tiles, one per warp), b N-major in shared memory (16 rows of K).
+__device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_REGS32
+        ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : WGMMA_D32(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// The kernel above on wgmma: the same 128 queries a block, 32 a warp as two m16 tiles
+// (rows wq0 + mt·16 + g and + 8), the same softmax. A wgmma takes 64 rows, 16 of each
+// warp, so Q's rows are staged permuted: row mt·64 + w·16 + i of the Q tile is query
+// q0 + w·32 + mt·16 + i.
+__device__ void attend_wgmma(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                             const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,
+                             int kv_heads, int t, int T, float scale, Strides qs, Strides kst, Strides vst) {
+    constexpr int HD = 64;  // one 128-byte swizzled row
+    constexpr int DIM_TILES = HD / 8;
+    constexpr int PIECES_ROW = HD / VEC;  // 16-byte pieces of a row
+    constexpr int MT = ATT_MTILES;
+    static_assert(ATT_WARPS == 4 && ATT_KEYS == 64, "one warpgroup, 64-key tiles");
+    // 16 + 2 x 8 + 2 x 8 KB: the 48 KB of static shared memory.
+    __shared__ __align__(1024) __nv_bfloat16 qsm[ATT_QUERIES * HD];
+    __shared__ __align__(1024) __nv_bfloat16 ksm[2][ATT_KEYS * HD];
+    __shared__ __align__(1024) __nv_bfloat16 vsm[2][ATT_KEYS * HD];
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (heads / kv_heads);
+    const int past = T - t;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, c = lane & 3;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_QUERIES;
+    const int wq0 = q0 + warp * 16 * MT;
+    int row0[MT], pos[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        float l0 = l[mt][0], l1 = l[mt][1];
-        l0 += __shfl_xor_sync(FULL_MASK, l0, 1);
-        l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
-        l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
-        l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
-        const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-        const int row0 = wq0 + mt * 16 + g, row1 = row0 + 8;
-#pragma unroll
-        for (int n = 0; n < DIM_TILES; ++n) {
-            const int col = n * 8 + 2 * c;
-            if (row0 < t)
-                *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, row0, heads, t, HD) + col) =
-                    __floats2bfloat162_rn(o[mt][n][0] * inv0, o[mt][n][1] * inv0);
-            if (row1 < t)
-                *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, row1, heads, t, HD) + col) =
-                    __floats2bfloat162_rn(o[mt][n][2] * inv1, o[mt][n][3] * inv1);
-        }
+        row0[mt] = wq0 + mt * 16 + g;
+        pos[mt][0] = past + row0[mt];
+        pos[mt][1] = pos[mt][0] + 8;
     }
+
+    // Each thread stages one 16-byte piece (column `piece`) of rows piece_row + i·16.
+    constexpr int ROWS_A_PASS = ATT_WARPS * 32 / PIECES_ROW;
+    const int piece_row = threadIdx.x / PIECES_ROW, piece = threadIdx.x % PIECES_ROW;
+#pragma unroll
+    for (int i = 0; i < ATT_QUERIES / ROWS_A_PASS; ++i) {
+        const int r = piece_row + i * ROWS_A_PASS;
+        const int query = q0 + ((r >> 4) & 3) * 32 + (r >> 6) * 16 + (r & 15);
+        const bool valid = query < t;
+        copy16_async(&qsm[swizzled(r, piece)], valid ? q + qs.row(b, h, query) + piece * VEC : q, valid);
+    }
+    const __nv_bfloat16* k_next = k + kst.row(b, kvh, piece_row) + piece * VEC;
+    const __nv_bfloat16* v_next = v + vst.row(b, kvh, piece_row) + piece * VEC;
+    auto stage = [&](int buf, int k0) {
+#pragma unroll
+        for (int i = 0; i < ATT_KEYS / ROWS_A_PASS; ++i) {
+            const int r = piece_row + i * ROWS_A_PASS;
+            const bool valid = k0 + r < T;
+            const long long rows = static_cast<long long>(i) * ROWS_A_PASS;
+            copy16_async(&ksm[buf][swizzled(r, piece)], valid ? k_next + rows * kst.t : k, valid);
+            copy16_async(&vsm[buf][swizzled(r, piece)], valid ? v_next + rows * vst.t : v, valid);
+        }
+        k_next += static_cast<long long>(ATT_KEYS) * kst.t;
+        v_next += static_cast<long long>(ATT_KEYS) * vst.t;
+        async_commit();
+    };
+    const int block_last = past + min(q0 + ATT_QUERIES, t) - 1;
+    const int warp_last = past + min(wq0 + 16 * MT - 1, t - 1);
+    stage(0, 0);  // with Q's pieces in its group
+
+    const uint64_t q_desc = swizzled_desc(qsm);
+    // Stage buf's tiles lie buf · 8 KB after stage 0's.
+    const uint64_t k_desc0 = swizzled_desc(ksm[0]), v_desc0 = swizzled_desc(vsm[0]);
+    constexpr int STAGE_STEP = ATT_KEYS * HD * 2 >> 4;
+    float o[MT][DIM_TILES][4];
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int n = 0; n < DIM_TILES; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.f;
+    }
+    const float scale_log2 = scale * LOG2_E;
+
+    for (int k0 = 0, buf = 0; k0 <= block_last; k0 += ATT_KEYS, buf ^= 1) {
+        if (k0 + ATT_KEYS <= block_last) {
+            stage(buf ^ 1, k0 + ATT_KEYS);
+            async_wait<1>();
+        } else {
+            async_wait<0>();
+        }
+        fence_async_shared();  // this thread's copies, before wgmma reads them
+        __syncthreads();
+        // S = Q Kᵀ for the block's 128 queries: per query tile, four k-steps of 16 dims
+        // (32 bytes further along the swizzled rows each).
+        float s[MT][ATT_KEYS / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk)
+                wgmma_ss(s[mt], q_desc + ((mt * 64 * HD * 2 + kk * 32) >> 4), k_desc0 + buf * STAGE_STEP + ((kk * 32) >> 4), kk);
+        wgmma_commit();
+        wgmma_wait_all();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < ATT_KEYS / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) hold(s[mt][n][e]);
+        // A warp whose rows all lie before this tile's keys (or past t) still joins the
+        // warpgroup's P V, with P = 0.
+        uint32_t pa[MT][ATT_KEYS / 16][4];
+        if (wq0 < t && k0 <= warp_last) {
+            softmax_tile(s, m, l, o, pa, pos, k0, c, scale_log2);
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < ATT_KEYS / 16; ++kk) pa[mt][kk][0] = pa[mt][kk][1] = pa[mt][kk][2] = pa[mt][kk][3] = 0u;
+        }
+        // O += P V: per query tile, four k-steps of 16 keys (2048 bytes of V each).
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < DIM_TILES; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) hold(o[mt][n][e]);
+        wgmma_fence();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < ATT_KEYS / 16; ++kk) wgmma_rs(o[mt], pa[mt][kk], v_desc0 + buf * STAGE_STEP + ((kk * 16 * HD * 2) >> 4));
+        wgmma_commit();
+        wgmma_wait_all();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < DIM_TILES; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) hold(o[mt][n][e]);
+        __syncthreads();  // this stage is read; the next step may refill it
+    }
+    store_rows(out, o, l, row0, b, h, heads, t, c);
 }
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
+    causal_attention_wgmma_bf16_hd64(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                                     const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,
+                                     int kv_heads, int t, int T, float scale, Strides qs, Strides ks, Strides vs) {
+    attend_wgmma(q, k, v, out, heads, kv_heads, t, T, scale, qs, ks, vs);
+}
+#endif
 
 #define ATTEND_KERNEL(HD)                                                                         \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) causal_attention_bf16_hd##HD( \

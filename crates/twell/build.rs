@@ -1,8 +1,9 @@
 //! Compiles `kernels/*.cu` to PTX with nvcc when the `cuda` feature is on.
 //!
 //! The PTX targets compute_80 so one build runs on Ampere and Hopper (the driver
-//! compiles it for the card at load). nvcc must be CUDA 13.0 or older than the GPU's
-//! driver: newer PTX does not load.
+//! compiles it for the card at load); the attention is built once more for sm_90a,
+//! whose wgmma kernel the launcher picks on a Hopper card. nvcc must be CUDA 13.0 or
+//! older than the GPU's driver: newer PTX does not load.
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -15,6 +16,9 @@ fn main() {
         std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("manifest dir"))
             .join("../../kernels");
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".to_string());
+    // (source, PTX name, virtual architecture): every kernel for compute_80, and the
+    // attention once more for sm_90a, where its wgmma kernel is compiled in.
+    let mut builds: Vec<(&str, &str, &str)> = Vec::new();
     for name in [
         "gate_pack",
         "gated_t2d",
@@ -30,14 +34,18 @@ fn main() {
         "gate_l0",
         "kl_divergence",
     ] {
+        builds.push((name, name, "compute_80"));
+    }
+    builds.push(("causal_attention", "causal_attention_sm90a", "compute_90a"));
+    for (name, ptx_name, arch) in builds {
         let src = kernels.join(format!("{name}.cu"));
-        let ptx = out.join(format!("{name}.ptx"));
+        let ptx = out.join(format!("{ptx_name}.ptx"));
         let status = std::process::Command::new(&nvcc)
             .args([
                 "--ptx",
                 "-O3",
                 "-std=c++17",
-                "-arch=compute_80",
+                &format!("-arch={arch}"),
                 "-lineinfo",
             ])
             .arg("-I")

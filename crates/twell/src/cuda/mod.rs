@@ -41,6 +41,9 @@ const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.pt
 const GATED_T2D_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));
 const TWELL_MLP_BWD_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_bwd.ptx"));
 const CAUSAL_ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/causal_attention.ptx"));
+/// `causal_attention.cu` built for sm_90a, with its wgmma kernel.
+const CAUSAL_ATTENTION_SM90A_PTX: &str =
+    include_str!(concat!(env!("OUT_DIR"), "/causal_attention_sm90a.ptx"));
 
 /// Threads per block of the warp-per-item kernels.
 const BLOCK_THREADS: u32 = 256;
@@ -92,25 +95,45 @@ const ROW_SPLIT: usize = 4;
 /// Shared memory a block may take without opting in to more.
 const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
 
-/// The device's multiprocessor count, read from the driver once per context (keyed by
-/// it, so two cards never share a count): every prefill forward asks.
+/// A device attribute, read from the driver once per context and attribute (keyed by
+/// the context, so two cards never share a value): every prefill forward asks.
+fn device_attribute(
+    dev: &CudaDevice,
+    attribute: candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute,
+) -> Result<usize> {
+    use std::collections::HashMap;
+    type Values = HashMap<(usize, u32), usize>;
+    static VALUES: std::sync::Mutex<Option<Values>> = std::sync::Mutex::new(None);
+    let context = dev.cuda_stream().context().clone();
+    let key = (context.cu_ctx() as usize, attribute as u32);
+    let mut guard = VALUES.lock().expect("device attribute lock");
+    let values = guard.get_or_insert_with(HashMap::new);
+    if let Some(&value) = values.get(&key) {
+        return Ok(value);
+    }
+    let value = context.attribute(attribute).w()?.max(0) as usize;
+    values.insert(key, value);
+    Ok(value)
+}
+
+/// The device's multiprocessor count.
 fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    use std::collections::HashMap;
-    static COUNTS: std::sync::Mutex<Option<HashMap<usize, usize>>> = std::sync::Mutex::new(None);
-    let context = dev.cuda_stream().context().clone();
-    let key = context.cu_ctx() as usize;
-    let mut guard = COUNTS.lock().expect("multiprocessor count lock");
-    let counts = guard.get_or_insert_with(HashMap::new);
-    if let Some(&sms) = counts.get(&key) {
-        return Ok(sms);
-    }
-    let sms = context
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()?
-        .max(1) as usize;
-    counts.insert(key, sms);
-    Ok(sms)
+    Ok(device_attribute(
+        dev,
+        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+    )?
+    .max(1))
+}
+
+/// Whether the device runs sm_90a code (compute capability 9.0, Hopper): its
+/// architecture-specific instructions (wgmma) run there and nowhere else.
+fn is_sm90(dev: &CudaDevice) -> Result<bool> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    Ok(
+        device_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? == 9
+            && device_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? == 0,
+    )
 }
 
 /// How many consecutive warps share a token row in the prefill row kernels: 4 while four
@@ -1161,6 +1184,25 @@ pub fn attention_strides(l: &Layout) -> Option<[usize; 3]> {
     }
 }
 
+/// Whether the prefill attention runs its wgmma kernel (sm_90a, hd 64): on a compute
+/// capability 9.0 card unless `TWELL_ATTENTION=mma` picks the portable mma.sync kernel,
+/// to measure or check both on one card (`TWELL_ATTENTION=wgmma` insists, and fails
+/// elsewhere).
+fn attention_on_wgmma(dev: &CudaDevice) -> Result<bool> {
+    static CHOICE: knobs::Cell = knobs::Cell::new();
+    let choice = knobs::read_once(&CHOICE, || {
+        knobs::env_choice("TWELL_ATTENTION", &["wgmma", "mma"])
+    })?;
+    let sm90 = is_sm90(dev)?;
+    match choice {
+        None => Ok(sm90),
+        Some(0) if !sm90 => err(TwellError::Invalid(
+            "TWELL_ATTENTION=wgmma needs a compute capability 9.0 card".to_string(),
+        )),
+        Some(choice) => Ok(choice == 0),
+    }
+}
+
 /// `causal_attention.cu`'s one-step kernel: `qkv [b, (heads + 2·kv_heads)·hd]` (one
 /// token's fused projections, contiguous bf16), `cos_sin [1, hd]` (its position's
 /// angles), and `cache [b, capacity, 2·kv_heads·hd]` (contiguous, `len` positions held,
@@ -1315,9 +1357,18 @@ pub fn causal_attention(
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        (format!("causal_attention_bf16_hd{hd}"), cfg)
+        let kernel = if hd == 64 && attention_on_wgmma(&dev)? {
+            "wgmma_"
+        } else {
+            ""
+        };
+        (format!("causal_attention_{kernel}bf16_hd{hd}"), cfg)
     };
-    let func = dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?;
+    let func = if name.starts_with("causal_attention_wgmma") {
+        dev.get_or_load_custom_func(&name, "causal_attention_sm90a", CAUSAL_ATTENTION_SM90A_PTX)?
+    } else {
+        dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?
+    };
     let (heads_i, kv_i, t_i, total_i) = (heads as i32, kv_heads as i32, t as i32, total as i32);
     let mut builder = func.builder();
     builder
