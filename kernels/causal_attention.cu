@@ -30,6 +30,8 @@
 #define ATT_MTILES 2
 #define ATT_QUERIES (16 * ATT_MTILES * ATT_WARPS)
 #define ATT_KEYS 64
+// Warps of the wgmma kernel (two warpgroups), 16 queries each.
+#define ATT_WGMMA_WARPS 8
 // exp(x) = exp2(x · log2 e): the scale folds it in once.
 #define LOG2_E 1.4426950408889634f
 
@@ -371,13 +373,13 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Hopper (sm_90a): both products by wgmma, a warpgroup (the block's 4 warps) at a time.
+// Hopper (sm_90a): both products by wgmma, issued by a warpgroup (4 warps) for 64 queries.
 // Q, K and V sit in shared memory in the layout wgmma reads through a descriptor: rows of
 // 64 bf16 (128 bytes), the 16-byte pieces of row r stored at piece ^ (r % 8) (the 128-byte
 // swizzle), 8-row groups 1024 bytes apart. S = Q Kᵀ reads Q and K from there (both
 // K-major); O += P V takes P from registers, in the accumulator layout S came out in, and
-// V from there (N-major, transposed by the instruction). No ldmatrix, and 8 instructions
-// a tile instead of 256 mma.sync for the two products of a warp's 32 queries.
+// V from there (N-major, transposed by the instruction). No ldmatrix, and per 64-key tile
+// a warpgroup issues 8 wgmma where each of its warps issued 64 mma.sync.
 
 // Descriptor of a 128-byte-swizzled tile at `p` (1024-byte aligned for the first k-step;
 // a k-step inside the row adds its byte offset to the address): start address >> 4,
@@ -394,58 +396,82 @@ __device__ __forceinline__ int swizzled(int row, int piece) { return row * 64 + 
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed wgmma groups are still in flight.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // Keeps the compiler from moving reads or writes of an accumulator across the
 // asynchronous products (it does not know the registers change under it).
 __device__ __forceinline__ void hold(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 __device__ __forceinline__ void hold(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+template <typename T, int N, int E>
+__device__ __forceinline__ void hold(T (&x)[N][E]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < E; ++e) hold(x[n][e]);
+}
+template <int N, int E>
+__device__ __forceinline__ void zero(uint32_t (&x)[N][E]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[n][e] = 0u;
+}
 // Shared memory written through the generic proxy (cp.async), read next by wgmma.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-#define WGMMA_D32(d)                                                                                            \
-    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),     \
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), \
-        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), \
-        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define WGMMA_D32(d, C)                                                                                        \
+    C(d[0][0]), C(d[0][1]), C(d[0][2]), C(d[0][3]), C(d[1][0]), C(d[1][1]), C(d[1][2]), C(d[1][3]), C(d[2][0]), \
+        C(d[2][1]), C(d[2][2]), C(d[2][3]), C(d[3][0]), C(d[3][1]), C(d[3][2]), C(d[3][3]), C(d[4][0]),         \
+        C(d[4][1]), C(d[4][2]), C(d[4][3]), C(d[5][0]), C(d[5][1]), C(d[5][2]), C(d[5][3]), C(d[6][0]),         \
+        C(d[6][1]), C(d[6][2]), C(d[6][3]), C(d[7][0]), C(d[7][1]), C(d[7][2]), C(d[7][3])
 #define WGMMA_REGS32                                                                                       \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
     "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 
-// d (64 x 64 f32, this thread's 32) = a · bᵀ (+ d when `accumulate`), a and b K-major
-// tiles in shared memory (16 of the K dims each).
-__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t a, uint64_t b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : WGMMA_D32(d)
-        : "l"(a), "l"(b), "r"(accumulate));
+// d (64 x 64 f32, this thread's 32) = a · bᵀ (+ d when ACCUMULATE), a and b K-major
+// tiles in shared memory (16 of the K dims each). Without ACCUMULATE d is only written,
+// so nothing has to set it first.
+template <bool ACCUMULATE>
+__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t a, uint64_t b) {
+    if (ACCUMULATE) {
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_REGS32 ", %32, %33, 1, 1, 1, 0, 0;\n"
+                     : WGMMA_D32(d, "+f")
+                     : "l"(a), "l"(b));
+    } else {
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_REGS32 ", %32, %33, 0, 1, 1, 0, 0;\n"
+                     : WGMMA_D32(d, "=f")
+                     : "l"(a), "l"(b));
+    }
 }
 
 // d (64 x 64 f32) += a · b, a this thread's A fragment (64 x 16 bf16, rows as mma.sync's
 // m16 tiles, one per warp), b N-major in shared memory (16 rows of K).
 __device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_REGS32
-        ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : WGMMA_D32(d)
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_REGS32 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+        : WGMMA_D32(d, "+f")
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-// The kernel above on wgmma: the same 128 queries a block, 32 a warp as two m16 tiles
-// (rows wq0 + mt·16 + g and + 8), the same softmax. A wgmma takes 64 rows, 16 of each
-// warp, so Q's rows are staged permuted: row mt·64 + w·16 + i of the Q tile is query
-// q0 + w·32 + mt·16 + i.
+// The kernel above on wgmma: 128 queries a block, two warpgroups of 64, a warp's 16 rows
+// as one m16 tile (rows wq0 + g and + 8), the same softmax. Sixteen warps an SM at 111
+// registers, against eight for the mma.sync kernel's two tiles a warp: measured on the
+// H200 at 4 x 2048 x 32 heads, 229 µs against 246 for one warpgroup of two tiles a warp
+// and 280 for mma.sync (`docs/kernel-notes.md`).
 __device__ void attend_wgmma(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                              const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,
                              int kv_heads, int t, int T, float scale, Strides qs, Strides kst, Strides vst) {
     constexpr int HD = 64;  // one 128-byte swizzled row
     constexpr int DIM_TILES = HD / 8;
     constexpr int PIECES_ROW = HD / VEC;  // 16-byte pieces of a row
-    constexpr int MT = ATT_MTILES;
-    static_assert(ATT_WARPS == 4 && ATT_KEYS == 64, "one warpgroup, 64-key tiles");
-    // 16 + 2 x 8 + 2 x 8 KB: the 48 KB of static shared memory.
+    constexpr int THREADS = ATT_WGMMA_WARPS * 32;
+    constexpr int MT = 1;
+    static_assert(ATT_WGMMA_WARPS * 16 == ATT_QUERIES && ATT_KEYS == 64, "a warp's 16 queries, 64-key tiles");
+    // 16 + 2 x 8 + 2 x 8 KB: the 48 KB of static shared memory. Query q0 + r is Q's row r:
+    // warpgroup wg's wgmma reads rows 64·wg .. 64·wg + 63, 16 of each of its warps.
     __shared__ __align__(1024) __nv_bfloat16 qsm[ATT_QUERIES * HD];
     __shared__ __align__(1024) __nv_bfloat16 ksm[2][ATT_KEYS * HD];
     __shared__ __align__(1024) __nv_bfloat16 vsm[2][ATT_KEYS * HD];
@@ -455,24 +481,18 @@ __device__ void attend_wgmma(const __nv_bfloat16* __restrict__ q, const __nv_bfl
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, c = lane & 3;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_QUERIES;
-    const int wq0 = q0 + warp * 16 * MT;
-    int row0[MT], pos[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        row0[mt] = wq0 + mt * 16 + g;
-        pos[mt][0] = past + row0[mt];
-        pos[mt][1] = pos[mt][0] + 8;
-    }
+    const int wq0 = q0 + warp * 16;
+    const int row0[MT] = {wq0 + g};
+    const int pos[MT][2] = {{past + row0[0], past + row0[0] + 8}};
 
-    // Each thread stages one 16-byte piece (column `piece`) of rows piece_row + i·16.
-    constexpr int ROWS_A_PASS = ATT_WARPS * 32 / PIECES_ROW;
+    // Each thread stages one 16-byte piece (column `piece`) of rows piece_row + i·ROWS_A_PASS.
+    constexpr int ROWS_A_PASS = THREADS / PIECES_ROW;
     const int piece_row = threadIdx.x / PIECES_ROW, piece = threadIdx.x % PIECES_ROW;
 #pragma unroll
     for (int i = 0; i < ATT_QUERIES / ROWS_A_PASS; ++i) {
         const int r = piece_row + i * ROWS_A_PASS;
-        const int query = q0 + ((r >> 4) & 3) * 32 + (r >> 6) * 16 + (r & 15);
-        const bool valid = query < t;
-        copy16_async(&qsm[swizzled(r, piece)], valid ? q + qs.row(b, h, query) + piece * VEC : q, valid);
+        const bool valid = q0 + r < t;
+        copy16_async(&qsm[swizzled(r, piece)], valid ? q + qs.row(b, h, q0 + r) + piece * VEC : q, valid);
     }
     const __nv_bfloat16* k_next = k + kst.row(b, kvh, piece_row) + piece * VEC;
     const __nv_bfloat16* v_next = v + vst.row(b, kvh, piece_row) + piece * VEC;
@@ -490,22 +510,17 @@ __device__ void attend_wgmma(const __nv_bfloat16* __restrict__ q, const __nv_bfl
         async_commit();
     };
     const int block_last = past + min(q0 + ATT_QUERIES, t) - 1;
-    const int warp_last = past + min(wq0 + 16 * MT - 1, t - 1);
+    const int warp_last = past + min(wq0 + 15, t - 1);
     stage(0, 0);  // with Q's pieces in its group
 
-    const uint64_t q_desc = swizzled_desc(qsm);
-    // Stage buf's tiles lie buf · 8 KB after stage 0's.
+    // This warpgroup's 64 rows of Q start (warp / 4) · 8 KB in; stage buf's K and V buf · 8 KB in.
+    const uint64_t q_desc = swizzled_desc(qsm) + (((warp >> 2) * 64 * HD * 2) >> 4);
     const uint64_t k_desc0 = swizzled_desc(ksm[0]), v_desc0 = swizzled_desc(vsm[0]);
     constexpr int STAGE_STEP = ATT_KEYS * HD * 2 >> 4;
     float o[MT][DIM_TILES][4];
-    float m[MT][2], l[MT][2];
+    float m[MT][2] = {{-INFINITY, -INFINITY}}, l[MT][2] = {{0.f, 0.f}};
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int n = 0; n < DIM_TILES; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
-        m[mt][0] = m[mt][1] = -INFINITY;
-        l[mt][0] = l[mt][1] = 0.f;
-    }
+    for (int n = 0; n < DIM_TILES; ++n) o[0][n][0] = o[0][n][1] = o[0][n][2] = o[0][n][3] = 0.f;
     const float scale_log2 = scale * LOG2_E;
 
     for (int k0 = 0, buf = 0; k0 <= block_last; k0 += ATT_KEYS, buf ^= 1) {
@@ -517,60 +532,40 @@ __device__ void attend_wgmma(const __nv_bfloat16* __restrict__ q, const __nv_bfl
         }
         fence_async_shared();  // this thread's copies, before wgmma reads them
         __syncthreads();
-        // S = Q Kᵀ for the block's 128 queries: per query tile, four k-steps of 16 dims
-        // (32 bytes further along the swizzled rows each).
+        // S = Q Kᵀ: four k-steps of 16 dims, 32 bytes further along the swizzled rows each.
         float s[MT][ATT_KEYS / 8][4];
         wgmma_fence();
+        wgmma_ss<false>(s[0], q_desc, k_desc0 + buf * STAGE_STEP);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; ++kk)
-                wgmma_ss(s[mt], q_desc + ((mt * 64 * HD * 2 + kk * 32) >> 4), k_desc0 + buf * STAGE_STEP + ((kk * 32) >> 4), kk);
+        for (int kk = 1; kk < HD / 16; ++kk)
+            wgmma_ss<true>(s[0], q_desc + ((kk * 32) >> 4), k_desc0 + buf * STAGE_STEP + ((kk * 32) >> 4));
         wgmma_commit();
-        wgmma_wait_all();
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int n = 0; n < ATT_KEYS / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) hold(s[mt][n][e]);
-        // A warp whose rows all lie before this tile's keys (or past t) still joins the
+        wgmma_wait<0>();
+        hold(s[0]);
+        // A warp whose rows all lie before this tile's keys (or past t) still joins its
         // warpgroup's P V, with P = 0.
         uint32_t pa[MT][ATT_KEYS / 16][4];
         if (wq0 < t && k0 <= warp_last) {
             softmax_tile(s, m, l, o, pa, pos, k0, c, scale_log2);
         } else {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int kk = 0; kk < ATT_KEYS / 16; ++kk) pa[mt][kk][0] = pa[mt][kk][1] = pa[mt][kk][2] = pa[mt][kk][3] = 0u;
+            zero(pa[0]);
         }
-        // O += P V: per query tile, four k-steps of 16 keys (2048 bytes of V each).
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int n = 0; n < DIM_TILES; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) hold(o[mt][n][e]);
+        hold(o[0]);
+        hold(pa[0]);
+        // O += P V: four k-steps of 16 keys, 2048 bytes of V each.
         wgmma_fence();
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int kk = 0; kk < ATT_KEYS / 16; ++kk) wgmma_rs(o[mt], pa[mt][kk], v_desc0 + buf * STAGE_STEP + ((kk * 16 * HD * 2) >> 4));
+        for (int kk = 0; kk < ATT_KEYS / 16; ++kk)
+            wgmma_rs(o[0], pa[0][kk], v_desc0 + buf * STAGE_STEP + ((kk * 16 * HD * 2) >> 4));
         wgmma_commit();
-        wgmma_wait_all();
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int n = 0; n < DIM_TILES; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) hold(o[mt][n][e]);
+        wgmma_wait<0>();
+        hold(o[0]);
         __syncthreads();  // this stage is read; the next step may refill it
     }
     store_rows(out, o, l, row0, b, h, heads, t, c);
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
+extern "C" __global__ void __launch_bounds__(ATT_WGMMA_WARPS * 32, 2)
     causal_attention_wgmma_bf16_hd64(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                                      const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,
                                      int kv_heads, int t, int T, float scale, Strides qs, Strides ks, Strides vs) {

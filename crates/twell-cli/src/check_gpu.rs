@@ -183,6 +183,8 @@ fn check_backward(
 struct AttentionResult {
     /// `(b, heads, t, kv_heads, T, hd)`.
     dims: (usize, usize, usize, usize, usize, usize),
+    /// The forward kernel that ran.
+    kernel: String,
     /// Standard deviation of the scaled scores `q·k / √hd`.
     logit_std: f64,
     err: f64,
@@ -221,6 +223,10 @@ fn check_attention(
     if !twell::ops::fused_on_device(&q) {
         bail!("causal attention {dims:?} would not run the CUDA kernel");
     }
+    let Device::Cuda(cuda) = dev else {
+        bail!("the attention check runs on a CUDA device");
+    };
+    let kernel = twell::cuda::prefill_attention_kernel(cuda, t, total, hd)?;
     let out = twell::ops::causal_attention(&q, &k, &v)?;
     let err = rel_l2(&out, &twell::ops::causal_attention_reference(&q, &k, &v)?)?;
     // The backward: gradients of `Σ out ⊙ probe` against the reference's in f32.
@@ -252,6 +258,7 @@ fn check_attention(
     }
     Ok(AttentionResult {
         dims,
+        kernel,
         logit_std,
         err,
         grad_err,
@@ -503,19 +510,26 @@ struct MlpAddNormResult {
 /// The largest difference of two bf16 tensors in units of the bf16 spacing at each
 /// element's magnitude (0 where they are equal).
 fn bf16_steps(a: &Tensor, b: &Tensor) -> Result<f64> {
-    bf16_steps_at(a, b, &a.zeros_like()?)
+    steps_between(a, b, None)
 }
 
 /// [`bf16_steps`] with the spacing taken at least at `scale`'s magnitude per element:
 /// a sum that cancels to near zero carries the rounding of its terms, whose spacing is
 /// that of the terms, not of the result.
 fn bf16_steps_at(a: &Tensor, b: &Tensor, scale: &Tensor) -> Result<f64> {
-    let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let b = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let scale = scale
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
+    steps_between(a, b, Some(scale))
+}
+
+/// [`bf16_steps_at`], at each element's own magnitude where `scale` is `None`.
+fn steps_between(a: &Tensor, b: &Tensor, scale: Option<&Tensor>) -> Result<f64> {
+    let values = |t: &Tensor| -> Result<Vec<f32>> {
+        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    };
+    let (a, b) = (values(a)?, values(b)?);
+    let scale = match scale {
+        Some(scale) => values(scale)?,
+        None => vec![0.0; a.len()],
+    };
     Ok(a.iter()
         .zip(&b)
         .zip(&scale)
@@ -1168,9 +1182,10 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
     for (k, &dims) in attention_cases.iter().enumerate() {
         let r = check_attention(&dev, dims, 900 + k as u64)?;
         println!(
-            "attention (b, heads, t, kv_heads, T, hd) = {:?}, scores' std {}: rel err {:.2e}, \
-             backward dq {:.2e} dk {:.2e} dv {:.2e} {}",
+            "attention (b, heads, t, kv_heads, T, hd) = {:?} ({}), scores' std {}: rel err \
+             {:.2e}, backward dq {:.2e} dk {:.2e} dv {:.2e} {}",
             r.dims,
+            r.kernel,
             r.logit_std,
             r.err,
             r.grad_err[0],

@@ -652,7 +652,8 @@ pub fn twell_mlp_forward(
     // 16-byte loads need every row and tile start aligned: d_ff % 8 == 0. The vector
     // kernel splits its warp index into (row, tile) in 32 bits; the scalar one in 64,
     // so past 2^32 (row, tile) items it takes over.
-    let pack_name = if f % 8 == 0 && m * n_tiles <= u32::MAX as usize {
+    let vector_pack = f % 8 == 0 && m * n_tiles <= u32::MAX as usize;
+    let pack_name = if vector_pack {
         "twell_gate_pack_vec_bf16"
     } else {
         "twell_gate_pack_bf16"
@@ -665,7 +666,7 @@ pub fn twell_mlp_forward(
         .arg(&mut values);
     dims.push_pattern(&mut b);
     // The vector kernel takes PACK_UNITS (row, tile) units a warp, the scalar kernel one.
-    let pack_warps = if pack_name == "twell_gate_pack_vec_bf16" {
+    let pack_warps = if vector_pack {
         (m * n_tiles).div_ceil(PACK_UNITS)
     } else {
         m * n_tiles
@@ -1155,10 +1156,12 @@ fn sparse_weight_grads_into(
 
 /// (row, tile) units per warp of `twell_gate_pack_vec_bf16` (`PACK_UNITS` in the .cu).
 const PACK_UNITS: usize = 4;
-/// Queries per block of the attention kernel (`ATT_QUERIES` in the .cu), 32 per warp.
+/// Queries per block of the attention kernels (`ATT_QUERIES` in the .cu).
 const ATTENTION_QUERIES: usize = 128;
 /// Threads per block of the attention kernel (`ATT_WARPS` warps).
 const ATTENTION_THREADS: u32 = 128;
+/// Threads per block of its wgmma kernel (`ATT_WGMMA_WARPS` warps, two warpgroups).
+const ATTENTION_WGMMA_THREADS: u32 = 256;
 /// Threads per (batch, head) of the one-query attention kernel (`DECODE_THREADS`).
 const ATTENTION_DECODE_THREADS: u32 = 256;
 
@@ -1201,6 +1204,23 @@ fn attention_on_wgmma(dev: &CudaDevice) -> Result<bool> {
         )),
         Some(choice) => Ok(choice == 0),
     }
+}
+
+/// The kernel [`causal_attention`] runs for `t` queries against `total` keys of head
+/// size `hd` (`twell check-gpu` names it in its report).
+pub fn prefill_attention_kernel(
+    dev: &CudaDevice,
+    t: usize,
+    total: usize,
+    hd: usize,
+) -> Result<String> {
+    Ok(if t == 1 && total <= crate::ops::CUDA_DECODE_MAX_KEYS {
+        format!("causal_attention_decode_bf16_hd{hd}")
+    } else if hd == 64 && attention_on_wgmma(dev)? {
+        format!("causal_attention_wgmma_bf16_hd{hd}")
+    } else {
+        format!("causal_attention_bf16_hd{hd}")
+    })
 }
 
 /// `causal_attention.cu`'s one-step kernel: `qkv [b, (heads + 2·kv_heads)·hd]` (one
@@ -1344,27 +1364,27 @@ pub fn causal_attention(
     // One query per (batch, head): a block per (batch, head) over the keys, whose scores
     // fit in shared memory. Otherwise ATTENTION_QUERIES queries a block.
     let one_query = t == 1 && total <= crate::ops::CUDA_DECODE_MAX_KEYS;
-    let (name, cfg) = if one_query {
-        let cfg = LaunchConfig {
+    let name = prefill_attention_kernel(&dev, t, total, hd)?;
+    let wgmma = name.starts_with("causal_attention_wgmma");
+    let cfg = if one_query {
+        LaunchConfig {
             grid_dim: (heads as u32, b as u32, 1),
             block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
             shared_mem_bytes: (total * std::mem::size_of::<f32>()) as u32,
-        };
-        (format!("causal_attention_decode_bf16_hd{hd}"), cfg)
+        }
     } else {
-        let cfg = LaunchConfig {
-            grid_dim: (t.div_ceil(ATTENTION_QUERIES) as u32, heads as u32, b as u32),
-            block_dim: (ATTENTION_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let kernel = if hd == 64 && attention_on_wgmma(&dev)? {
-            "wgmma_"
+        let threads = if wgmma {
+            ATTENTION_WGMMA_THREADS
         } else {
-            ""
+            ATTENTION_THREADS
         };
-        (format!("causal_attention_{kernel}bf16_hd{hd}"), cfg)
+        LaunchConfig {
+            grid_dim: (t.div_ceil(ATTENTION_QUERIES) as u32, heads as u32, b as u32),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        }
     };
-    let func = if name.starts_with("causal_attention_wgmma") {
+    let func = if wgmma {
         dev.get_or_load_custom_func(&name, "causal_attention_sm90a", CAUSAL_ATTENTION_SM90A_PTX)?
     } else {
         dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?
