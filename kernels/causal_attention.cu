@@ -19,6 +19,10 @@
 // projections and its KV cache as they are, without a transposing copy. The output is
 // written [b, t, heads, hd], which is what the output projection reads.
 //
+// Built twice: for compute_80 (every card) and for sm_90a, where a second kernel does both
+// products with wgmma (Hopper's warpgroup instructions, below); the launcher picks it on a
+// compute capability 9.0 card.
+//
 // One query per (batch, head) (KV-cache decode) would leave 15 of a warp's 16 rows idle,
 // so it has its own kernel below: a block per (batch, head) spreads the keys over its
 // threads.
