@@ -263,11 +263,18 @@ UP_ROW_KERNELS(16)
 // loads per lane (its whole Wd row), with no reduction between them. The parts of a
 // split row meet in dynamic shared memory (parts 1.. leave their f32 sums there, part 0
 // adds them in order: deterministic). Stores the bf16 row and the token's L1 term.
-template <int MAXV, int SPLIT>
+// FOLD (inference): the residual add and RMS norm after the MLP run on the row while it is
+// in registers, as `add_rms_norm` does them (the output rounded to bf16, s = bf16(residual
+// + it), s · rsqrt(mean(s²) + eps) · alpha), and `out` is [2M, d]: the sums, then the
+// normalised rows; no L1 term. Only the sum of squares is reduced in another order (a
+// warp's, not a block's).
+template <int MAXV, int SPLIT, bool FOLD>
 __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,
                          const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,
                          const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,
-                         __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles) {
+                         __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles,
+                         const __nv_bfloat16* __restrict__ residual, const __nv_bfloat16* __restrict__ alpha,
+                         float eps) {
     const RowPart rp(SPLIT, n_tiles);
     const long long row = rp.row;
     const int lane = threadIdx.x & 31;
@@ -329,21 +336,61 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
         }
     }
     if (row >= M) return;
+    if constexpr (FOLD) {
+        float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < MAXV; ++i) {
-        const int e = (lane + 32 * i) * VEC;
-        if (e < d) store8(out + row * d + e, acc[i]);
+        for (int i = 0; i < MAXV; ++i) {
+            const int e = (lane + 32 * i) * VEC;
+            if (e < d) {
+                float r[VEC];
+                load8(residual + row * d + e, r);
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) {
+                    acc[i][k] = round_bf16(r[k] + round_bf16(acc[i][k]));
+                    ss = fmaf(acc[i][k], acc[i][k], ss);
+                }
+            }
+        }
+        const float scale = rsqrtf(warp_sum(ss) / d + eps);
+#pragma unroll
+        for (int i = 0; i < MAXV; ++i) {
+            const int e = (lane + 32 * i) * VEC;
+            if (e < d) {
+                store8(out + row * d + e, acc[i]);
+                float a[VEC], o[VEC];
+                load8(alpha + e, a);
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) o[k] = scale * acc[i][k] * a[k];
+                store8(out + (M + row) * d + e, o);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < MAXV; ++i) {
+            const int e = (lane + 32 * i) * VEC;
+            if (e < d) store8(out + row * d + e, acc[i]);
+        }
+        if (lane == 0) out[l1_at(M, d, row)] = __float2bfloat16(l1[row]);
     }
-    if (lane == 0) out[l1_at(M, d, row)] = __float2bfloat16(l1[row]);
 }
 
-#define DOWN_ROW_KERNEL(MAXV, SPLIT)                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) gated_t2d_down_rows_bf16_v##MAXV##_s##SPLIT(    \
-        const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,                 \
-        const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,               \
-        const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,                        \
-        __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles) {      \
-        down_row<MAXV, SPLIT>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap, n_tiles); \
+#define DOWN_ROW_KERNEL(MAXV, SPLIT)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) gated_t2d_down_rows_bf16_v##MAXV##_s##SPLIT(        \
+        const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,                     \
+        const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,                   \
+        const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,                            \
+        __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles) {          \
+        down_row<MAXV, SPLIT, false>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap,   \
+                                     n_tiles, nullptr, nullptr, 0.f);                                     \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) gated_t2d_down_rows_norm_bf16_v##MAXV##_s##SPLIT(   \
+        const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,                     \
+        const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,                   \
+        const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,                            \
+        __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles,            \
+        const __nv_bfloat16* __restrict__ residual, const __nv_bfloat16* __restrict__ alpha, float eps) { \
+        down_row<MAXV, SPLIT, true>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap,    \
+                                    n_tiles, residual, alpha, eps);                                       \
     }
 #define DOWN_ROW_KERNELS(MAXV) DOWN_ROW_KERNEL(MAXV, 1) DOWN_ROW_KERNEL(MAXV, 4)
 DOWN_ROW_KERNELS(1)

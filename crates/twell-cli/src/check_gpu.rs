@@ -491,18 +491,20 @@ struct NormResult {
 /// order.
 #[derive(Serialize, Debug)]
 struct MlpAddNormResult {
+    m: usize,
     d: usize,
     f: usize,
     target_density: f64,
     /// Largest absolute difference of the sums and of the normalised rows: the norm
-    /// after the MLP folded in, then both norms.
+    /// after the MLP folded in, then (one token) both norms.
     sum_diff: f64,
     norm_diff: f64,
-    both_sum_diff: f64,
-    both_norm_diff: f64,
+    both_sum_diff: Option<f64>,
+    both_norm_diff: Option<f64>,
     /// The largest of those differences in bf16 steps at the value's magnitude: the
     /// one-token kernel sums with f32 atomics in arrival order, so two launches may
-    /// round a sum to neighbouring bf16 values.
+    /// round a sum to neighbouring bf16 values; the prefill fold reduces the squares in
+    /// another order.
     bf16_steps: f64,
     pass: bool,
 }
@@ -550,17 +552,17 @@ fn steps_between(a: &Tensor, b: &Tensor, scale: Option<&Tensor>) -> Result<f64> 
 
 fn check_mlp_add_norm(
     dev: &Device,
-    (d, f, density): (usize, usize, f64),
+    (m, d, f, density): (usize, usize, usize, f64),
     seed: u64,
 ) -> Result<MlpAddNormResult> {
-    let (config, w, x) = case_inputs(dev, (1, d, f, density, 256, 8), seed)?;
+    let (config, w, x) = case_inputs(dev, (m, d, f, density, 256, 8), seed)?;
     dev.set_seed(seed)?;
-    let residual = Tensor::randn(0f32, 1.0, (1, d), dev)?.to_dtype(DType::BF16)?;
+    let residual = Tensor::randn(0f32, 1.0, (m, d), dev)?.to_dtype(DType::BF16)?;
     let alpha = Tensor::randn(1f32, 0.1, d, dev)?.to_dtype(DType::BF16)?;
     let eps = 1e-5;
     let w_ud = up_down_matrix(&w.up, &w.down)?;
     if !twell::ops::add_norm_fuses(&x) {
-        bail!("mlp + add + norm (d {d}) would not fold on this device");
+        bail!("mlp + add + norm ({m} rows, d {d}) would not fold on this device");
     }
     let diff = |a: &Tensor, b: &Tensor| -> Result<f64> {
         Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
@@ -574,6 +576,21 @@ fn check_mlp_add_norm(
     let (want_sum, want_normed) = twell::ops::add_rms_norm(&residual, &out, &alpha, eps)?;
     let (sum_diff, norm_diff) = (diff(&sum, &want_sum)?, diff(&normed, &want_normed)?);
     let plain_steps = bf16_steps(&sum, &want_sum)?.max(bf16_steps(&normed, &want_normed)?);
+    if m > 1 {
+        // Prefill rows: the norm before the MLP is not folded.
+        return Ok(MlpAddNormResult {
+            m,
+            d,
+            f,
+            target_density: density,
+            sum_diff,
+            norm_diff,
+            both_sum_diff: None,
+            both_norm_diff: None,
+            bf16_steps: plain_steps,
+            pass: plain_steps <= 1.0,
+        });
+    }
     // Both norms: x stands for the attention's output y; the MLP's input is the norm of
     // residual + y, whose scale (about 1/√2 of x's) keeps the density near the target.
     let pre_alpha = Tensor::randn(1f32, 0.1, d, dev)?.to_dtype(DType::BF16)?;
@@ -606,13 +623,14 @@ fn check_mlp_add_norm(
         .max(bf16_steps_at(&both_sum, &want_sum, &terms)?)
         .max(bf16_steps_at(&both_normed, &want_normed, &normed_terms)?);
     Ok(MlpAddNormResult {
+        m,
         d,
         f,
         target_density: density,
         sum_diff,
         norm_diff,
-        both_sum_diff,
-        both_norm_diff,
+        both_sum_diff: Some(both_sum_diff),
+        both_norm_diff: Some(both_norm_diff),
         bf16_steps: steps,
         pass: steps <= 1.0,
     })
@@ -1215,28 +1233,41 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         add_rms_norm.push(r);
     }
     let mut mlp_add_norm = Vec::new();
-    for (k, &dims) in [
-        (2048, 5632, 0.01),
-        (576, 1536, 0.05),
-        (4096, 11008, 0.03),
-        (2048, 5632, 0.5),
-    ]
-    .iter()
-    .enumerate()
-    {
+    // (m, d, d_ff, density): one token (the one-launch decode kernel, also with the norm
+    // before the MLP), then prefill rows (the down row kernel's epilogue): four warps a
+    // row, a warp a row, past 65,536 rows, d up to 4096, overflowing tiles.
+    #[rustfmt::skip]
+    let add_norm_cases = [
+        (1, 2048, 5632, 0.01),
+        (1, 576, 1536, 0.05),
+        (1, 4096, 11008, 0.03),
+        (1, 2048, 5632, 0.5),
+        (65, 2048, 5632, 0.01),
+        (333, 576, 1536, 0.05),
+        (8192, 2048, 5632, 0.005),
+        (70_000, 2048, 5632, 0.01),
+        (300, 4096, 11008, 0.03),
+        (1000, 2048, 5632, 0.5),
+    ];
+    for (k, &dims) in add_norm_cases.iter().enumerate() {
         let r = check_mlp_add_norm(&dev, dims, 960 + k as u64)?;
+        let with_pre = match (r.both_sum_diff, r.both_norm_diff) {
+            (Some(s), Some(n)) => {
+                format!("; with the norm before it: sums {s:.2e}, normalised {n:.2e}")
+            }
+            _ => String::new(),
+        };
         println!(
-            "mlp + add + norm in one launch (d, d_ff, density) = ({}, {}, {}): largest \
-             difference to twell_mlp then add_rms_norm: sums {:.2e}, normalised {:.2e}; \
-             with the norm before it: sums {:.2e}, normalised {:.2e}; at most {} bf16 \
-             step(s) {}",
+            "mlp + add + norm folded (m, d, d_ff, density) = ({}, {}, {}, {}): largest \
+             difference to twell_mlp then add_rms_norm: sums {:.2e}, normalised {:.2e}{}; \
+             at most {} bf16 step(s) {}",
+            r.m,
             r.d,
             r.f,
             r.target_density,
             r.sum_diff,
             r.norm_diff,
-            r.both_sum_diff,
-            r.both_norm_diff,
+            with_pre,
             r.bf16_steps,
             tally.record(r.pass)
         );

@@ -539,11 +539,10 @@ impl SparseMlp {
 
     /// The MLP of `x` and the residual add and RMS norm after it, as a Llama block runs
     /// them: `(residual + mlp(x), rms_norm(residual + mlp(x)) · alpha)` (`alpha [d]`, the
-    /// next norm's weight). One token of inference on the sparse CUDA path folds the add
-    /// and the norm into the MLP's own launch ([`crate::ops::twell_mlp_add_norm`], the
-    /// same arithmetic, up to the order of the MLP's f32 atomic sums); everything else is
-    /// [`Module::forward`] then
-    /// [`crate::ops::add_rms_norm`].
+    /// next norm's weight). Inference on the sparse CUDA path folds the add and the norm
+    /// into the MLP's last launch, for one token and for prefill rows
+    /// ([`crate::ops::twell_mlp_add_norm`], the same arithmetic up to the order of f32
+    /// sums); everything else is [`Module::forward`] then [`crate::ops::add_rms_norm`].
     pub fn forward_add_norm(
         &self,
         x: &Tensor,
@@ -571,6 +570,7 @@ impl SparseMlp {
     ) -> Result<(Tensor, Tensor)> {
         let measure = self.measure_now(y.device());
         if crate::ops::pre_norm_folds()
+            && y.elem_count() == self.hidden()
             && self.folds_add_norm(y, residual, &[pre_alpha, alpha], measure)
         {
             return self.folded_add_norm(y, residual, (alpha, eps), Some((pre_alpha, pre_eps)));
@@ -614,10 +614,10 @@ impl SparseMlp {
                 .into_iter()
                 .chain(alphas.iter().copied())
                 .all(|t| !t.track_op())
-            && self.use_sparse(1, x.device())
+            && self.use_sparse(x.elem_count() / d.max(1), x.device())
     }
 
-    /// The one launch of [`Self::folds_add_norm`], in `x`'s shape.
+    /// The folded launch of [`Self::folds_add_norm`], in `x`'s shape.
     fn folded_add_norm(
         &self,
         x: &Tensor,
@@ -626,7 +626,7 @@ impl SparseMlp {
         pre: Option<(&Tensor, f64)>,
     ) -> Result<(Tensor, Tensor)> {
         let d = self.hidden();
-        let rows = |t: &Tensor| crate::ops::reshaped(t, &[1, d]);
+        let rows = |t: &Tensor| crate::ops::reshaped(t, &[t.elem_count() / d, d]);
         let (sum, normed) = crate::ops::twell_mlp_add_norm(
             &rows(x)?,
             &self.gate,

@@ -398,7 +398,24 @@ fn forward_add_norm_and_forward_sublayer_are_the_steps_they_fold() {
     );
     // Bad shapes are named.
     let err = fold_err(&alpha, None);
-    assert!(err.contains("residual [1, d]"), "{err}");
+    assert!(err.contains("residual [m, d]"), "{err}");
     let err = fold_err(&residual, Some((&residual, 1e-5)));
     assert!(err.contains("pre_alpha"), "{err}");
+    // The norm before the MLP folds for one token only.
+    let rows = synthetic_input(3, 64, DType::F32, &dev, 8).unwrap();
+    let err = twell::ops::twell_mlp_add_norm(
+        &rows,
+        &w.gate,
+        &w_ud,
+        Default::default(),
+        (
+            &Tensor::zeros((3, 64), DType::F32, &dev).unwrap(),
+            &alpha,
+            1e-5,
+        ),
+        Some((&alpha, 1e-5)),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("m = 1 with a norm before the MLP"), "{err}");
 }

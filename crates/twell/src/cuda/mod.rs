@@ -70,13 +70,30 @@ fn row_vectors(d: usize) -> Option<usize> {
     [1, 2, 4, 8, 16].into_iter().find(|&v| v >= need)
 }
 
-/// Whether one token row of hidden `d` takes the one-launch decode kernel with the
-/// residual add and norm after it folded in ([`twell_mlp_add_norm`]); not with
-/// `TWELL_DECODE_ADD_NORM=0`, to measure it against the two launches on one build.
-pub fn add_norm_folds(d: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("TWELL_DECODE_ADD_NORM").map_or(true, |v| v != "0"));
-    on && use_fused_decode(1, d, false) && d.is_multiple_of(8) && d <= ADD_RMS_NORM_MAX_HIDDEN
+/// Whether `m` token rows of hidden `d` take [`twell_mlp_add_norm`], the residual add
+/// and norm after the MLP folded into its last launch: one row into the one-launch decode
+/// kernel (not with `TWELL_DECODE_ADD_NORM=0`), prefill rows into the down row kernel's
+/// epilogue (not with `TWELL_PREFILL_ADD_NORM=0`), to measure each against the separate
+/// launches on one build.
+pub fn add_norm_folds(m: usize, d: usize) -> bool {
+    static DECODE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    static PREFILL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = |cell: &std::sync::OnceLock<bool>, name: &str| {
+        *cell.get_or_init(|| std::env::var(name).map_or(true, |v| v != "0"))
+    };
+    if !d.is_multiple_of(8) || d > ADD_RMS_NORM_MAX_HIDDEN {
+        false
+    } else if m == 1 {
+        on(&DECODE, "TWELL_DECODE_ADD_NORM") && use_fused_decode(1, d, false)
+    } else {
+        on(&PREFILL, "TWELL_PREFILL_ADD_NORM") && folds_into_down_rows(m, d)
+    }
+}
+
+/// Whether the forward of `m` rows of hidden `d` runs the prefill row kernels (whose
+/// down kernel can fold the add and norm after it).
+fn folds_into_down_rows(m: usize, d: usize) -> bool {
+    m > decode_max_tokens().unwrap_or(DECODE_MAX_TOKENS) && row_vectors(d).is_some()
 }
 
 /// Whether the one-token launch of [`twell_mlp_add_norm`] also takes the add and norm
@@ -523,13 +540,13 @@ fn poison(dev: &CudaDevice, buf: &mut CudaSlice<bf16>) -> Result<()> {
     Ok(())
 }
 
-/// One token row's MLP (`x [1, d]`, `wg [f, d]`, `w_ud [f, 2d]`, bf16) with the residual
-/// add and RMS norm after it folded into the same launch: returns `[2 · d]`, the sum
-/// `residual + mlp(x)` then its norm with weight `alpha [d]`, as `add_rms_norm` writes
-/// them. With `pre` (a norm weight and its eps), `x` is the previous sublayer's output
-/// `y`: the MLP's input is `rms_norm(residual + y)` and the sum adds to `residual + y`
-/// (see `PreNorm`). Inference only; the one-launch decode kernel's cases (see
-/// `use_fused_decode`).
+/// The MLP (`x [m, d]`, `wg [f, d]`, `w_ud [f, 2d]`, bf16) with the residual add and RMS
+/// norm after it folded into its last launch: returns `[2 · m · d]`, the sums `residual +
+/// mlp(x)` then their norms with weight `alpha [d]`, as `add_rms_norm` writes them. One
+/// row runs as the one-launch decode kernel (see `use_fused_decode`); there, with `pre`
+/// (a norm weight and its eps), `x` is the previous sublayer's output `y`: the MLP's
+/// input is `rms_norm(residual + y)` and the sum adds to `residual + y` (see `PreNorm`).
+/// Prefill rows (see [`add_norm_folds`]) fold it into the down row kernel. Inference only.
 #[allow(clippy::too_many_arguments)]
 pub fn twell_mlp_add_norm(
     (x, xl): (&CudaStorage, &Layout),
@@ -543,10 +560,21 @@ pub fn twell_mlp_add_norm(
 ) -> Result<CudaStorage> {
     let (m, d) = xl.shape().dims2()?;
     let f = wl.shape().dims2()?.0;
+    if m > 1 && pre.is_none() && d % 8 == 0 && folds_into_down_rows(m, d) {
+        let fold = RowFold {
+            residual: bf16_view("residual", residual, rl)?,
+            alpha: bf16_view("alpha", alpha, al)?,
+            eps,
+        };
+        let (sum_normed, _, _) =
+            mlp_forward((x, xl), (wg, wl), (w_ud, ul), config, false, Some(fold))?;
+        return Ok(sum_normed);
+    }
     if !use_fused_decode(m, d, false) || d % 8 != 0 {
         return err(TwellError::Invalid(format!(
             "twell_mlp_add_norm takes one token row whose hidden size the one-launch \
-             decode kernel takes, got [{m}, {d}]"
+             decode kernel takes (the norm before the MLP folded in too, or not), or more \
+             than {DECODE_MAX_TOKENS} rows of hidden up to 4096 (without it); got [{m}, {d}]"
         )));
     }
     let dev = x.device().clone();
@@ -595,6 +623,34 @@ pub fn twell_mlp_forward(
     config: TwellConfig,
     keep_for_backward: bool,
 ) -> Result<(CudaStorage, Shape, Activity)> {
+    mlp_forward(
+        (x, xl),
+        (wg, wl),
+        (w_ud, ul),
+        config,
+        keep_for_backward,
+        None,
+    )
+}
+
+/// The residual add and RMS norm after the MLP, folded into the prefill down kernel's
+/// epilogue (the `_norm` row kernels).
+struct RowFold<'a> {
+    residual: CudaView<'a, bf16>,
+    alpha: CudaView<'a, bf16>,
+    eps: f32,
+}
+
+/// [`twell_mlp_forward`]; with `fold` (prefill row kernels only) the result is `[2 · m ·
+/// d]`, the sums and their norms as [`twell_mlp_add_norm`] returns them.
+fn mlp_forward(
+    (x, xl): (&CudaStorage, &Layout),
+    (wg, wl): (&CudaStorage, &Layout),
+    (w_ud, ul): (&CudaStorage, &Layout),
+    config: TwellConfig,
+    keep_for_backward: bool,
+    fold: Option<RowFold<'_>>,
+) -> Result<(CudaStorage, Shape, Activity)> {
     let (m, d) = xl.shape().dims2()?;
     let f = wl.shape().dims2()?.0;
     if d % 8 != 0 {
@@ -612,7 +668,7 @@ pub fn twell_mlp_forward(
     let n_tiles = config.n_tiles(f);
     let dims = KernelDims::new(m, d, f, config);
 
-    if use_fused_decode(m, d, keep_for_backward) {
+    if fold.is_none() && use_fused_decode(m, d, keep_for_backward) {
         let len = mlp_result_len(m, d);
         // SAFETY: the kernel's last block writes every element; `poison` lets the
         // tests check that.
@@ -686,7 +742,10 @@ pub fn twell_mlp_forward(
     let no_u: u64 = 0;
     mark(&mut marks)?;
 
-    let len = mlp_result_len(m, d);
+    let len = match fold {
+        Some(_) => 2 * m * d,
+        None => mlp_result_len(m, d),
+    };
     // SAFETY: the last kernel writes every element; `poison` lets the tests check that.
     let mut out = unsafe { dev.alloc::<bf16>(len)? };
     poison(&dev, &mut out)?;
@@ -697,6 +756,12 @@ pub fn twell_mlp_forward(
     // over a warp per slot (decode) or per tile, then the down projection, whose partial
     // sums meet in f32 atomics when rows are few.
     let row_kernels = if decode { None } else { row_vectors(d) };
+    if fold.is_some() && row_kernels.is_none() {
+        return err(TwellError::Invalid(format!(
+            "the residual add and norm fold into the prefill row kernels only: more than \
+             {DECODE_MAX_TOKENS} rows of hidden up to 4096, got [{m}, {d}]"
+        )));
+    }
     let slots_per_warp: usize = if decode { 1 } else { cap };
     let split = match row_kernels {
         Some(_) => row_split(&dev, m, d)?,
@@ -739,7 +804,8 @@ pub fn twell_mlp_forward(
     mark(&mut marks)?;
     match row_kernels {
         Some(v) => {
-            let down_name = format!("gated_t2d_down_rows_bf16_v{v}_s{split}");
+            let kind = if fold.is_some() { "_norm" } else { "" };
+            let down_name = format!("gated_t2d_down_rows{kind}_bf16_v{v}_s{split}");
             let down = dev.get_or_load_custom_func(&down_name, "gated_t2d", GATED_T2D_PTX)?;
             let mut b = down.builder();
             b.arg(&wudv)
@@ -750,6 +816,9 @@ pub fn twell_mlp_forward(
                 .arg(&l1)
                 .arg(&mut out);
             dims.push(&mut b);
+            if let Some(fold) = &fold {
+                b.arg(&fold.residual).arg(&fold.alpha).arg(&fold.eps);
+            }
             let mut cfg = warp_launch(m * split)?;
             cfg.shared_mem_bytes = down_split_bytes(split, d) as u32;
             // SAFETY: `split` warps per row (a divisor of the block's warps, its shared

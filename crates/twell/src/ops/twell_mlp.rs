@@ -417,16 +417,17 @@ pub fn twell_mlp_screened(
     )
 }
 
-/// Whether [`twell_mlp_add_norm`] runs for `x`: CUDA, bf16, one token, a hidden size the
-/// one-launch decode kernel and its folded norm take.
+/// Whether [`twell_mlp_add_norm`] runs for `x`: CUDA, bf16, and one token of a hidden
+/// size the one-launch decode kernel and its folded norm take, or prefill rows the down
+/// row kernel takes.
 pub fn add_norm_fuses(x: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
     {
         let d = x.dims().last().copied().unwrap_or(0);
         x.device().is_cuda()
             && x.dtype() == candle_core::DType::BF16
-            && x.elem_count() == d
-            && crate::cuda::add_norm_folds(d)
+            && d > 0
+            && crate::cuda::add_norm_folds(x.elem_count() / d, d)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -448,14 +449,16 @@ pub fn pre_norm_folds() -> bool {
     }
 }
 
-/// One token's MLP (`x [1, d]`, `gate_proj [f, d]`, `w_ud [f, 2d]`) and the residual add
-/// and RMS norm after it, `(residual + mlp(x), rms_norm(residual + mlp(x)) · alpha)`, in
-/// one CUDA launch: what `twell_mlp` then `add_rms_norm` give, bit for bit, one launch
-/// fewer per layer of a decode step. With `pre_norm = Some((pre_alpha, pre_eps))` the
-/// norm before the MLP is folded in too: `x` is then the previous sublayer's output `y`,
-/// `h = residual + y`, and the result is `(h + mlp(rms_norm(h) · pre_alpha), its norm)`,
-/// what `add_rms_norm`, `twell_mlp` and `add_rms_norm` give. Inference only (no
-/// backward); the cases of [`add_norm_fuses`], else an error.
+/// The MLP (`x [m, d]`, `gate_proj [f, d]`, `w_ud [f, 2d]`) and the residual add and RMS
+/// norm after it, `(residual + mlp(x), rms_norm(residual + mlp(x)) · alpha)`, with the add
+/// and norm folded into the MLP's last CUDA launch: what `twell_mlp` then `add_rms_norm`
+/// give (up to the order of the f32 sums of the MLP output, and of the squares), one
+/// launch and a pass over `[m, d]` fewer per layer. One token runs as one launch; there,
+/// with `pre_norm = Some((pre_alpha, pre_eps))`, the norm before the MLP is folded in
+/// too: `x` is then the previous sublayer's output `y`, `h = residual + y`, and the
+/// result is `(h + mlp(rms_norm(h) · pre_alpha), its norm)`, what `add_rms_norm`,
+/// `twell_mlp` and `add_rms_norm` give. Inference only (no backward); the cases of
+/// [`add_norm_fuses`], else an error.
 pub fn twell_mlp_add_norm(
     x: &Tensor,
     gate_proj: &Tensor,
@@ -467,19 +470,20 @@ pub fn twell_mlp_add_norm(
     let (m, d) = matrix_dims("x", x)?;
     let (f, dg) = matrix_dims("gate_proj", gate_proj)?;
     let (f2, dw) = matrix_dims("w_ud", w_ud)?;
-    if m != 1
+    if (pre_norm.is_some() && m != 1)
         || dg != d
         || f2 != f
         || dw != 2 * d
-        || residual.dims() != [1, d]
+        || residual.dims() != [m, d]
         || alpha.dims() != [d]
         || pre_norm.is_some_and(|(a, _)| a.dims() != [d])
     {
         return shape_err(
             "twell_mlp_add_norm",
             format!(
-                "want x [1, d], gate_proj [f, d], w_ud [f, 2d], residual [1, d] and alpha (and \
-                 pre_alpha) [d], got {:?}, {:?}, {:?}, {:?}, {:?} and {:?}",
+                "want x [m, d] (m = 1 with a norm before the MLP), gate_proj [f, d], w_ud \
+                 [f, 2d], residual [m, d] and alpha (and pre_alpha) [d], got {:?}, {:?}, \
+                 {:?}, {:?}, {:?} and {:?}",
                 x.dims(),
                 gate_proj.dims(),
                 w_ud.dims(),
@@ -499,9 +503,9 @@ pub fn twell_mlp_add_norm(
     check_size("twell_mlp_add_norm", m, f, config)?;
     if !add_norm_fuses(x) {
         return err(TwellError::Invalid(format!(
-            "twell_mlp_add_norm runs on CUDA in bf16 for hidden sizes of the one-launch \
-             decode kernel; got {:?} {:?} with hidden {d} (elsewhere: twell_mlp, then \
-             add_rms_norm)",
+            "twell_mlp_add_norm runs on CUDA in bf16, for one token of a hidden size the \
+             one-launch decode kernel takes or for prefill rows; got {:?} {:?} with {m} \
+             rows of hidden {d} (elsewhere: twell_mlp, then add_rms_norm)",
             x.device().location(),
             x.dtype()
         )));
@@ -535,8 +539,8 @@ pub fn twell_mlp_add_norm(
             eps as f32,
             pre,
         )?;
-        let both = Tensor::from_storage(Storage::Cuda(both), (2, d), BackpropOp::none(), false);
-        Ok((both.narrow(0, 0, 1)?, both.narrow(0, 1, 1)?))
+        let both = Tensor::from_storage(Storage::Cuda(both), (2 * m, d), BackpropOp::none(), false);
+        Ok((both.narrow(0, 0, m)?, both.narrow(0, m, m)?))
     }
     #[cfg(not(feature = "cuda"))]
     {
