@@ -293,10 +293,6 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
         }
     };
     if (row < M) {
-        // The residual row the fold reads last, on its way to L2 while the row gathers
-        // (a 128-byte line a lane).
-        if (FOLD && rp.part == 0)
-            for (int e = lane * 64; e < d; e += 32 * 64) prefetch_l2(residual + row * d + e);
         walk_tiles(
             counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f,
             [&](int j, float h, long long, int n) {
