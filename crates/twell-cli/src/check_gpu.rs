@@ -223,10 +223,8 @@ fn check_attention(
     if !twell::ops::fused_on_device(&q) {
         bail!("causal attention {dims:?} would not run the CUDA kernel");
     }
-    let Device::Cuda(cuda) = dev else {
-        bail!("the attention check runs on a CUDA device");
-    };
-    let kernel = twell::cuda::prefill_attention_kernel(cuda, t, total, hd)?;
+    let kernel = twell::ops::causal_attention_kernel_name(&q, total)?
+        .context("the attention check runs on a CUDA device")?;
     let out = twell::ops::causal_attention(&q, &k, &v)?;
     let err = rel_l2(&out, &twell::ops::causal_attention_reference(&q, &k, &v)?)?;
     // The backward: gradients of `Σ out ⊙ probe` against the reference's in f32.

@@ -503,6 +503,21 @@ pub fn fused_on_device(q: &Tensor) -> bool {
     q.dims().last().is_some_and(|&hd| kernel_takes(q, hd))
 }
 
+/// The CUDA kernel [`causal_attention`] launches for this query against `total` keys,
+/// or `None` where it runs the plain ops; check-gpu prints it beside each case.
+pub fn kernel_name(q: &Tensor, total: usize) -> Result<Option<String>> {
+    if !fused_on_device(q) {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = q.device() {
+        let (_, _, t, hd) = q.dims4()?;
+        return crate::cuda::prefill_attention_kernel(dev, t, total, hd).map(Some);
+    }
+    let _ = total;
+    Ok(None)
+}
+
 /// The plain-op form of [`causal_attention`] in f32: materialised scores, an explicit
 /// causal mask and softmax, the KV heads repeated for grouped-query attention. The
 /// reference the fused op and its backward are tested and checked against.

@@ -46,8 +46,8 @@ pub use add_rms_norm::{add_rms_norm, AddRmsNorm, RmsNorm};
 pub use attention_softmax_grad::{attention_row_dot, attention_softmax_grad, AttentionSoftmaxGrad};
 pub use causal_attention::{
     causal_attention, causal_attention_reference, causal_attention_rows, causal_attention_step,
-    fused_on_device, step_on_device, CausalAttention, CausalAttentionStep, CUDA_DECODE_MAX_KEYS,
-    CUDA_HEAD_DIMS,
+    fused_on_device, kernel_name as causal_attention_kernel_name, step_on_device, CausalAttention,
+    CausalAttentionStep, CUDA_DECODE_MAX_KEYS, CUDA_HEAD_DIMS,
 };
 pub use cross_entropy::{cross_entropy, CrossEntropy};
 pub use embedding::{embedding, Embedding};
