@@ -104,6 +104,14 @@ fn bad_bench_flags_are_rejected() {
     fails_with(&["bench", "mlp", "--density", "1.5"], "(0, 1)");
     fails_with(&["bench", "mlp", "--tokens", "0"], "at least 1");
     fails_with(&["bench", "mlp", "--reps", "0"], "at least 1");
+    fails_with(
+        &["bench", "mlp", "--chain", "0"],
+        "--chain 0 must be between 1",
+    );
+    fails_with(
+        &["bench", "mlp", "--chain", "4", "--weight-sets", "3"],
+        "weights of its own",
+    );
     fails_with(&["bench", "mlp", "--device", "cuda:x"], "cuda:N");
 }
 
@@ -133,6 +141,18 @@ fn tiny_mlp_bench_runs_and_writes_json() {
     );
     assert_eq!(report["rows"].as_array().unwrap().len(), 2);
     assert!(report["rows"][0]["speedup"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn chained_mlp_bench_reports_its_chain() {
+    let report = bench_report(
+        "mlp --shape 64x256 --tokens 1 --density 0.05 --reps 2 --warmup 1 --chain 3 --weight-sets 3",
+        false,
+    );
+    assert_eq!(report["chain"], 3);
+    let row = &report["rows"][0];
+    assert!(row["dense_ms"].as_f64().unwrap() > 0.0, "{row}");
+    assert!(row["sparse_ms"].as_f64().unwrap() > 0.0, "{row}");
 }
 
 #[test]

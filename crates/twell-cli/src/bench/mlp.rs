@@ -41,6 +41,12 @@ pub struct MlpBenchArgs {
     /// on its own set), so caches do not flatter any side.
     #[arg(long, default_value_t = 3)]
     pub weight_sets: usize,
+    /// Layers run back to back in each timed call, each on its own weight set, as a
+    /// decode step runs a model's layers: the worker threads stay awake from one layer
+    /// to the next, and every layer's weights come cold from memory. Times are per
+    /// layer. 1 times isolated calls, where the threads have gone to sleep.
+    #[arg(long, default_value_t = 1)]
+    pub chain: usize,
     /// Write the rows as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -88,6 +94,8 @@ pub struct MlpReport {
     pub dtype: String,
     pub threads: usize,
     pub host_read_gbps: f64,
+    /// Layers per timed call (`--chain`); every time is per layer.
+    pub chain: usize,
     pub rows: Vec<MlpRow>,
 }
 
@@ -172,6 +180,15 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
     if args.weight_sets == 0 {
         bail!("--weight-sets must be at least 1");
     }
+    if args.chain == 0 || args.chain > args.weight_sets {
+        bail!(
+            "--chain {} must be between 1 and --weight-sets ({}), so that every layer of a \
+             chain has weights of its own",
+            args.chain,
+            args.weight_sets
+        );
+    }
+    let chain = args.chain;
     if args.stages {
         std::env::set_var("TWELL_PROFILE", "1");
     }
@@ -225,24 +242,38 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                         (ffn as f64 * (1.0 - (1.0 - p).powi(m as i32))).round() as usize
                     }
                 };
+                // Variant v of round r runs layers on sets r + v, r + v + 1, ...: its own
+                // sets, not the ones the variant before it just read.
+                let set = |round: usize, variant: usize, layer: usize| {
+                    &sets[(round * chain + variant + layer) % sets.len()]
+                };
                 let mut dense_run = |round: usize| -> candle_core::Result<()> {
-                    std::hint::black_box(sets[round % sets.len()].0.forward(&x)?);
+                    for layer in 0..chain {
+                        std::hint::black_box(set(round, 0, layer).0.forward(&x)?);
+                    }
                     Ok(())
                 };
                 let mut sparse_run = |round: usize| -> candle_core::Result<()> {
-                    std::hint::black_box(sets[(round + 1) % sets.len()].1.forward(&x)?);
+                    for layer in 0..chain {
+                        std::hint::black_box(set(round, 1, layer).1.forward(&x)?);
+                    }
                     Ok(())
                 };
                 let mut auto_run = |round: usize| -> candle_core::Result<()> {
-                    std::hint::black_box(sets[(round + 2) % sets.len()].2.forward(&x)?);
+                    for layer in 0..chain {
+                        std::hint::black_box(set(round, 2, layer).2.forward(&x)?);
+                    }
                     Ok(())
                 };
                 take_stages();
-                let t = interleaved_medians(
+                let t: Vec<f64> = interleaved_medians(
                     &device,
                     args.rounds,
                     &mut [&mut dense_run, &mut sparse_run, &mut auto_run],
-                )?;
+                )?
+                .into_iter()
+                .map(|call| call / chain as f64)
+                .collect();
                 let stages_ms = take_stages();
                 let memory = MemoryProbe::start(&device)?;
                 std::hint::black_box(sets[0].0.forward(&x)?);
@@ -290,6 +321,7 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
         dtype: args.dtype.clone(),
         threads: rayon::current_num_threads(),
         host_read_gbps: host_bw / 1e9,
+        chain,
         rows,
     };
     if let Some(path) = &args.json {
@@ -313,8 +345,19 @@ fn take_stages() -> Option<[f64; 4]> {
 
 pub fn print(report: &MlpReport) {
     println!(
-        "device {} | dtype {} | {} threads | host read bandwidth {:.1} GB/s",
-        report.device, report.dtype, report.threads, report.host_read_gbps
+        "device {} | dtype {} | {} threads | host read bandwidth {:.1} GB/s | {}",
+        report.device,
+        report.dtype,
+        report.threads,
+        report.host_read_gbps,
+        if report.chain == 1 {
+            "isolated calls".to_string()
+        } else {
+            format!(
+                "{} layers back to back a call, times per layer",
+                report.chain
+            )
+        }
     );
     println!(
         "{:>6} {:>6} {:>6} {:>8} {:>8} {:>7} {:>10} {:>10} {:>8} {:>6} {:>9} {:>9} {:>9}",
