@@ -242,6 +242,14 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                         (ffn as f64 * (1.0 - (1.0 - p).powi(m as i32))).round() as usize
                     }
                 };
+                // Every variant once on every set before any timing: a `SparseMlp` builds
+                // its gate screen and up/down matrix on its first call, and with more sets
+                // than warm-up rounds that build would land in the timed calls.
+                for (dense, sparse, auto) in &sets {
+                    std::hint::black_box(dense.forward(&x)?);
+                    std::hint::black_box(sparse.forward(&x)?);
+                    std::hint::black_box(auto.forward(&x)?);
+                }
                 // Variant v of round r runs layers on sets r + v, r + v + 1, ...: its own
                 // sets, not the ones the variant before it just read.
                 let set = |round: usize, variant: usize, layer: usize| {
