@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 22: power draw and SM clock during the prefill's energy windows, dense and
+# Session 23: power draw and SM clock during the prefill's energy windows, dense and
 # sparse in processes of their own, sampled by nvidia-smi every 100 ms.
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 cd .device/bin && xz -dc -T4 twell.xz > twell && chmod +x twell && cd ../..
