@@ -15,6 +15,7 @@ pub mod gguf;
 pub mod model;
 pub mod optim;
 pub mod perplexity;
+pub mod sample;
 pub mod sparsity;
 pub mod synthetic;
 pub mod tokenizer;

@@ -24,7 +24,12 @@ pub struct FinetuneArgs {
     /// The last N documents are held out for validation and never trained on.
     #[arg(long, default_value_t = 10)]
     pub holdout: usize,
-    /// Use at most this many training tokens (0: all).
+    /// More training text, all of it trained on and none held out (e.g. the texts of
+    /// `twell sample`): a directory of .txt files, a file, or dir/*.txt.
+    #[arg(long)]
+    pub extra_data: Option<String>,
+    /// Use at most this many tokens of the training documents (0: all); --extra-data
+    /// comes on top.
     #[arg(long, default_value_t = 0)]
     pub max_train_tokens: usize,
     #[arg(long, default_value_t = 256)]
@@ -207,13 +212,35 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     if args.max_train_tokens > 0 {
         train_tokens.truncate(args.max_train_tokens);
     }
+    let mut extra_docs = 0;
+    if let Some(spec) = &args.extra_data {
+        let extra = Corpus::open(spec).with_context(|| format!("opening --extra-data {spec}"))?;
+        let canonical = |p: &std::path::Path| std::fs::canonicalize(p).ok();
+        if let Some(f) = extra.files.iter().find(|f| {
+            val_docs
+                .files
+                .iter()
+                .any(|v| canonical(v).is_some() && canonical(v) == canonical(f))
+        }) {
+            bail!(
+                "--extra-data includes {}, a held-out document: validation text must never be trained on",
+                f.display()
+            );
+        }
+        extra_docs = extra.files.len();
+        if let Some(e) = eos {
+            train_tokens.push(e);
+        }
+        train_tokens.extend(extra.tokenize(&ck.tokenizer, eos)?);
+    }
     let train = PackedData::new(&train_tokens, args.seq_len)?;
     let val = PackedData::new(&val_docs.tokenize(&ck.tokenizer, eos)?, args.seq_len)?;
     eprintln!(
-        "finetune: {} training sequences of {} tokens ({} documents), {} validation sequences ({} documents)",
+        "finetune: {} training sequences of {} tokens ({} documents, {} of them --extra-data), {} validation sequences ({} documents)",
         train.len(),
         args.seq_len,
-        train_docs.files.len(),
+        train_docs.files.len() + extra_docs,
+        extra_docs,
         val.len(),
         val_docs.files.len()
     );

@@ -10,6 +10,7 @@ mod eval;
 mod finetune;
 mod generate;
 mod model_args;
+mod sample;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -33,6 +34,9 @@ enum Command {
     Finetune(finetune::FinetuneArgs),
     /// Perplexity on held-out text and per-layer FFN sparsity.
     Eval(eval::EvalArgs),
+    /// Texts sampled from a model, prompted from training documents: more text for
+    /// `finetune --extra-data`.
+    Sample(sample::SampleArgs),
     /// Convert a checkpoint (e.g. GGUF) to an HF directory.
     Convert(convert::ConvertArgs),
     /// Training curves (validation perplexity, mean L0) of `finetune` logs as one SVG.
@@ -65,6 +69,7 @@ fn main() -> Result<()> {
         Command::Generate(args) => generate::run(&args)?,
         Command::Finetune(args) => finetune::run(&args)?,
         Command::Eval(args) => eval::run(&args)?,
+        Command::Sample(args) => sample::run(&args)?,
         Command::Convert(args) => convert::run(&args)?,
         Command::Curves(args) => curves::run(&args)?,
         Command::CheckGpu(args) => check_gpu::run(&args)?,

@@ -319,6 +319,123 @@ fn tiny_corpus(dir: &std::path::Path) -> std::path::PathBuf {
 }
 
 #[test]
+fn sampled_texts_train_as_extra_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = tiny_checkpoint(dir.path());
+    let docs = tiny_corpus(dir.path());
+    let samples = dir.path().join("samples");
+    let (m, d, s) = (
+        model.to_str().unwrap(),
+        docs.to_str().unwrap(),
+        samples.to_str().unwrap(),
+    );
+    let (ok, text) = twell(&[
+        "sample",
+        "--model",
+        m,
+        "--data",
+        d,
+        "--holdout",
+        "1",
+        "--count",
+        "5",
+        "--batch",
+        "2",
+        "--prompt-tokens",
+        "8",
+        "--max-tokens",
+        "24",
+        "--seed",
+        "3",
+        "--out",
+        s,
+    ]);
+    assert!(ok, "{text}");
+    let mut files: Vec<_> = std::fs::read_dir(&samples)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 5, "{files:?}");
+    for f in &files {
+        // The prompt (8 bytes of training text) and up to 24 new tokens of this
+        // byte-level model.
+        let t = std::fs::read_to_string(f).unwrap();
+        assert!((8..=8 + 24 * 4).contains(&t.len()), "{f:?}: {t:?}");
+    }
+    let finetune = |extra: Option<&str>| {
+        let out = dir
+            .path()
+            .join(if extra.is_some() { "with" } else { "without" });
+        let mut args = vec![
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            d,
+            "--holdout",
+            "1",
+            "--seq-len",
+            "32",
+            "--batch",
+            "2",
+            "--steps",
+            "1",
+            "--out",
+        ];
+        let out = out.to_str().unwrap().to_string();
+        args.push(&out);
+        if let Some(e) = extra {
+            args.extend(["--extra-data", e]);
+        }
+        let (ok, text) = twell(&args);
+        assert!(ok, "{text}");
+        let sequences: usize = text
+            .split("finetune: ")
+            .nth(1)
+            .and_then(|t| t.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no sequence count in:\n{text}"));
+        (sequences, text)
+    };
+    let (plain, _) = finetune(None);
+    let (more, text) = finetune(Some(s));
+    assert!(more > plain, "{plain} -> {more}:\n{text}");
+    assert!(text.contains("5 of them --extra-data"), "{text}");
+    // A held-out document given as extra data is refused.
+    let held_out = docs.join("3.txt");
+    let out = dir.path().join("leak");
+    fails_with(
+        &[
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            d,
+            "--holdout",
+            "1",
+            "--seq-len",
+            "32",
+            "--steps",
+            "1",
+            "--extra-data",
+            held_out.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        "a held-out document",
+    );
+    fails_with(
+        &["sample", "--model", m, "--count", "0", "--out", s],
+        "at least 1",
+    );
+    fails_with(
+        &["sample", "--model", m, "--temperature=-1", "--out", s],
+        "--temperature",
+    );
+}
+
+#[test]
 fn finetune_stops_at_its_time_limit_with_a_checkpoint_to_resume() {
     let dir = tempfile::tempdir().unwrap();
     let (model, _) = tiny_checkpoint(dir.path());
