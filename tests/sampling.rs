@@ -25,14 +25,20 @@ fn prompts() -> Vec<Vec<u32>> {
     ]
 }
 
-#[test]
-fn greedy_rows_are_the_argmax_of_an_uncached_forward() {
-    let model = tiny_model();
-    let cfg = BatchSampling {
+/// Twelve new tokens a row, greedy.
+fn greedy() -> BatchSampling {
+    BatchSampling {
         max_new_tokens: 12,
         temperature: 0.0,
         seed: 1,
-    };
+        first_row: 0,
+    }
+}
+
+#[test]
+fn greedy_rows_are_the_argmax_of_an_uncached_forward() {
+    let model = tiny_model();
+    let cfg = greedy();
     let rows = sample_batch(&model, &prompts(), &[], &cfg, &Device::Cpu).unwrap();
     assert_eq!(rows.len(), 3);
     for (prompt, row) in prompts().iter().zip(&rows) {
@@ -64,6 +70,7 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
             max_new_tokens: 16,
             temperature: 4.0,
             seed,
+            first_row: 0,
         };
         sample_batch(&model, &prompts(), &[], &cfg, &Device::Cpu).unwrap()
     };
@@ -77,11 +84,7 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
 #[test]
 fn rows_stop_before_their_first_eos() {
     let model = tiny_model();
-    let cfg = BatchSampling {
-        max_new_tokens: 12,
-        temperature: 0.0,
-        seed: 1,
-    };
+    let cfg = greedy();
     let full = sample_batch(&model, &prompts(), &[], &cfg, &Device::Cpu).unwrap();
     // Make the third token of row 0 an end of text: the row is cut there.
     let eos = full[0][2];
@@ -97,6 +100,7 @@ fn bad_batches_are_rejected() {
         max_new_tokens: 4,
         temperature: 1.0,
         seed: 0,
+        first_row: 0,
     };
     let err = |prompts: &[Vec<u32>], cfg: &BatchSampling| {
         sample_batch(&model, prompts, &[], cfg, &Device::Cpu)

@@ -142,9 +142,7 @@ pub fn generate(
         ))
         .into());
     }
-    let dtype = model
-        .embed(&Tensor::new(&[0u32], device)?.unsqueeze(0)?)?
-        .dtype();
+    let dtype = model.dtype();
     let mut cache = Cache::new(true, dtype, model.config(), device)?;
     let mut sampler = LogitsProcessor::from_sampling(cfg.seed, cfg.sampling());
     let mut stream = TokenStream::new(tokenizer);

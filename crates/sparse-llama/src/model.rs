@@ -556,6 +556,11 @@ impl Llama {
         self.embed_tokens.forward(x)
     }
 
+    /// The dtype the model computes in (its embeddings'), which a KV cache must hold.
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.embeddings().dtype()
+    }
+
     /// Runs the blocks; returns the final hidden states and, for training, each
     /// layer's mean L1 term.
     fn run(

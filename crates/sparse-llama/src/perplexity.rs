@@ -48,9 +48,7 @@ pub fn perplexity(
         .into());
     }
     let batch = batch.max(1);
-    let dtype = model
-        .embed(&Tensor::new(&[0u32], device)?.unsqueeze(0)?)?
-        .dtype();
+    let dtype = model.dtype();
     let mut cache = Cache::new(false, dtype, model.config(), device)?;
     let mut nll = 0f64;
     let mut scored = 0usize;

@@ -3,7 +3,7 @@
 //! distribution at a temperature (no top-k or top-p, no repeat penalty: text meant
 //! for distillation should follow the teacher's distribution, not a reshaped one).
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -20,6 +20,9 @@ pub struct BatchSampling {
     /// Each (row, step) draws from its own generator seeded from this, so a row's
     /// text does not depend on the batch size or on the other rows.
     pub seed: u64,
+    /// The index of the batch's first row among all rows drawn with this seed: rows
+    /// of later batches get streams of their own.
+    pub first_row: usize,
 }
 
 /// Continues every prompt (all the same length) by `cfg.max_new_tokens` tokens;
@@ -55,9 +58,7 @@ pub fn sample_batch(
         ));
     }
     let vocab = model.config().vocab_size;
-    let dtype = model
-        .embed(&Tensor::new(&[0u32], device)?.unsqueeze(0)?)?
-        .dtype();
+    let dtype = model.dtype();
     let mut cache = Cache::new(true, dtype, model.config(), device)?;
     let rows = prompts.len();
     let mut out: Vec<Vec<u32>> = vec![Vec::with_capacity(cfg.max_new_tokens); rows];
@@ -66,12 +67,14 @@ pub fn sample_batch(
     for step in 0..cfg.max_new_tokens {
         let logits = model.forward(&input, position, &mut cache)?;
         position += input.dim(1)?;
-        let logits: Vec<f32> = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        // `forward` gives f32 logits.
+        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
         let next: Vec<u32> = logits
             .par_chunks(vocab)
             .enumerate()
             .map(|(row, l)| {
-                let u = StdRng::seed_from_u64(row_seed(cfg.seed, row, step)).random::<f64>();
+                let stream = row_seed(cfg.seed, cfg.first_row + row, step);
+                let u = StdRng::seed_from_u64(stream).random::<f64>();
                 draw(l, cfg.temperature, u)
             })
             .collect();

@@ -10,7 +10,7 @@ use sparse_llama::corpus::Corpus;
 use sparse_llama::perplexity::{perplexity, Perplexity};
 use sparse_llama::sparsity::{LayerSparsity, SparsityTracker};
 
-use crate::model_args::{data_dir, ModelArgs};
+use crate::model_args::{default_corpus, ModelArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct EvalArgs {
@@ -65,10 +65,7 @@ pub fn run(args: &EvalArgs) -> Result<()> {
     let mut model = ck.load_model(dtype, &device, &args.model.load_options()?)?;
     model.fuse_qkv()?;
     model.record_ffn_stats(true);
-    let text = match &args.text {
-        Some(t) => t.clone(),
-        None => data_dir().join("sotu").to_string_lossy().into_owned(),
-    };
+    let text = args.text.clone().unwrap_or_else(default_corpus);
     let corpus = Corpus::open(&text)
         .with_context(|| format!("opening --text {text}"))?
         .last(args.last);

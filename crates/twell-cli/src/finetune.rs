@@ -11,7 +11,7 @@ use sparse_llama::corpus::Corpus;
 use sparse_llama::train::{L1Penalty, PackedData, TrainConfig, Trainer};
 use twell::{Activation, FfnMode};
 
-use crate::model_args::{data_dir, ModelArgs};
+use crate::model_args::{default_corpus, ModelArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct FinetuneArgs {
@@ -201,10 +201,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         None
     };
 
-    let text = args
-        .data
-        .clone()
-        .unwrap_or_else(|| data_dir().join("sotu").to_string_lossy().into_owned());
+    let text = args.data.clone().unwrap_or_else(default_corpus);
     let corpus = Corpus::open(&text).with_context(|| format!("opening --data {text}"))?;
     let (train_docs, val_docs) = corpus.split(args.holdout)?;
     let eos = model_cfg.eos_ids().first().copied();
@@ -215,13 +212,16 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     let mut extra_docs = 0;
     if let Some(spec) = &args.extra_data {
         let extra = Corpus::open(spec).with_context(|| format!("opening --extra-data {spec}"))?;
-        let canonical = |p: &std::path::Path| std::fs::canonicalize(p).ok();
-        if let Some(f) = extra.files.iter().find(|f| {
-            val_docs
-                .files
-                .iter()
-                .any(|v| canonical(v).is_some() && canonical(v) == canonical(f))
-        }) {
+        let held_out: std::collections::HashSet<_> = val_docs
+            .files
+            .iter()
+            .filter_map(|v| std::fs::canonicalize(v).ok())
+            .collect();
+        if let Some(f) = extra
+            .files
+            .iter()
+            .find(|f| std::fs::canonicalize(f).is_ok_and(|f| held_out.contains(&f)))
+        {
             bail!(
                 "--extra-data includes {}, a held-out document: validation text must never be trained on",
                 f.display()

@@ -19,6 +19,11 @@ pub fn data_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("data"))
 }
 
+/// The default text: the State of the Union corpus in the data directory.
+pub fn default_corpus() -> String {
+    data_dir().join("sotu").to_string_lossy().into_owned()
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
     /// An HF checkpoint directory, a .gguf file, or an org/name id in the hf-hub cache.

@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use sparse_llama::corpus::Corpus;
 use sparse_llama::sample::{sample_batch, BatchSampling};
 
-use crate::model_args::{data_dir, ModelArgs};
+use crate::model_args::{default_corpus, ModelArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct SampleArgs {
@@ -66,10 +66,7 @@ pub fn run(args: &SampleArgs) -> Result<()> {
     model.fuse_qkv()?;
     let eos = model.config().eos_ids();
 
-    let text = args
-        .data
-        .clone()
-        .unwrap_or_else(|| data_dir().join("sotu").to_string_lossy().into_owned());
+    let text = args.data.clone().unwrap_or_else(default_corpus);
     let corpus = Corpus::open(&text).with_context(|| format!("opening --data {text}"))?;
     let (train_docs, _) = corpus.split(args.holdout)?;
     let tokens = train_docs.tokenize(&ck.tokenizer, eos.first().copied())?;
@@ -102,11 +99,8 @@ pub fn run(args: &SampleArgs) -> Result<()> {
         let cfg = BatchSampling {
             max_new_tokens: args.max_tokens,
             temperature: args.temperature,
-            // Each batch its own streams, so that texts never repeat across batches.
-            seed: args
-                .seed
-                .wrapping_add(written as u64)
-                .wrapping_mul(0x9E37_79B9),
+            seed: args.seed,
+            first_row: written,
         };
         let continuations = sample_batch(&model, &prompts, &eos, &cfg, &device)?;
         for (prompt, continuation) in prompts.iter().zip(&continuations) {
