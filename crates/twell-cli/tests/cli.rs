@@ -425,6 +425,41 @@ fn sampled_texts_train_as_extra_data() {
         ],
         "a held-out document",
     );
+    let missing = dir.path().join("no-such-dir");
+    fails_with(
+        &[
+            "finetune",
+            "--model",
+            m,
+            "--data",
+            d,
+            "--holdout",
+            "1",
+            "--steps",
+            "1",
+            "--extra-data",
+            missing.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        "opening --extra-data",
+    );
+    fails_with(
+        &[
+            "sample",
+            "--model",
+            m,
+            "--data",
+            d,
+            "--holdout",
+            "1",
+            "--prompt-tokens",
+            "100000",
+            "--out",
+            s,
+        ],
+        "too few for prompts",
+    );
     fails_with(
         &["sample", "--model", m, "--count", "0", "--out", s],
         "at least 1",
