@@ -119,6 +119,117 @@ extern "C" __global__ void twell_gate_pack_vec_bf16(
     }
 }
 
+// The pack from the bit mask of the positives that cuBLASLt's ReLU epilogue writes beside
+// the gate (CUBLASLT_EPILOGUE_RELU_AUX): the gate is read only where a bit is set, so the
+// pack reads m · f / 8 bytes of mask and a sector per nonzero instead of all m · f · 2
+// bytes of gate (92 MB at 8192 x 5632: 38 µs of a 4 x 2048 prefill layer on the H200).
+//
+// Mask layout (column-major D = G^T, leading dimension in bits): token row r's bits start
+// at word r · words_per_row, bit j of the row is neuron j, LSB first in each u32 word.
+// Lane l of a warp takes one 32-neuron word; a tile is `tile / 32` consecutive words,
+// so a warp covers 32 / (tile / 32) whole tiles of one row. Only values that are > 0 as
+// bf16 are listed (a bit set for a value that rounded to zero is dropped), so the pattern
+// is the one `twell_gate_pack_vec_bf16` finds in the same gate. Overflow as there: the
+// true count, the slots past capacity left out, the dense gate read later.
+//
+// A warp takes MASK_UNITS consecutive (row, 32-word) units (a row of 5632 neurons is 6)
+// and issues every mask load, then each lane's first flagged value of every unit, before
+// it ranks any: at low density a lane has at most one bit set, so the pack is two rounds
+// of independent loads instead of a chain of them.
+#define MASK_UNITS 8
+__device__ __forceinline__ bool bf16_positive(__nv_bfloat16 v) {
+    const unsigned short h = __bfloat16_as_ushort(v);
+    return static_cast<unsigned short>(h - 1u) < 0x7F80u;
+}
+extern "C" __global__ void twell_gate_pack_mask_bf16(
+    const __nv_bfloat16* __restrict__ gate,  // [M, f], relu applied
+    const uint32_t* __restrict__ mask,       // [M, words_per_row]
+    uint32_t* __restrict__ counts,           // [M, n_tiles]
+    uint8_t* __restrict__ indices,           // [M, n_tiles, cap]
+    __nv_bfloat16* __restrict__ values,      // [M, n_tiles, cap]
+    int M, int f, int tile, int cap, int n_tiles, int words_per_row) {
+    const int lane = threadIdx.x & 31;
+    const int words_per_tile = tile >> 5;  // a power of two
+    const int tile_shift = __ffs(words_per_tile) - 1;
+    const int row_words = (f + 31) >> 5;
+    const int groups = (row_words + 31) >> 5;  // warps' worth of words in a row
+    // Units in 32 bits (the host checks M · groups < 2^32), and one division a warp: a
+    // 64-bit division per unit was most of this kernel's instructions.
+    const unsigned total = static_cast<unsigned>(M) * static_cast<unsigned>(groups);
+    const long long first_wide = global_warp() * MASK_UNITS;
+    if (first_wide >= total) return;
+    const unsigned first = static_cast<unsigned>(first_wide);
+    unsigned rows[MASK_UNITS];
+    int words[MASK_UNITS];  // this lane's word of the row in each unit
+    {
+        unsigned row = first / static_cast<unsigned>(groups);
+        int group = static_cast<int>(first - row * static_cast<unsigned>(groups));
+#pragma unroll
+        for (int u = 0; u < MASK_UNITS; ++u) {
+            rows[u] = row;
+            words[u] = group * 32 + lane;
+            if (++group == groups) {
+                group = 0;
+                ++row;
+            }
+        }
+    }
+    uint32_t bits[MASK_UNITS];
+#pragma unroll
+    for (int u = 0; u < MASK_UNITS; ++u) {
+        bits[u] = 0u;
+        if (first + u < total && words[u] < row_words) {
+            bits[u] = mask[static_cast<long long>(rows[u]) * words_per_row + words[u]];
+            const int left = f - words[u] * 32;
+            if (left < 32) bits[u] &= (1u << left) - 1u;
+        }
+    }
+    __nv_bfloat16 lead[MASK_UNITS];  // the value of each unit's lowest set bit
+#pragma unroll
+    for (int u = 0; u < MASK_UNITS; ++u)
+        lead[u] = bits[u] != 0u
+                      ? gate[static_cast<long long>(rows[u]) * f + words[u] * 32 + __ffs(bits[u]) - 1]
+                      : __float2bfloat16(0.f);
+#pragma unroll
+    for (int u = 0; u < MASK_UNITS; ++u) {
+        if (first + u >= total) break;  // the same in every lane
+        const long long row = rows[u];
+        const int word = words[u];
+        const __nv_bfloat16* src = gate + row * f + word * 32;
+        const int q_lead = __ffs(bits[u]) - 1;
+        uint32_t keep = 0u;
+        if (bits[u] != 0u) {
+            if (bf16_positive(lead[u])) keep = 1u << q_lead;
+            for (uint32_t b = bits[u] & (bits[u] - 1u); b != 0u; b &= b - 1u) {
+                const int q = __ffs(b) - 1;
+                if (bf16_positive(src[q])) keep |= 1u << q;
+            }
+        }
+        const int mine = __popc(keep);
+        // Inclusive prefix sum over the lanes of this tile.
+        const int in_tile = lane & (words_per_tile - 1);
+        int incl = mine;
+        for (int o = 1; o < words_per_tile; o <<= 1) {
+            const int up = __shfl_up_sync(FULL_MASK, incl, o, words_per_tile);
+            if (in_tile >= o) incl += up;
+        }
+        const int t = word >> tile_shift;
+        if (t >= n_tiles) continue;  // past the row's last tile: no shuffles follow
+        const long long unit_slot = row * n_tiles + t;
+        const long long slot0 = unit_slot * cap;
+        const int c0 = in_tile * 32;  // this word's first column in its tile
+        int pos = incl - mine;
+        for (uint32_t b = keep; b != 0u && pos < cap; b &= b - 1u, ++pos) {
+            const int q = __ffs(b) - 1;
+            indices[slot0 + pos] = static_cast<uint8_t>(c0 + q);
+            values[slot0 + pos] = q == q_lead ? lead[u] : src[q];
+        }
+        // A tile never straddles two warps' words (tile / 32 divides 32): its last lane
+        // is here, and holds the tile's total.
+        if (in_tile == words_per_tile - 1) counts[unit_slot] = static_cast<uint32_t>(incl);
+    }
+}
+
 // Fills n 16-bit words with `bits` (tests poison outputs with a NaN pattern).
 extern "C" __global__ void twell_fill_u16(uint16_t* __restrict__ p, long long n, uint16_t bits) {
     for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;

@@ -1105,6 +1105,10 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         (64, 2048, 5632, 0.03, 256, 8),
         (65, 2048, 5632, 0.03, 256, 8),
         (513, 2048, 5632, 0.1, 32, 8),
+        // Tiles of two and four mask words (the mask pack's per-tile prefix sums), one
+        // of them overflowing often, and a d_ff that ends inside a mask word.
+        (300, 1024, 1000, 0.2, 64, 4),
+        (777, 576, 1536, 0.08, 128, 2),
         (1000, 576, 1536, 0.001, 256, 8),
         (2048, 2048, 5632, 0.01, 256, 8),
         (2048, 2048, 5632, 0.5, 256, 8),

@@ -23,6 +23,7 @@ mod attention_softmax_grad;
 mod attention_step;
 mod cross_entropy;
 mod embedding;
+mod gate_gemm;
 mod gate_l0;
 mod kl_divergence;
 mod rope;
@@ -387,8 +388,9 @@ fn give_cublas_workspace(dev: &CudaDevice) -> Result<()> {
             )));
         }
     }
-    // The handle keeps using the workspace for the life of the process.
-    std::mem::forget(workspace);
+    // The handle keeps using the workspace for the life of the process; cuBLASLt's gate
+    // GEMM shares it.
+    gate_gemm::keep_workspace(dev, workspace);
     Ok(())
 }
 
@@ -490,35 +492,6 @@ pub fn backward_calls() -> usize {
 /// The device backward keeps a row of dout in registers: hidden up to 4096.
 pub fn backward_supported(d: usize) -> bool {
     d.is_multiple_of(8) && row_vectors(d).is_some()
-}
-
-/// `g = x · Wgᵀ` into a fresh `[m, f]` bf16 buffer, through cuBLAS.
-fn gate_gemm(
-    dev: &CudaDevice,
-    x: &CudaView<bf16>,
-    wg: &CudaView<bf16>,
-    m: usize,
-    d: usize,
-    f: usize,
-) -> Result<CudaSlice<bf16>> {
-    // SAFETY: cuBLAS writes every element below.
-    let mut gate = unsafe { dev.alloc::<bf16>(m * f)? };
-    // Row-major G [m, f] is column-major Gᵀ [f, m] = Wg [f, d] · xᵀ [d, m].
-    let cfg = GemmConfig {
-        transa: cublasOperation_t::CUBLAS_OP_T,
-        transb: cublasOperation_t::CUBLAS_OP_N,
-        m: f as i32,
-        n: m as i32,
-        k: d as i32,
-        alpha: bf16::ONE,
-        lda: d as i32,
-        ldb: d as i32,
-        beta: bf16::ZERO,
-        ldc: f as i32,
-    };
-    // SAFETY: shapes and leading dimensions match the buffers above.
-    unsafe { dev.cublas_handle().gemm(cfg, wg, x, &mut gate) }.w()?;
-    Ok(gate)
 }
 
 /// Fills a bf16 buffer with a NaN pattern when `TWELL_POISON` is set, so tests can
@@ -698,35 +671,54 @@ fn mlp_forward(
         Ok(())
     };
     mark(&mut marks)?;
-    let mut gate = gate_gemm(&dev, &xv, &wgv, m, d, f)?;
+    let gate_gemm::Gate {
+        values: mut gate,
+        mask,
+    } = gate_gemm::gate_gemm(&dev, &xv, &wgv, (m, d, f))?;
     mark(&mut marks)?;
     // SAFETY: gate_pack writes every count, and every slot the consumers read.
     let mut counts = unsafe { dev.alloc::<u32>(m * n_tiles)? };
     let mut indices = unsafe { dev.alloc::<u8>(m * n_tiles * cap)? };
     let mut values = unsafe { dev.alloc::<bf16>(m * n_tiles * cap)? };
 
-    // 16-byte loads need every row and tile start aligned: d_ff % 8 == 0. The vector
-    // kernel splits its warp index into (row, tile) in 32 bits; the scalar one in 64,
-    // so past 2^32 (row, tile) items it takes over.
-    let vector_pack = f % 8 == 0 && m * n_tiles <= u32::MAX as usize;
-    let pack_name = if vector_pack {
-        "twell_gate_pack_vec_bf16"
-    } else {
-        "twell_gate_pack_bf16"
+    let words_i;
+    // The mask kernel numbers its (row, 32-word) units in 32 bits; past that the gate
+    // (relu applied by the masked GEMM) is packed as the plain one is.
+    let mask_units = m * f.div_ceil(32).div_ceil(32);
+    let mask = mask.filter(|_| mask_units <= u32::MAX as usize);
+    let (pack, pack_warps) = match &mask {
+        // From the mask: a warp takes MASK_UNITS units.
+        Some((_, words_per_row)) => {
+            words_i = *words_per_row as i32;
+            ("twell_gate_pack_mask_bf16", mask_units.div_ceil(MASK_UNITS))
+        }
+        None => {
+            words_i = 0;
+            // 16-byte loads need every row and tile start aligned: d_ff % 8 == 0. The
+            // vector kernel splits its warp index into (row, tile) in 32 bits; the
+            // scalar one in 64, so past 2^32 (row, tile) items it takes over. The
+            // vector kernel takes PACK_UNITS (row, tile) units a warp, the scalar one.
+            if f % 8 == 0 && m * n_tiles <= u32::MAX as usize {
+                (
+                    "twell_gate_pack_vec_bf16",
+                    (m * n_tiles).div_ceil(PACK_UNITS),
+                )
+            } else {
+                ("twell_gate_pack_bf16", m * n_tiles)
+            }
+        }
     };
-    let pack = dev.get_or_load_custom_func(pack_name, "twell_gate_pack", GATE_PACK_PTX)?;
+    let pack = dev.get_or_load_custom_func(pack, "twell_gate_pack", GATE_PACK_PTX)?;
     let mut b = pack.builder();
-    b.arg(&gate)
-        .arg(&mut counts)
-        .arg(&mut indices)
-        .arg(&mut values);
+    b.arg(&gate);
+    if let Some((bits, _)) = &mask {
+        b.arg(bits);
+    }
+    b.arg(&mut counts).arg(&mut indices).arg(&mut values);
     dims.push_pattern(&mut b);
-    // The vector kernel takes PACK_UNITS (row, tile) units a warp, the scalar kernel one.
-    let pack_warps = if vector_pack {
-        (m * n_tiles).div_ceil(PACK_UNITS)
-    } else {
-        m * n_tiles
-    };
+    if mask.is_some() {
+        b.arg(&words_i);
+    }
     // SAFETY: bounds checked in the kernel.
     unsafe { b.launch(warp_launch(pack_warps)?) }.w()?;
     // For a backward pass: the slots' g before `up` writes h over them, and a buffer
@@ -1225,6 +1217,8 @@ fn sparse_weight_grads_into(
 
 /// (row, tile) units per warp of `twell_gate_pack_vec_bf16` (`PACK_UNITS` in the .cu).
 const PACK_UNITS: usize = 4;
+/// (row, 32-word) units per warp of `twell_gate_pack_mask_bf16` (`MASK_UNITS` there).
+const MASK_UNITS: usize = 8;
 /// Queries per block of the attention kernels (`ATT_QUERIES` in the .cu).
 const ATTENTION_QUERIES: usize = 128;
 /// Threads per block of the attention kernel (`ATT_WARPS` warps).
