@@ -561,6 +561,11 @@ impl Llama {
         self.embed_tokens.embeddings().dtype()
     }
 
+    /// The device the model's weights live on.
+    pub fn device(&self) -> &Device {
+        self.embed_tokens.embeddings().device()
+    }
+
     /// Runs the blocks; returns the final hidden states and, for training, each
     /// layer's mean L1 term.
     fn run(

@@ -59,11 +59,8 @@ pub fn run(args: &EvalArgs) -> Result<()> {
     if args.batch == 0 {
         bail!("--batch must be at least 1");
     }
-    let device = args.model.device()?;
-    let dtype = args.model.dtype(&device)?;
-    let ck = args.model.open()?;
-    let mut model = ck.load_model(dtype, &device, &args.model.load_options()?)?;
-    model.fuse_qkv()?;
+    let (ck, mut model) = args.model.open_for_inference()?;
+    let device = model.device().clone();
     model.record_ffn_stats(true);
     let text = args.text.clone().unwrap_or_else(default_corpus);
     let corpus = Corpus::open(&text)

@@ -57,12 +57,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if args.repeat_penalty <= 0.0 || !args.repeat_penalty.is_finite() {
         bail!("--repeat-penalty must be > 0");
     }
-    let device = args.model.device()?;
-    let dtype = args.model.dtype(&device)?;
-    let ck = args.model.open()?;
-    let opts = args.model.load_options()?;
-    let mut model = ck.load_model(dtype, &device, &opts)?;
-    model.fuse_qkv()?;
+    let (ck, mut model) = args.model.open_for_inference()?;
+    let device = model.device().clone();
     let relu = model.config().activation == Activation::Relu;
     model.record_ffn_stats(relu);
 
@@ -122,7 +118,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         },
         model.config().ffn_mode,
         device.location(),
-        dtype,
+        model.dtype(),
     );
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&stats)?)

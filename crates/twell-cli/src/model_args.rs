@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
+use sparse_llama::Llama;
 use twell::{Activation, FfnMode};
 
 use crate::device::{parse_device, parse_dtype};
@@ -88,5 +89,16 @@ impl ModelArgs {
     pub fn open(&self) -> Result<Checkpoint> {
         let spec = self.model_spec()?;
         Checkpoint::open(&spec).with_context(|| format!("opening model '{spec}'"))
+    }
+
+    /// The checkpoint and its model on the chosen device and dtype, q, k and v fused
+    /// (inference: `eval`, `generate`, `sample`).
+    pub fn open_for_inference(&self) -> Result<(Checkpoint, Llama)> {
+        let device = self.device()?;
+        let dtype = self.dtype(&device)?;
+        let ck = self.open()?;
+        let mut model = ck.load_model(dtype, &device, &self.load_options()?)?;
+        model.fuse_qkv()?;
+        Ok((ck, model))
     }
 }

@@ -59,11 +59,8 @@ pub fn run(args: &SampleArgs) -> Result<()> {
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
         bail!("--temperature must be a finite number >= 0");
     }
-    let device = args.model.device()?;
-    let dtype = args.model.dtype(&device)?;
-    let ck = args.model.open()?;
-    let mut model = ck.load_model(dtype, &device, &args.model.load_options()?)?;
-    model.fuse_qkv()?;
+    let (ck, model) = args.model.open_for_inference()?;
+    let device = model.device().clone();
     let eos = model.config().eos_ids();
 
     let text = args.data.clone().unwrap_or_else(default_corpus);
