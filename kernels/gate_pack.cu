@@ -230,6 +230,90 @@ extern "C" __global__ void twell_gate_pack_mask_bf16(
     }
 }
 
+// The same from the mask with a lane per (row, tile) instead of a lane per mask word:
+// a lane loads its tile's words (16-byte loads; a row of the mask starts 16-byte
+// aligned, its leading dimension being a multiple of 128 bits), so it counts and ranks
+// its tile alone, with no shuffles; the word-per-lane kernel above spent about 1,700
+// instructions a warp on its per-unit ranking and addressing (`ncu`, 8192 x 5632, 0.5%).
+// A tile with few flagged values reads them one by one; one with more (dense rows,
+// overflow) reads all its columns with 16-byte loads, as the plain pack does, since a
+// chain of dependent scalar loads would be slower. Needs d_ff % 8 == 0 and
+// M · n_tiles < 2^32 (the host checks both).
+#define MASK_LANE_SCALAR_MAX 8
+extern "C" __global__ void twell_gate_pack_mask_lane_bf16(
+    const __nv_bfloat16* __restrict__ gate,  // [M, f], relu applied
+    const uint32_t* __restrict__ mask,       // [M, words_per_row]
+    uint32_t* __restrict__ counts,           // [M, n_tiles]
+    uint8_t* __restrict__ indices,           // [M, n_tiles, cap]
+    __nv_bfloat16* __restrict__ values,      // [M, n_tiles, cap]
+    int M, int f, int tile, int cap, int n_tiles, int words_per_row) {
+    const unsigned total = static_cast<unsigned>(M) * static_cast<unsigned>(n_tiles);
+    const unsigned unit = blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= total) return;
+    const unsigned row = unit / static_cast<unsigned>(n_tiles);
+    const int t = static_cast<int>(unit - row * static_cast<unsigned>(n_tiles));
+    const int words_per_tile = tile >> 5;
+    const int c0 = t * tile;
+    const int width = min(tile, f - c0);
+    const uint32_t* words = mask + static_cast<long long>(row) * words_per_row + t * words_per_tile;
+    uint32_t w[8];
+    if (words_per_tile == 8) {
+        const uint4 lo = *reinterpret_cast<const uint4*>(words);
+        const uint4 hi = *reinterpret_cast<const uint4*>(words + 4);
+        w[0] = lo.x; w[1] = lo.y; w[2] = lo.z; w[3] = lo.w;
+        w[4] = hi.x; w[5] = hi.y; w[6] = hi.z; w[7] = hi.w;
+    } else if (words_per_tile == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(words);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if (words_per_tile == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(words);
+        w[0] = v.x; w[1] = v.y;
+    } else {
+        w[0] = words[0];
+    }
+    int flagged = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (k >= words_per_tile) w[k] = 0u;
+        const int left = width - 32 * k;  // columns of the tile from this word on
+        if (left <= 0) w[k] = 0u;
+        else if (left < 32) w[k] &= (1u << left) - 1u;
+        flagged += __popc(w[k]);
+    }
+    const __nv_bfloat16* src = gate + static_cast<long long>(row) * f + c0;
+    const long long slot0 = static_cast<long long>(unit) * cap;
+    int count = 0;
+    if (flagged <= MASK_LANE_SCALAR_MAX) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            for (uint32_t b = w[k]; b != 0u; b &= b - 1u) {
+                const int c = 32 * k + __ffs(b) - 1;
+                const __nv_bfloat16 v = src[c];
+                if (!bf16_positive(v)) continue;
+                if (count < cap) {
+                    indices[slot0 + count] = static_cast<uint8_t>(c);
+                    values[slot0 + count] = v;
+                }
+                ++count;
+            }
+        }
+    } else {
+#pragma unroll 4
+        for (int c = 0; c < width; c += VEC) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(src + c);
+            for (uint32_t b = positive_bits(raw); b != 0u; b &= b - 1u) {
+                const int q = __ffs(b) - 1;
+                if (count < cap) {
+                    indices[slot0 + count] = static_cast<uint8_t>(c + q);
+                    values[slot0 + count] = bf16_at(raw, q);
+                }
+                ++count;
+            }
+        }
+    }
+    counts[unit] = static_cast<uint32_t>(count);
+}
+
 // Fills n 16-bit words with `bits` (tests poison outputs with a NaN pattern).
 extern "C" __global__ void twell_fill_u16(uint16_t* __restrict__ p, long long n, uint16_t bits) {
     for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;

@@ -442,6 +442,17 @@ pub fn reset_pool_peak(dev: &CudaDevice) -> Result<()> {
     Ok(())
 }
 
+/// `TWELL_MASK_PACK=lane` packs the masked gate with a lane per (row, tile)
+/// (`twell_gate_pack_mask_lane_bf16`); `warp` or unset, a lane per mask word
+/// (`twell_gate_pack_mask_bf16`, the one measured on the H200 so far).
+fn mask_pack_by_lane() -> Result<bool> {
+    static KNOB: knobs::Cell = knobs::Cell::new();
+    let choice = knobs::read_once(&KNOB, || {
+        knobs::env_choice("TWELL_MASK_PACK", &["warp", "lane"])
+    })?;
+    Ok(choice == Some(1))
+}
+
 /// Stages of the forward pass, for `TWELL_PROFILE=1`.
 pub const STAGES: [&str; 4] = ["gate GEMM", "pack", "up", "down"];
 
@@ -682,12 +693,18 @@ fn mlp_forward(
     let mut values = unsafe { dev.alloc::<bf16>(m * n_tiles * cap)? };
 
     let words_i;
-    // The mask kernel numbers its (row, 32-word) units in 32 bits; past that the gate
-    // (relu applied by the masked GEMM) is packed as the plain one is.
+    // The mask kernels number their units in 32 bits; past that the gate (relu applied
+    // by the masked GEMM) is packed as the plain one is.
     let mask_units = m * f.div_ceil(32).div_ceil(32);
     let mask = mask.filter(|_| mask_units <= u32::MAX as usize);
+    let lane_pack = mask_pack_by_lane()? && f % 8 == 0 && m * n_tiles <= u32::MAX as usize;
     let (pack, pack_warps) = match &mask {
-        // From the mask: a warp takes MASK_UNITS units.
+        // A lane per (row, tile): a warp takes 32 of them.
+        Some((_, words_per_row)) if lane_pack => {
+            words_i = *words_per_row as i32;
+            ("twell_gate_pack_mask_lane_bf16", (m * n_tiles).div_ceil(32))
+        }
+        // A lane per mask word: a warp takes MASK_UNITS (row, 32-word) units.
         Some((_, words_per_row)) => {
             words_i = *words_per_row as i32;
             ("twell_gate_pack_mask_bf16", mask_units.div_ceil(MASK_UNITS))
