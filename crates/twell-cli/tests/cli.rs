@@ -363,18 +363,14 @@ fn sampled_texts_train_as_extra_data() {
         let t = std::fs::read_to_string(f).unwrap();
         assert!((8..=8 + 24 * 4).contains(&t.len()), "{f:?}: {t:?}");
     }
+    // Every finetune below trains on the same documents, the last one held out.
+    let finetune_on_docs = ["finetune", "--model", m, "--data", d, "--holdout", "1"];
     let finetune = |extra: Option<&str>| {
         let out = dir
             .path()
             .join(if extra.is_some() { "with" } else { "without" });
-        let mut args = vec![
-            "finetune",
-            "--model",
-            m,
-            "--data",
-            d,
-            "--holdout",
-            "1",
+        let out = out.to_str().unwrap().to_string();
+        let more = [
             "--seq-len",
             "32",
             "--batch",
@@ -382,9 +378,9 @@ fn sampled_texts_train_as_extra_data() {
             "--steps",
             "1",
             "--out",
+            &out,
         ];
-        let out = out.to_str().unwrap().to_string();
-        args.push(&out);
+        let mut args = [&finetune_on_docs[..], &more[..]].concat();
         if let Some(e) = extra {
             args.extend(["--extra-data", e]);
         }
@@ -405,43 +401,31 @@ fn sampled_texts_train_as_extra_data() {
     // A held-out document given as extra data is refused.
     let held_out = docs.join("3.txt");
     let out = dir.path().join("leak");
+    let more = [
+        "--seq-len",
+        "32",
+        "--steps",
+        "1",
+        "--extra-data",
+        held_out.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
     fails_with(
-        &[
-            "finetune",
-            "--model",
-            m,
-            "--data",
-            d,
-            "--holdout",
-            "1",
-            "--seq-len",
-            "32",
-            "--steps",
-            "1",
-            "--extra-data",
-            held_out.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
+        &[&finetune_on_docs[..], &more[..]].concat(),
         "a held-out document",
     );
     let missing = dir.path().join("no-such-dir");
+    let more = [
+        "--steps",
+        "1",
+        "--extra-data",
+        missing.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
     fails_with(
-        &[
-            "finetune",
-            "--model",
-            m,
-            "--data",
-            d,
-            "--holdout",
-            "1",
-            "--steps",
-            "1",
-            "--extra-data",
-            missing.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
+        &[&finetune_on_docs[..], &more[..]].concat(),
         "opening --extra-data",
     );
     fails_with(
