@@ -277,8 +277,19 @@ unsafe fn launch(
     .map_err(lt_error)
 }
 
-/// cuBLASLt candidates a plan is picked from.
+/// cuBLASLt candidates a plan is picked from, unless `TWELL_GATE_CANDIDATES` (1–64)
+/// says otherwise (1: the heuristic's first, untimed).
 const CANDIDATES: usize = 8;
+
+fn candidates() -> Result<usize> {
+    static KNOB: knobs::Cell = knobs::Cell::new();
+    let n = knobs::read_once(&KNOB, || {
+        knobs::env_count("TWELL_GATE_CANDIDATES", "1 to 64", |n| {
+            (1..=64).contains(&n)
+        })
+    })?;
+    Ok(n.unwrap_or(CANDIDATES))
+}
 /// From this many rows on, a new shape's plan times cuBLASLt's candidates (one host
 /// synchronisation, once per shape) instead of taking its first: the first one ran
 /// 5–8% slower than `cublasGemmEx` at prefill sizes on the H200, the fastest of eight
@@ -322,10 +333,11 @@ fn make_plan(
         set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &mask_ld)?;
     }
     let pref = lt::create_matmul_pref().map_err(lt_error)?;
-    let mut found: Vec<lt_sys::cublasLtMatmulHeuristicResult_t> = Vec::with_capacity(CANDIDATES);
+    let wanted = candidates()?;
+    let mut found: Vec<lt_sys::cublasLtMatmulHeuristicResult_t> = Vec::with_capacity(wanted);
     let mut count: i32 = 0;
     // SAFETY: the preference takes the workspace limit as a size_t; the heuristic writes
-    // at most CANDIDATES results into `found`'s capacity and their number into `count`.
+    // at most `wanted` results into `found`'s capacity and their number into `count`.
     unsafe {
         lt::set_matmul_pref_attribute(
             pref,
@@ -342,13 +354,13 @@ fn make_plan(
             c,
             c,
             pref,
-            CANDIDATES as i32,
+            wanted as i32,
             found.as_mut_ptr(),
             &mut count,
         );
         lt::destroy_matmul_pref(pref).map_err(lt_error)?;
         if status == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            found.set_len(count.clamp(0, CANDIDATES as i32) as usize);
+            found.set_len(count.clamp(0, wanted as i32) as usize);
         }
     }
     found.retain(|h| h.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS);
