@@ -697,7 +697,11 @@ fn mlp_forward(
     // by the masked GEMM) is packed as the plain one is.
     let mask_units = m * f.div_ceil(32).div_ceil(32);
     let mask = mask.filter(|_| mask_units <= u32::MAX as usize);
-    let lane_pack = mask_pack_by_lane()? && f % 8 == 0 && m * n_tiles <= u32::MAX as usize;
+    // The lane kernel's thread index is 32-bit: every thread of its last block counts.
+    let lane_pack = mask_pack_by_lane()?
+        && f % 8 == 0
+        && (m * n_tiles).div_ceil(BLOCK_THREADS as usize) * BLOCK_THREADS as usize
+            <= u32::MAX as usize;
     let (pack, pack_warps) = match &mask {
         // A lane per (row, tile): a warp takes 32 of them.
         Some((_, words_per_row)) if lane_pack => {
