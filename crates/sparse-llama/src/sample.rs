@@ -161,10 +161,9 @@ pub fn draw_rows(logits: &Tensor, temperature: f64, quantiles: &[f64]) -> Result
             continue;
         }
         let row_sums = &sums[row * blocks_per_row..(row + 1) * blocks_per_row];
-        let (block, before) = pick(row_sums, quantiles[row]);
+        let (block, into) = pick(row_sums, quantiles[row]);
         chosen[row] = (row * blocks_per_row + block) as u32;
-        into_block[row] =
-            quantiles[row] * row_sums.iter().map(|&w| f64::from(w)).sum::<f64>() - before;
+        into_block[row] = into;
     }
     let picked: Vec<f32> = blocks
         .index_select(&Tensor::new(chosen.as_slice(), device)?, 0)?
@@ -183,8 +182,8 @@ pub fn draw_rows(logits: &Tensor, temperature: f64, quantiles: &[f64]) -> Result
         .collect()
 }
 
-/// The block of `sums` that quantile `u` falls in (never one of weight 0) and the sum of
-/// the blocks before it.
+/// The block of `sums` that quantile `u` falls in (never one of weight 0) and how far
+/// into that block's weight it falls.
 fn pick(sums: &[f32], u: f64) -> (usize, f64) {
     let total: f64 = sums.iter().map(|&w| f64::from(w)).sum();
     let target = u * total;
@@ -193,9 +192,9 @@ fn pick(sums: &[f32], u: f64) -> (usize, f64) {
     for (block, &w) in sums.iter().enumerate() {
         let w = f64::from(w);
         if w > 0.0 {
-            last_possible = (block, before);
+            last_possible = (block, target - before);
             if before + w > target {
-                return (block, before);
+                return last_possible;
             }
         }
         before += w;

@@ -11,19 +11,15 @@ use sparse_llama::corpus::Corpus;
 use sparse_llama::train::{L1Penalty, PackedData, TrainConfig, Trainer};
 use twell::{Activation, FfnMode};
 
-use crate::model_args::{default_corpus, ModelArgs};
+use crate::corpus_args::CorpusArgs;
+use crate::model_args::ModelArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct FinetuneArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Training text: a directory of .txt files, a file, or dir/*.txt (default: the
-    /// State of the Union corpus in the data directory).
-    #[arg(long)]
-    pub data: Option<String>,
-    /// The last N documents are held out for validation and never trained on.
-    #[arg(long, default_value_t = 10)]
-    pub holdout: usize,
+    #[command(flatten)]
+    pub corpus: CorpusArgs,
     /// More training text, all of it trained on and none held out (e.g. the texts of
     /// `twell sample`): a directory of .txt files, a file, or dir/*.txt.
     #[arg(long)]
@@ -110,7 +106,7 @@ pub struct FinetuneArgs {
 }
 
 pub fn run(args: &FinetuneArgs) -> Result<()> {
-    if args.holdout == 0 {
+    if args.corpus.holdout == 0 {
         bail!("--holdout must be at least 1: validation needs held-out text");
     }
     if args.eval_batches == 0 {
@@ -201,9 +197,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         None
     };
 
-    let text = args.data.clone().unwrap_or_else(default_corpus);
-    let corpus = Corpus::open(&text).with_context(|| format!("opening --data {text}"))?;
-    let (train_docs, val_docs) = corpus.split(args.holdout)?;
+    let (train_docs, val_docs) = args.corpus.split()?;
     let eos = model_cfg.eos_ids().first().copied();
     let mut train_tokens = train_docs.tokenize(&ck.tokenizer, eos)?;
     if args.max_train_tokens > 0 {

@@ -4,6 +4,7 @@ mod bench;
 mod chart;
 mod check_gpu;
 mod convert;
+mod corpus_args;
 mod curves;
 mod device;
 mod eval;

@@ -11,23 +11,18 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use sparse_llama::corpus::Corpus;
 use sparse_llama::sample::{sample_batch, BatchSampling};
 
-use crate::model_args::{default_corpus, ModelArgs};
+use crate::corpus_args::CorpusArgs;
+use crate::model_args::ModelArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct SampleArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Text whose training documents give the prompts: a directory of .txt files, a
-    /// file, or dir/*.txt (default: the State of the Union corpus in the data
-    /// directory).
-    #[arg(long)]
-    pub data: Option<String>,
-    /// The last N documents are held out, as in `finetune`: no prompt comes from them.
-    #[arg(long, default_value_t = 10)]
-    pub holdout: usize,
+    /// The training documents give the prompts.
+    #[command(flatten)]
+    pub corpus: CorpusArgs,
     /// How many texts to write.
     #[arg(long, default_value_t = 256)]
     pub count: usize,
@@ -63,9 +58,7 @@ pub fn run(args: &SampleArgs) -> Result<()> {
     let device = model.device().clone();
     let eos = model.config().eos_ids();
 
-    let text = args.data.clone().unwrap_or_else(default_corpus);
-    let corpus = Corpus::open(&text).with_context(|| format!("opening --data {text}"))?;
-    let (train_docs, _) = corpus.split(args.holdout)?;
+    let (train_docs, _) = args.corpus.split()?;
     let tokens = train_docs.tokenize(&ck.tokenizer, eos.first().copied())?;
     if tokens.len() <= args.prompt_tokens {
         bail!(

@@ -30,18 +30,21 @@ pub(super) struct Gate {
 }
 
 /// `g = x · Wgᵀ` (`x [m, d]`, `wg [f, d]`, bf16): through cuBLASLt with the mask (see the
-/// module doc) as [`gate_knob`] says, else plain cuBLAS.
+/// module doc) as [`gate_knob`] says where a mask pack can take the shape
+/// (`mask_packs`), else plain cuBLAS.
 pub(super) fn gate_gemm(
     dev: &CudaDevice,
     x: &CudaView<bf16>,
     wg: &CudaView<bf16>,
     (m, d, f): (usize, usize, usize),
+    mask_packs: bool,
 ) -> Result<Gate> {
-    let use_mask = match gate_knob()? {
-        Some(GateKnob::Plain) => false,
-        Some(GateKnob::Mask) => true,
-        None => m >= MASK_MIN_ROWS,
-    };
+    let use_mask = mask_packs
+        && match gate_knob()? {
+            Some(GateKnob::Plain) => false,
+            Some(GateKnob::Mask) => true,
+            None => m >= MASK_MIN_ROWS,
+        };
     if use_mask {
         if let Some(gate) = gate_gemm_masked(dev, x, wg, (m, d, f))? {
             return Ok(gate);

@@ -682,21 +682,20 @@ fn mlp_forward(
         Ok(())
     };
     mark(&mut marks)?;
+    // The mask kernels number their units in 32 bits: past that the plain GEMM and
+    // pack take the gate.
+    let mask_units = m * f.div_ceil(32).div_ceil(32);
+    let mask_packs = mask_units <= u32::MAX as usize;
     let gate_gemm::Gate {
         values: mut gate,
         mask,
-    } = gate_gemm::gate_gemm(&dev, &xv, &wgv, (m, d, f))?;
+    } = gate_gemm::gate_gemm(&dev, &xv, &wgv, (m, d, f), mask_packs)?;
     mark(&mut marks)?;
     // SAFETY: gate_pack writes every count, and every slot the consumers read.
     let mut counts = unsafe { dev.alloc::<u32>(m * n_tiles)? };
     let mut indices = unsafe { dev.alloc::<u8>(m * n_tiles * cap)? };
     let mut values = unsafe { dev.alloc::<bf16>(m * n_tiles * cap)? };
 
-    let words_i;
-    // The mask kernels number their units in 32 bits; past that the gate (relu applied
-    // by the masked GEMM) is packed as the plain one is.
-    let mask_units = m * f.div_ceil(32).div_ceil(32);
-    let mask = mask.filter(|_| mask_units <= u32::MAX as usize);
     // The lane kernel's thread index is 32-bit: every thread of its last block counts.
     let lane_pack = mask_pack_by_lane()?
         && f % 8 == 0
@@ -704,17 +703,10 @@ fn mlp_forward(
             <= u32::MAX as usize;
     let (pack, pack_warps) = match &mask {
         // A lane per (row, tile): a warp takes 32 of them.
-        Some((_, words_per_row)) if lane_pack => {
-            words_i = *words_per_row as i32;
-            ("twell_gate_pack_mask_lane_bf16", (m * n_tiles).div_ceil(32))
-        }
+        Some(_) if lane_pack => ("twell_gate_pack_mask_lane_bf16", (m * n_tiles).div_ceil(32)),
         // A lane per mask word: a warp takes MASK_UNITS (row, 32-word) units.
-        Some((_, words_per_row)) => {
-            words_i = *words_per_row as i32;
-            ("twell_gate_pack_mask_bf16", mask_units.div_ceil(MASK_UNITS))
-        }
+        Some(_) => ("twell_gate_pack_mask_bf16", mask_units.div_ceil(MASK_UNITS)),
         None => {
-            words_i = 0;
             // 16-byte loads need every row and tile start aligned: d_ff % 8 == 0. The
             // vector kernel splits its warp index into (row, tile) in 32 bits; the
             // scalar one in 64, so past 2^32 (row, tile) items it takes over. The
@@ -737,8 +729,9 @@ fn mlp_forward(
     }
     b.arg(&mut counts).arg(&mut indices).arg(&mut values);
     dims.push_pattern(&mut b);
-    if mask.is_some() {
-        b.arg(&words_i);
+    let words_per_row = mask.as_ref().map(|(_, words)| *words as i32);
+    if let Some(words) = &words_per_row {
+        b.arg(words);
     }
     // SAFETY: bounds checked in the kernel.
     unsafe { b.launch(warp_launch(pack_warps)?) }.w()?;
