@@ -442,17 +442,6 @@ pub fn reset_pool_peak(dev: &CudaDevice) -> Result<()> {
     Ok(())
 }
 
-/// `TWELL_MASK_PACK=lane` packs the masked gate with a lane per (row, tile)
-/// (`twell_gate_pack_mask_lane_bf16`); `warp` or unset, a lane per mask word
-/// (`twell_gate_pack_mask_bf16`, the one measured on the H200 so far).
-fn mask_pack_by_lane() -> Result<bool> {
-    static KNOB: knobs::Cell = knobs::Cell::new();
-    let choice = knobs::read_once(&KNOB, || {
-        knobs::env_choice("TWELL_MASK_PACK", &["warp", "lane"])
-    })?;
-    Ok(choice == Some(1))
-}
-
 /// Stages of the forward pass, for `TWELL_PROFILE=1`.
 pub const STAGES: [&str; 4] = ["gate GEMM", "pack", "up", "down"];
 
@@ -696,14 +685,7 @@ fn mlp_forward(
     let mut indices = unsafe { dev.alloc::<u8>(m * n_tiles * cap)? };
     let mut values = unsafe { dev.alloc::<bf16>(m * n_tiles * cap)? };
 
-    // The lane kernel's thread index is 32-bit: every thread of its last block counts.
-    let lane_pack = mask_pack_by_lane()?
-        && f % 8 == 0
-        && (m * n_tiles).div_ceil(BLOCK_THREADS as usize) * BLOCK_THREADS as usize
-            <= u32::MAX as usize;
     let (pack, pack_warps) = match &mask {
-        // A lane per (row, tile): a warp takes 32 of them.
-        Some(_) if lane_pack => ("twell_gate_pack_mask_lane_bf16", (m * n_tiles).div_ceil(32)),
         // A lane per mask word: a warp takes MASK_UNITS (row, 32-word) units.
         Some(_) => ("twell_gate_pack_mask_bf16", mask_units.div_ceil(MASK_UNITS)),
         None => {
@@ -1390,7 +1372,9 @@ pub fn causal_attention_step(
 
 /// `causal_attention.cu` for `q [b, heads, t, hd]`, `k, v [b, kv_heads, T, hd]` (bf16,
 /// any layout [`attention_strides`] accepts, hd in [`crate::ops::CUDA_HEAD_DIMS`]);
-/// `dims` = (b, heads, t, kv_heads, T, hd). The output is `[b, t, heads, hd]`.
+/// `dims` = (b, heads, t, kv_heads, T, hd). The output is `[b, t, heads, hd]`. With
+/// `q_angles` (`cos_sin [t, hd]`, contiguous bf16) q is taken unturned and the kernel
+/// applies RoPE to it as it stages it; the prefill kernels only (not one query).
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention(
     q: &CudaStorage,
@@ -1401,6 +1385,7 @@ pub fn causal_attention(
     vl: &Layout,
     dims: (usize, usize, usize, usize, usize, usize),
     scale: f32,
+    q_angles: Option<(&CudaStorage, &Layout)>,
 ) -> Result<CudaStorage> {
     let (b, heads, t, kv_heads, total, hd) = dims;
     if !crate::ops::CUDA_HEAD_DIMS.contains(&hd) {
@@ -1441,6 +1426,29 @@ pub fn causal_attention(
     // One query per (batch, head): a block per (batch, head) over the keys, whose scores
     // fit in shared memory. Otherwise ATTENTION_QUERIES queries a block.
     let one_query = t == 1 && total <= crate::ops::CUDA_DECODE_MAX_KEYS;
+    let angles = match q_angles {
+        None => None,
+        Some(_) if one_query => {
+            return err(TwellError::Invalid(
+                "causal_attention on CUDA: one query per sequence takes q already turned".into(),
+            ))
+        }
+        Some((cs, csl)) => {
+            // 16-byte loads of each row's cos and sin.
+            if csl.dims() != [t, hd] || !csl.is_contiguous() || csl.start_offset() % 8 != 0 {
+                return err(TwellError::ShapeMismatch {
+                    what: "causal_attention q_angles",
+                    detail: format!(
+                        "want contiguous [{t}, {hd}] starting 16-byte aligned, got {:?} at \
+                         offset {}",
+                        csl.dims(),
+                        csl.start_offset()
+                    ),
+                });
+            }
+            Some(bf16_view("q_angles", cs, csl)?)
+        }
+    };
     let name = prefill_attention_kernel(&dev, t, total, hd)?;
     let wgmma = name.starts_with("causal_attention_wgmma");
     let cfg = if one_query {
@@ -1485,6 +1493,14 @@ pub fn causal_attention(
         .arg(&qst)
         .arg(&kst)
         .arg(&vst);
+    // The prefill kernels' last argument: q's angles, or a null pointer (q turned).
+    let no_angles: u64 = 0;
+    if !one_query {
+        match &angles {
+            Some(cs) => builder.arg(cs),
+            None => builder.arg(&no_angles),
+        };
+    }
     // SAFETY: the grid covers every (batch, head) and query row, keys are bounded by
     // `total` and rows addressed through the strides checked above; the one-query
     // kernel's dynamic shared memory holds its `total` scores (at most
