@@ -11,7 +11,7 @@ TWELL_ATTENTION=mma timeout 120 /tmp/twell-new check-gpu > $R/check-new-mma.log 
 grep "turning q" $R/check-new-mma.log; grep -v " ok$" $R/check-new-mma.log | grep -v "^ *M \|^backward: " | head -8
 if [ $rc = 0 ] && [ $rc2 = 0 ]; then
   MODEL="--device cuda --dtype bf16 --shape 2048x5632x28 --heads 32 --vocab 49152 --density 0.005"
-  i=0; for b in old new old new; do i=$((i+1))
+  i=0; for b in new old; do i=$((i+1))
     timeout 130 /tmp/twell-$b bench model $MODEL --prefill 4x2048,16x2048 --decode-batch 1 --decode-steps 8 --train "" --reps 3 --warmup 1 --energy-secs 10 > $R/model-$i-$b.log 2>&1
     echo "== $b rc $?"; grep -E "prefill|decode " $R/model-$i-$b.log
   done

@@ -165,11 +165,6 @@ fn gate_gemm_masked(
     let stream = dev.cuda_stream();
     let ordinal = stream.context().ordinal();
     let words_per_row = mask_words_per_row(f);
-    // SAFETY: cuBLASLt writes every value and, for rows of the mask, every bit the pack
-    // reads (bits 0..f of each row).
-    let mut gate = unsafe { dev.alloc::<bf16>(m * f)? };
-    let mut mask = unsafe { dev.alloc::<u32>(m * words_per_row)? };
-
     let mut lock = LT.lock().expect("cuBLASLt lock");
     let devices = lock.get_or_insert_with(HashMap::new);
     let lt_dev = match devices.entry(ordinal) {
@@ -182,6 +177,14 @@ fn gate_gemm_masked(
             })
         }
     };
+    // A shape cuBLASLt was found to have no algorithm for needs no buffers.
+    if matches!(lt_dev.plans.get(&(m, d, f)), Some(None)) {
+        return Ok(None);
+    }
+    // SAFETY: cuBLASLt writes every value and, for rows of the mask, every bit the pack
+    // reads (bits 0..f of each row). A new shape's plan times its candidates on them.
+    let mut gate = unsafe { dev.alloc::<bf16>(m * f)? };
+    let mut mask = unsafe { dev.alloc::<u32>(m * words_per_row)? };
     let (workspace_ptr, workspace_bytes) = {
         let all = WORKSPACES.lock().expect("workspace lock");
         match all.as_ref().and_then(|w| w.get(&ordinal)) {
