@@ -367,10 +367,13 @@ fn check_attention_turning_q(
     )?;
     let angles = table.narrow(past, t)?;
     let (q, kv_rows) = twell::ops::rope_qkv(&qkv, &angles, heads, kv)?;
-    let keys = Tensor::cat(
-        &[bf(&[b, past, 2 * w])?, kv_rows.reshape((b, t, 2 * w))?],
-        1,
-    )?;
+    let new_rows = kv_rows.reshape((b, t, 2 * w))?;
+    // No zero-sized random tensor for an empty cache: cuRAND rejects a count of 0.
+    let keys = if past == 0 {
+        new_rows
+    } else {
+        Tensor::cat(&[bf(&[b, past, 2 * w])?, new_rows], 1)?
+    };
     let (k, v) = (keys.narrow(2, 0, w)?, keys.narrow(2, w, w)?);
     let want = twell::ops::causal_attention_rows(&q, &k, &v, b, hd)?;
     let q_raw = qkv.narrow(1, 0, heads * hd)?;
