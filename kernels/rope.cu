@@ -45,7 +45,8 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_bf16(
     load8(angles + half + c, sn);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-        rope_turn(x1[e], x2[e], co[e], sn[e], o1[e], o2[e]);
+        o1[e] = x1[e] * co[e] - x2[e] * sn[e];
+        o2[e] = x1[e] * sn[e] + x2[e] * co[e];
     }
     store8(dst + c, o1);
     store8(dst + half + c, o2);

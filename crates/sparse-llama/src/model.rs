@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear_b, Embedding, Linear, RmsNorm, VarBuilder};
-use twell::ops::{QkvPart, RopeTable};
+use twell::ops::RopeTable;
 use twell::{FfnMode, MlpStats, SparseMlp};
 
 pub use crate::config::{Config, LlamaConfig, LlamaEosToks};
@@ -302,25 +302,16 @@ impl CausalSelfAttention {
                 return self.o_proj.forward(&y);
             }
         }
-        // `q_turned` is false where q is still the projection's (a view of the fused
-        // rows): the fused attention turns it as it reads it, one pass over q fewer.
-        let (q, mut k, mut v, kv, q_turned) = match &self.qkv_proj {
-            Some(qkv) if fused && pass != Pass::Train => {
-                let qkv = qkv.forward(x)?;
-                let kv = twell::ops::rope_qkv_part(&qkv, rope, nq, nkv, QkvPart::KeysValues)?;
-                let q = qkv.narrow(1, 0, nq * hd)?;
-                (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv), false)
-            }
+        let (q, mut k, mut v, kv) = match &self.qkv_proj {
             Some(qkv) => {
                 let (q, kv) = twell::ops::rope_qkv(&qkv.forward(x)?, rope, nq, nkv)?;
-                (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv), true)
+                (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv))
             }
             None => (
                 twell::ops::rope(&self.q_proj.forward(x)?, rope)?,
                 twell::ops::rope(&self.k_proj.forward(x)?, rope)?,
                 self.v_proj.forward(x)?,
                 None,
-                true,
             ),
         };
         if let Some(slot) = kv_cache {
@@ -339,11 +330,7 @@ impl CausalSelfAttention {
         if fused {
             // The scores stay on chip; the mask is the causal one the kernel applies. The
             // op reads strided keys and values (views of `kv` or of the cache) in place.
-            let y = if q_turned {
-                twell::ops::causal_attention_rows(&q, &k, &v, b, hd)?
-            } else {
-                twell::ops::causal_attention_rows_turning_q(&q, rope, &k, &v, b, hd)?
-            };
+            let y = twell::ops::causal_attention_rows(&q, &k, &v, b, hd)?;
             return self.o_proj.forward(&y);
         }
         self.plain_attention(heads(&q, nq)?, heads(&k, nkv)?, heads(&v, nkv)?, mask, pass)

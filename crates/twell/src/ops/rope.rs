@@ -239,22 +239,6 @@ pub fn rope_qkv(
     q_heads: usize,
     kv_heads: usize,
 ) -> Result<(Tensor, Tensor)> {
-    Ok((
-        rope_qkv_part(qkv, angles, q_heads, kv_heads, QkvPart::Queries)?,
-        rope_qkv_part(qkv, angles, q_heads, kv_heads, QkvPart::KeysValues)?,
-    ))
-}
-
-/// One part of [`rope_qkv`]: the turned queries, or the turned keys with the values
-/// (for an attention that turns its queries itself,
-/// [`super::causal_attention_rows_turning_q`]). One launch; for inference.
-pub fn rope_qkv_part(
-    qkv: &Tensor,
-    angles: &RopeTable,
-    q_heads: usize,
-    kv_heads: usize,
-    part: QkvPart,
-) -> Result<Tensor> {
     let cs = &angles.cos_sin;
     if qkv.dtype() != cs.dtype() {
         return err(TwellError::Invalid(format!(
@@ -263,27 +247,26 @@ pub fn rope_qkv_part(
             cs.dtype()
         )));
     }
-    let op = RopeQkv {
+    let op = |part| RopeQkv {
         q_heads,
         kv_heads,
         part,
     };
     let qkv = qkv.contiguous()?;
-    let ((_, _, hd), _) = op.dims(qkv.layout(), cs.layout())?;
+    let ((_, _, hd), _) = op(QkvPart::Queries).dims(qkv.layout(), cs.layout())?;
     if !kernel_runs(&qkv, hd) && !qkv.device().is_cpu() {
         // No kernel for this case: the split form (RoPE on each part, then one join).
         let q_width = q_heads * hd;
-        let kv_width = kv_heads * hd;
-        return match part {
-            QkvPart::Queries => rope(&qkv.narrow(1, 0, q_width)?, angles),
-            QkvPart::KeysValues => {
-                let k = rope(&qkv.narrow(1, q_width, kv_width)?, angles)?;
-                let v = qkv.narrow(1, q_width + kv_width, kv_width)?;
-                Tensor::cat(&[&k, &v], 1)
-            }
-        };
+        let q = rope(&qkv.narrow(1, 0, q_width)?, angles)?;
+        let k = rope(&qkv.narrow(1, q_width, kv_heads * hd)?, angles)?;
+        let v = qkv.narrow(1, q_width + kv_heads * hd, kv_heads * hd)?;
+        return Ok((q, Tensor::cat(&[&k, &v], 1)?));
     }
-    qkv.apply_op2_no_bwd(&cs.contiguous()?, &op)
+    let cs = cs.contiguous()?;
+    Ok((
+        qkv.apply_op2_no_bwd(&cs, &op(QkvPart::Queries))?,
+        qkv.apply_op2_no_bwd(&cs, &op(QkvPart::KeysValues))?,
+    ))
 }
 
 /// The RoPE angles of a run of positions, in both forms: candle's `cos, sin [positions,
