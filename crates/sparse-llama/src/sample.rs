@@ -176,7 +176,7 @@ pub fn draw_rows(logits: &Tensor, temperature: f64, quantiles: &[f64]) -> Result
             }
             let block = chosen[row] as usize - row * blocks_per_row;
             let w = &picked[row * DRAW_BLOCK..(row + 1) * DRAW_BLOCK];
-            let at = walk(w, into_block[row]);
+            let (at, _) = passing(w.iter().map(|&w| f64::from(w)), into_block[row]);
             Ok((block * DRAW_BLOCK + at) as u32)
         })
         .collect()
@@ -187,34 +187,25 @@ pub fn draw_rows(logits: &Tensor, temperature: f64, quantiles: &[f64]) -> Result
 fn pick(sums: &[f32], u: f64) -> (usize, f64) {
     let total: f64 = sums.iter().map(|&w| f64::from(w)).sum();
     let target = u * total;
+    let (block, before) = passing(sums.iter().map(|&w| f64::from(w)), target);
+    (block, target - before)
+}
+
+/// The index where the running sum of `weights` first passes `target` (never one of
+/// weight 0; the last possible one when rounding leaves the sum short of it), and the
+/// sum of the weights before that index. The one walk of [`draw`], [`pick`] and
+/// [`draw_rows`]' last step, so the device draws land where the host's do.
+fn passing(weights: impl IntoIterator<Item = f64>, target: f64) -> (usize, f64) {
     let mut before = 0.0;
     let mut last_possible = (0, 0.0);
-    for (block, &w) in sums.iter().enumerate() {
-        let w = f64::from(w);
+    for (k, w) in weights.into_iter().enumerate() {
         if w > 0.0 {
-            last_possible = (block, target - before);
+            last_possible = (k, before);
             if before + w > target {
                 return last_possible;
             }
         }
         before += w;
-    }
-    last_possible
-}
-
-/// The entry of `weights` where their running sum first passes `target` (never one of
-/// weight 0); the last possible one when rounding leaves the sum short of it.
-fn walk(weights: &[f32], target: f64) -> usize {
-    let mut cumulative = 0.0;
-    let mut last_possible = 0;
-    for (k, &w) in weights.iter().enumerate() {
-        if w > 0.0 {
-            last_possible = k;
-            cumulative += f64::from(w);
-            if cumulative > target {
-                return k;
-            }
-        }
     }
     last_possible
 }
@@ -239,21 +230,7 @@ pub fn draw(logits: &[f32], temperature: f64, u: f64) -> u32 {
         }
     };
     let total: f64 = logits.iter().map(|&l| weight(l)).sum();
-    let target = u * total;
-    let mut cumulative = 0.0;
-    let mut last_possible = 0;
-    for (token, &l) in logits.iter().enumerate() {
-        let w = weight(l);
-        if w > 0.0 {
-            last_possible = token;
-        }
-        cumulative += w;
-        if cumulative > target && w > 0.0 {
-            return token as u32;
-        }
-    }
-    // `u` at the very top, past the summed weights by rounding.
-    last_possible as u32
+    passing(logits.iter().map(|&l| weight(l)), u * total).0 as u32
 }
 
 #[cfg(test)]
