@@ -18,6 +18,9 @@
 // contiguous, every row 16-byte aligned), so the model hands over its [b, t, heads, hd]
 // projections and its KV cache as they are, without a transposing copy. The output is
 // written [b, t, heads, hd], which is what the output projection reads.
+// The prefill kernels can also take q unturned, as the fused q | k | v projection gives
+// it, with its RoPE angles (`q_angles`, [t, hd]: each query row's cos, then its sin) and
+// turn it while staging it: the rope pass over q (read and written once more) goes.
 //
 // Built twice: for compute_80 (every card) and for sm_90a, where a second kernel does both
 // products with wgmma (Hopper's warpgroup instructions, below); the launcher picks it on a
@@ -106,6 +109,21 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 }
 
 __device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// A query's bf16 pair of dims i, i + 1 (< hd/2) and its RoPE partner pair (dims i + hd/2,
+// i + hd/2 + 1), turned by the angles at `cs` (the cos of dim i; its sin hd/2 further),
+// each rounded once to bf16 as rope.cu rounds them.
+__device__ __forceinline__ void turn_pair(uint32_t& x1, uint32_t& x2, const __nv_bfloat16* cs, int half) {
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x1));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x2));
+    const float2 co = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(cs));
+    const float2 sn = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(cs + half));
+    float o1x, o1y, o2x, o2y;
+    rope_turn(a.x, b.x, co.x, sn.x, o1x, o2x);
+    rope_turn(a.y, b.y, co.y, sn.y, o1y, o2y);
+    x1 = pack_bf16(o1x, o1y);
+    x2 = pack_bf16(o2x, o2y);
+}
 
 // One key tile's online softmax for a warp's MT query tiles of 16 (rows pos[mt][0] and
 // pos[mt][1] of this lane): masks the keys past each row where the tile crosses the
@@ -240,7 +258,8 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
                        const __nv_bfloat16* __restrict__ v,  // [b, kv_heads, T, HD], strided
                        __nv_bfloat16* __restrict__ out,      // [b, t, heads, HD]
                        int heads, int kv_heads, int t, int T, float scale, Strides qs, Strides kst,
-                       Strides vst) {
+                       Strides vst,
+                       const __nv_bfloat16* __restrict__ q_angles) {  // [t, HD] cos | sin, or null
     // Rows padded by 16 bytes: the 8 rows one ldmatrix phase reads fall in distinct banks.
     constexpr int STRIDE = HD + 8;
     constexpr int KSTEPS = HD / 16;      // mma k-steps over the head dims (S = Q Kᵀ)
@@ -311,6 +330,24 @@ __device__ void attend(const __nv_bfloat16* __restrict__ q,  // [b, heads, t, HD
             qa[mt][kk][2] = r0 < t ? load_pair(q0r + 8) : 0u;
             qa[mt][kk][3] = r1 < t ? load_pair(q1r + 8) : 0u;
         }
+    }
+    // q as the projection gave it (`q_angles` set): turned here (RoPE), where rope.cu
+    // would have read and written all of it once more. A lane's fragment of dims
+    // kk·16 + … and its partner hd/2 further (k-step kk + KSTEPS/2) are the pairs RoPE
+    // mixes; element e is row r0 or r1 (e & 1) and columns + 0 or + 8 (e >> 1).
+    if (q_angles != nullptr) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS / 2; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = row0[mt] + (e & 1) * 8;
+                    const int col = kk * 16 + 2 * c + (e >> 1) * 8;
+                    if (r < t)
+                        turn_pair(qa[mt][kk][e], qa[mt][kk + KSTEPS / 2][e],
+                                  q_angles + static_cast<long long>(r) * HD + col, HD / 2);
+                }
     }
     float o[MT][DIM_TILES][4];
     float m[MT][2], l[MT][2];
@@ -467,7 +504,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4
 // and 280 for mma.sync (`docs/kernel-notes.md`).
 __device__ void attend_wgmma(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                              const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,
-                             int kv_heads, int t, int T, float scale, Strides qs, Strides kst, Strides vst) {
+                             int kv_heads, int t, int T, float scale, Strides qs, Strides kst, Strides vst,
+                             const __nv_bfloat16* __restrict__ q_angles) {  // [t, HD] cos | sin, or null
     constexpr int HD = 64;  // one 128-byte swizzled row
     constexpr int DIM_TILES = HD / 8;
     constexpr int PIECES_ROW = HD / VEC;  // 16-byte pieces of a row
@@ -492,11 +530,39 @@ __device__ void attend_wgmma(const __nv_bfloat16* __restrict__ q, const __nv_bfl
     // Each thread stages one 16-byte piece (column `piece`) of rows piece_row + i·ROWS_A_PASS.
     constexpr int ROWS_A_PASS = THREADS / PIECES_ROW;
     const int piece_row = threadIdx.x / PIECES_ROW, piece = threadIdx.x % PIECES_ROW;
+    if (q_angles == nullptr) {
 #pragma unroll
-    for (int i = 0; i < ATT_QUERIES / ROWS_A_PASS; ++i) {
-        const int r = piece_row + i * ROWS_A_PASS;
-        const bool valid = q0 + r < t;
-        copy16_async(&qsm[swizzled(r, piece)], valid ? q + qs.row(b, h, q0 + r) + piece * VEC : q, valid);
+        for (int i = 0; i < ATT_QUERIES / ROWS_A_PASS; ++i) {
+            const int r = piece_row + i * ROWS_A_PASS;
+            const bool valid = q0 + r < t;
+            copy16_async(&qsm[swizzled(r, piece)], valid ? q + qs.row(b, h, q0 + r) + piece * VEC : q, valid);
+        }
+    } else {
+        // q as the projection gave it: a thread turns (RoPE) a piece of the first half of
+        // a row with its partner hd/2 further and stores both, where rope.cu would have
+        // read and written all of q once more. The fence before the first product orders
+        // these stores before wgmma reads them, as it does the copies.
+        constexpr int HALF_PIECES = PIECES_ROW / 2;
+        constexpr int ROWS_TURNED = THREADS / HALF_PIECES;
+        const int turn_row = threadIdx.x / HALF_PIECES, turn_piece = threadIdx.x % HALF_PIECES;
+#pragma unroll
+        for (int i = 0; i < ATT_QUERIES / ROWS_TURNED; ++i) {
+            const int r = turn_row + i * ROWS_TURNED;
+            float o1[VEC] = {}, o2[VEC] = {};  // rows past t stay zeros
+            if (q0 + r < t) {
+                const __nv_bfloat16* src = q + qs.row(b, h, q0 + r) + turn_piece * VEC;
+                const __nv_bfloat16* cs = q_angles + static_cast<long long>(q0 + r) * HD + turn_piece * VEC;
+                float x1[VEC], x2[VEC], co[VEC], sn[VEC];
+                load8(src, x1);
+                load8(src + HD / 2, x2);
+                load8(cs, co);
+                load8(cs + HD / 2, sn);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) rope_turn(x1[e], x2[e], co[e], sn[e], o1[e], o2[e]);
+            }
+            store8(&qsm[swizzled(r, turn_piece)], o1);
+            store8(&qsm[swizzled(r, turn_piece + HALF_PIECES)], o2);
+        }
     }
     const __nv_bfloat16* k_next = k + kst.row(b, kvh, piece_row) + piece * VEC;
     const __nv_bfloat16* v_next = v + vst.row(b, kvh, piece_row) + piece * VEC;
@@ -572,8 +638,9 @@ __device__ void attend_wgmma(const __nv_bfloat16* __restrict__ q, const __nv_bfl
 extern "C" __global__ void __launch_bounds__(ATT_WGMMA_WARPS * 32, 2)
     causal_attention_wgmma_bf16_hd64(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                                      const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,
-                                     int kv_heads, int t, int T, float scale, Strides qs, Strides ks, Strides vs) {
-    attend_wgmma(q, k, v, out, heads, kv_heads, t, T, scale, qs, ks, vs);
+                                     int kv_heads, int t, int T, float scale, Strides qs, Strides ks, Strides vs,
+                                     const __nv_bfloat16* __restrict__ q_angles) {
+    attend_wgmma(q, k, v, out, heads, kv_heads, t, T, scale, qs, ks, vs, q_angles);
 }
 #endif
 
@@ -581,8 +648,9 @@ extern "C" __global__ void __launch_bounds__(ATT_WGMMA_WARPS * 32, 2)
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) causal_attention_bf16_hd##HD( \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                 \
         const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int heads,          \
-        int kv_heads, int t, int T, float scale, Strides qs, Strides ks, Strides vs) {            \
-        attend<HD>(q, k, v, out, heads, kv_heads, t, T, scale, qs, ks, vs);                       \
+        int kv_heads, int t, int T, float scale, Strides qs, Strides ks, Strides vs,              \
+        const __nv_bfloat16* __restrict__ q_angles) {                                             \
+        attend<HD>(q, k, v, out, heads, kv_heads, t, T, scale, qs, ks, vs, q_angles);             \
     }
 ATTEND_KERNEL(64)
 
@@ -784,13 +852,16 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
         const float co = __bfloat162float(cs[tid]), sn = __bfloat162float(cs[HALF + tid]);
         const __nv_bfloat16* qr = row + h * HD;
         const float q1 = __bfloat162float(qr[tid]), q2 = __bfloat162float(qr[HALF + tid]);
-        qs[tid] = round_bf16(q1 * co - q2 * sn) * scale;
-        qs[HALF + tid] = round_bf16(q1 * sn + q2 * co) * scale;
+        float t1, t2;
+        rope_turn(q1, q2, co, sn, t1, t2);
+        qs[tid] = round_bf16(t1) * scale;
+        qs[HALF + tid] = round_bf16(t2) * scale;
         if (last_split) {
             const __nv_bfloat16* kr = row + heads * HD + kvh * HD;
             const float k1 = __bfloat162float(kr[tid]), k2 = __bfloat162float(kr[HALF + tid]);
-            const __nv_bfloat16 o1 = __float2bfloat16(k1 * co - k2 * sn);
-            const __nv_bfloat16 o2 = __float2bfloat16(k1 * sn + k2 * co);
+            rope_turn(k1, k2, co, sn, t1, t2);
+            const __nv_bfloat16 o1 = __float2bfloat16(t1);
+            const __nv_bfloat16 o2 = __float2bfloat16(t2);
             slot[kvh * HD + tid] = o1;
             slot[kvh * HD + HALF + tid] = o2;
             ks[tid] = __bfloat162float(o1);

@@ -13,6 +13,10 @@
 // rows of their own: all heads for plain RoPE; for fused q | k | v rows, the queries in
 // one call and the keys | values in another, so each is a tensor of its own (a KV cache
 // that keeps the keys and values then holds nothing else, and copies nothing).
+//
+// `rope_in_place_bf16` turns the first `rot_heads` heads of each row where they lie and
+// leaves the rest alone: the keys of `k | v` rows that a product wrote as the KV cache
+// keeps them, so the values are neither read nor copied.
 #include "twell_common.cuh"
 
 #define ROPE_THREADS 256
@@ -45,9 +49,35 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_bf16(
     load8(angles + half + c, sn);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-        o1[e] = x1[e] * co[e] - x2[e] * sn[e];
-        o2[e] = x1[e] * sn[e] + x2[e] * co[e];
+        rope_turn(x1[e], x2[e], co[e], sn[e], o1[e], o2[e]);
     }
     store8(dst + c, o1);
     store8(dst + half + c, o2);
+}
+
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_in_place_bf16(
+    __nv_bfloat16* x,                      // [tokens, heads, hd], turned in place
+    const __nv_bfloat16* __restrict__ cs,  // [t, hd]: each position's cos, then its sin
+    long long tokens, int t, int heads, int hd, int rot_heads) {
+    const int half = hd / 2, groups = half / VEC;
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= tokens * rot_heads * groups) return;
+    const long long row = i / groups;  // (token, turned head)
+    const int c = static_cast<int>(i % groups) * VEC;
+    const long long token = row / rot_heads;
+    const int head = static_cast<int>(row % rot_heads);
+    const int pos = static_cast<int>(token % t);
+    __nv_bfloat16* at = x + (token * heads + head) * hd;
+    float x1[VEC], x2[VEC], co[VEC], sn[VEC], o1[VEC], o2[VEC];
+    load8(at + c, x1);
+    load8(at + half + c, x2);
+    const __nv_bfloat16* angles = cs + static_cast<long long>(pos) * hd;
+    load8(angles + c, co);
+    load8(angles + half + c, sn);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        rope_turn(x1[e], x2[e], co[e], sn[e], o1[e], o2[e]);
+    }
+    store8(at + c, o1);
+    store8(at + half + c, o2);
 }

@@ -38,6 +38,16 @@ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float* out) {
     }
 }
 
+// RoPE's turn of one pair of dims (x1 at i < hd/2, x2 at i + hd/2) by the angle whose
+// cos and sin are co and sn (rotate-half, as HF Llama), in f32. The fused multiply-adds
+// are spelt out so every kernel that turns q or k (rope.cu, the attention kernels)
+// rounds the same way: the attention that turns its queries itself gives exactly what
+// rope.cu's queries would.
+__device__ __forceinline__ void rope_turn(float x1, float x2, float co, float sn, float& o1, float& o2) {
+    o1 = fmaf(x1, co, -x2 * sn);
+    o2 = fmaf(x1, sn, x2 * co);
+}
+
 // Adds into global memory without asking for the old value back. `atomicAdd` on a float
 // compiles to a returning atomic even when the value is unused, and those cost the
 // one-token MLP kernel 5 of its 19 us (nineteenth session, `docs/kernel-notes.md`).

@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::llama as candle_llama;
 use common::{rel_l2, tiny_config, tiny_weights};
+use sparse_llama::AttentionPath;
 
 #[test]
 fn same_logits_as_candle_transformers_llama() {
@@ -24,7 +25,14 @@ fn same_logits_as_candle_transformers_llama() {
         &theirs_cfg,
     )
     .unwrap();
-    for fused in [false, true] {
+    // Split or fused projections; the fused ones also with our fused ops' CPU forms
+    // (`AttentionPath::Fused`), whose prefill turns the keys in place and lets the
+    // attention turn q.
+    for (fused, path) in [
+        (false, AttentionPath::Auto),
+        (true, AttentionPath::Auto),
+        (true, AttentionPath::Fused),
+    ] {
         let mut ours = sparse_llama::Llama::load(
             VarBuilder::from_tensors(w.clone(), DType::F32, &dev),
             &ours_cfg,
@@ -33,6 +41,7 @@ fn same_logits_as_candle_transformers_llama() {
         if fused {
             ours.fuse_qkv().unwrap();
         }
+        ours.set_attention_path(path);
         assert_eq!(ours.is_qkv_fused(), fused);
         let mut cache_theirs =
             candle_llama::Cache::new(true, DType::F32, &theirs_cfg, &dev).unwrap();

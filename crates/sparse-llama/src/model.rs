@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear_b, Embedding, Linear, RmsNorm, VarBuilder};
-use twell::ops::RopeTable;
+use twell::ops::{PrefillRope, QkvPart, RopeTable};
 use twell::{FfnMode, MlpStats, SparseMlp};
 
 pub use crate::config::{Config, LlamaConfig, LlamaEosToks};
@@ -223,6 +223,9 @@ struct CausalSelfAttention {
     /// The three projections as one, once [`Llama::fuse_qkv`] has run (the split ones
     /// are then views of its weight).
     qkv_proj: Option<Linear>,
+    /// The keys and values rows of the same weight (a view), for the inference prefill
+    /// that projects q and `k | v` apart and turns the keys in place.
+    kv_proj: Option<Linear>,
     o_proj: Linear,
     num_attention_heads: usize,
     num_key_value_heads: usize,
@@ -240,6 +243,7 @@ impl CausalSelfAttention {
             k_proj: linear_b(h, kv, bias, vb.pp("k_proj"))?,
             v_proj: linear_b(h, kv, bias, vb.pp("v_proj"))?,
             qkv_proj: None,
+            kv_proj: None,
             o_proj: linear_b(q, h, bias, vb.pp("o_proj"))?,
             num_attention_heads: cfg.num_attention_heads,
             num_key_value_heads: cfg.num_key_value_heads,
@@ -286,8 +290,10 @@ impl CausalSelfAttention {
         // they come: a reshape or transpose is an autograd node, and the backward gives
         // every node a zeros tensor and an add over its size. Training gets here with the
         // fused ops only, whose backward passes exist (split projections, no cache).
-        // Inference after `fuse_qkv` takes one product and one RoPE launch for q, k and
-        // v, whose keys and values come out side by side (`kv`), as the cache keeps them.
+        // Inference after `fuse_qkv` takes the keys and values side by side (`kv`), as
+        // the cache keeps them: with the fused attention, q and `k | v` are two products
+        // and the keys turn in place (`TWELL_PREFILL_ROPE` picks another way), elsewhere
+        // one product and one RoPE launch for q and one for `k | v`.
         let w = nkv * hd;
         // A decode step with fused projections on the GPU: RoPE, the cache append and the
         // attention in one launch, which writes the new row into the layer's buffer.
@@ -302,16 +308,37 @@ impl CausalSelfAttention {
                 return self.o_proj.forward(&y);
             }
         }
-        let (q, mut k, mut v, kv) = match &self.qkv_proj {
-            Some(qkv) => {
-                let (q, kv) = twell::ops::rope_qkv(&qkv.forward(x)?, rope, nq, nkv)?;
-                (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv))
+        // `q_turned` is false where q is still the projection's: the fused attention
+        // turns it as it reads it, one pass over q fewer.
+        let prefill_rope = match (&self.qkv_proj, &self.kv_proj) {
+            (Some(_), Some(_)) if pass != Pass::Train => twell::ops::prefill_rope()?,
+            _ => PrefillRope::TurnAll,
+        };
+        let (q, mut k, mut v, kv, q_turned) = match (&self.qkv_proj, &self.kv_proj) {
+            // q and `k | v` apart (`k | v` as the cache keeps them), the keys turned in
+            // place: RoPE reads and writes the keys only.
+            (Some(_), Some(kv_proj)) if fused && prefill_rope == PrefillRope::KeysInPlace => {
+                let q = self.q_proj.forward(x)?;
+                let kv = kv_proj.forward(x)?;
+                twell::ops::rope_keys_in_place(&kv, rope, nkv)?;
+                (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv), false)
             }
-            None => (
+            (Some(qkv), _) if fused && prefill_rope == PrefillRope::TurnKeys => {
+                let qkv = qkv.forward(x)?;
+                let kv = twell::ops::rope_qkv_part(&qkv, rope, nq, nkv, QkvPart::KeysValues)?;
+                let q = qkv.narrow(1, 0, nq * hd)?;
+                (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv), false)
+            }
+            (Some(qkv), _) => {
+                let (q, kv) = twell::ops::rope_qkv(&qkv.forward(x)?, rope, nq, nkv)?;
+                (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv), true)
+            }
+            (None, _) => (
                 twell::ops::rope(&self.q_proj.forward(x)?, rope)?,
                 twell::ops::rope(&self.k_proj.forward(x)?, rope)?,
                 self.v_proj.forward(x)?,
                 None,
+                true,
             ),
         };
         if let Some(slot) = kv_cache {
@@ -330,7 +357,11 @@ impl CausalSelfAttention {
         if fused {
             // The scores stay on chip; the mask is the causal one the kernel applies. The
             // op reads strided keys and values (views of `kv` or of the cache) in place.
-            let y = twell::ops::causal_attention_rows(&q, &k, &v, b, hd)?;
+            let y = if q_turned {
+                twell::ops::causal_attention_rows(&q, &k, &v, b, hd)?
+            } else {
+                twell::ops::causal_attention_rows_turning_q(&q, rope, &k, &v, b, hd)?
+            };
             return self.o_proj.forward(&y);
         }
         self.plain_attention(heads(&q, nq)?, heads(&k, nkv)?, heads(&v, nkv)?, mask, pass)
@@ -356,6 +387,15 @@ impl CausalSelfAttention {
             *part = Linear::new(weight.narrow(0, start, n)?, b);
             start += n;
         }
+        let (q_rows, kv_rows) = (
+            self.q_proj.weight().dim(0)?,
+            2 * self.k_proj.weight().dim(0)?,
+        );
+        let kv_bias = bias
+            .as_ref()
+            .map(|b| b.narrow(0, q_rows, kv_rows))
+            .transpose()?;
+        self.kv_proj = Some(Linear::new(weight.narrow(0, q_rows, kv_rows)?, kv_bias));
         self.qkv_proj = Some(Linear::new(weight, bias));
         Ok(())
     }

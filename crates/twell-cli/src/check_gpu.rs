@@ -333,6 +333,84 @@ fn check_attention_step(
     })
 }
 
+#[derive(Serialize, Debug)]
+struct AttentionTurningQResult {
+    /// (batch, heads, kv_heads, query positions, cached positions before them)
+    dims: (usize, usize, usize, usize, usize),
+    /// The forward kernel that ran (or none: RoPE then the attention).
+    kernel: Option<String>,
+    /// Largest difference from `rope_qkv` then the attention on the turned queries.
+    max_diff: f32,
+    /// Largest difference of the keys turned in place in `k | v` rows (as the two-product
+    /// prefill has them) from `rope_qkv`'s keys, and of their values.
+    keys_in_place_diff: f32,
+    pass: bool,
+}
+
+/// The attention that turns its queries (RoPE) as it stages them against `rope_qkv`
+/// then the attention on the turned queries: the same rows, bit for bit; and the keys
+/// of `k | v` rows turned in place against `rope_qkv`'s, bit for bit too. q is a view
+/// of the fused projection rows, the angles a view into a longer table (positions past
+/// a cache), the keys a cache's rows then the new ones.
+fn check_attention_turning_q(
+    dev: &Device,
+    dims: (usize, usize, usize, usize, usize),
+    seed: u64,
+) -> Result<AttentionTurningQResult> {
+    let (b, heads, kv, t, past) = dims;
+    let hd = 64;
+    let w = kv * hd;
+    dev.set_seed(seed)?;
+    let bf = |shape: &[usize]| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(DType::BF16)?)
+    };
+    let qkv = bf(&[b * t, (heads + 2 * kv) * hd])?;
+    let table = twell::ops::RopeTable::new(
+        &(bf(&[past + t, hd / 2])? * 0.7)?,
+        &(bf(&[past + t, hd / 2])? * 0.7)?,
+    )?;
+    let angles = table.narrow(past, t)?;
+    let (q, kv_rows) = twell::ops::rope_qkv(&qkv, &angles, heads, kv)?;
+    let new_rows = kv_rows.reshape((b, t, 2 * w))?;
+    // No zero-sized random tensor for an empty cache: cuRAND rejects a count of 0.
+    let keys = if past == 0 {
+        new_rows
+    } else {
+        Tensor::cat(&[bf(&[b, past, 2 * w])?, new_rows], 1)?
+    };
+    let (k, v) = (keys.narrow(2, 0, w)?, keys.narrow(2, w, w)?);
+    let want = twell::ops::causal_attention_rows(&q, &k, &v, b, hd)?;
+    let q_raw = qkv.narrow(1, 0, heads * hd)?;
+    let got = twell::ops::causal_attention_rows_turning_q(&q_raw, &angles, &k, &v, b, hd)?;
+    let largest_diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
+        Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?)
+    };
+    let max_diff = largest_diff(&got, &want)?;
+    let kv_in_place = qkv.narrow(1, heads * hd, 2 * w)?.contiguous()?;
+    twell::ops::rope_keys_in_place(&kv_in_place, &angles, kv)?;
+    let keys_in_place_diff = largest_diff(&kv_in_place, &kv_rows)?;
+    let kernel = (t > 1)
+        .then(|| {
+            twell::ops::causal_attention_kernel_name(
+                &q.reshape((b, t, heads, hd))?.transpose(1, 2)?,
+                past + t,
+            )
+        })
+        .transpose()?
+        .flatten();
+    Ok(AttentionTurningQResult {
+        dims,
+        kernel,
+        max_diff,
+        keys_in_place_diff,
+        pass: max_diff == 0.0 && keys_in_place_diff == 0.0 && got.dims() == want.dims(),
+    })
+}
+
 /// A model of the checks with its weights as variables, by name.
 type CheckModel = (sparse_llama::Llama, Vec<(String, Var)>);
 
@@ -1036,6 +1114,7 @@ struct Report {
     /// The embedding's weight gradient, GPU bf16 against CPU f32.
     embedding_grad_err: f64,
     attention_step: Vec<AttentionStepResult>,
+    attention_turning_q: Vec<AttentionTurningQResult>,
     /// Split, then fused q, k, v projections.
     model_attention_err: [f64; 2],
     model_training: ModelTrainResult,
@@ -1383,6 +1462,34 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         attention_step.push(r);
     }
+    let mut attention_turning_q = Vec::new();
+    // (batch, heads, kv_heads, queries, cached before them): prefill sizes on either
+    // kernel, grouped heads, a chunk after a cache, a block's worth of rows and a ragged
+    // one, and one query (RoPE then the decode kernel).
+    for (k, dims) in [
+        (1, 9, 3, 100, 0),
+        (2, 32, 8, 333, 64),
+        (4, 32, 32, 2048, 0),
+        (3, 6, 2, 17, 81),
+        (1, 2, 1, 128, 1000),
+        (2, 4, 4, 1, 30),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = check_attention_turning_q(&dev, dims, 1400 + k as u64)?;
+        println!(
+            "attention turning q (b, heads, kv_heads, t, cached) = {dims:?} ({}): largest \
+             difference from RoPE then the attention {:.2e}, keys turned in place {:.2e} {}",
+            r.kernel
+                .as_deref()
+                .unwrap_or("RoPE, then the one-query kernel"),
+            r.max_diff,
+            r.keys_in_place_diff,
+            tally.record(r.pass)
+        );
+        attention_turning_q.push(r);
+    }
     let model_attention_err = check_model_attention(&dev)?;
     for (err, projections) in model_attention_err.iter().zip(["split", "fused"]) {
         println!(
@@ -1418,6 +1525,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             adamw_mixed_err,
             embedding_grad_err,
             attention_step,
+            attention_turning_q,
             model_attention_err,
             model_training,
         };

@@ -178,3 +178,71 @@ fn fused_projection_rows_turn_like_their_split_parts() {
         .to_string();
     assert!(err.contains("cos_sin"), "{err}");
 }
+
+/// The keys of `k | v` rows turned in place equal the RoPE op's keys bit for bit, and
+/// the values are left as they were.
+#[test]
+fn keys_turned_in_place_match_the_op_and_leave_the_values() {
+    use twell::ops::rope_keys_in_place;
+    for &(b, t, nkv, hd) in &[(1, 1, 2, 16), (2, 5, 3, 32), (3, 2, 1, 8)] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let rows = b * t;
+            let kv = random(&[rows, 2 * nkv * hd], 41).to_dtype(dtype).unwrap();
+            let before = kv.copy().unwrap();
+            let cos = random(&[t, hd / 2], 42).to_dtype(dtype).unwrap();
+            let sin = random(&[t, hd / 2], 43).to_dtype(dtype).unwrap();
+            let angles = RopeTable::new(&cos, &sin).unwrap();
+            rope_keys_in_place(&kv, &angles, nkv).unwrap();
+            let as_f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            let max_diff = |a: &Tensor, b: &Tensor| -> f32 {
+                (as_f32(a) - as_f32(b))
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar()
+                    .unwrap()
+            };
+            let part = |x: &Tensor, start: usize| x.narrow(1, start * hd, nkv * hd).unwrap();
+            let want_k = part(&before, 0)
+                .contiguous()
+                .unwrap()
+                .apply_op2_no_bwd(&angles.cos_sin, &Rope)
+                .unwrap();
+            assert_eq!(max_diff(&part(&kv, 0), &want_k), 0.0, "keys {dtype:?}");
+            assert!(
+                max_diff(&part(&kv, 0), &part(&before, 0)) > 0.0,
+                "keys moved"
+            );
+            assert_eq!(
+                max_diff(&part(&kv, nkv), &part(&before, nkv)),
+                0.0,
+                "values"
+            );
+        }
+    }
+    let angles = RopeTable::new(&random(&[2, 4], 44), &random(&[2, 4], 45)).unwrap();
+    // Rows that are not two halves of `kv_heads` heads, a view that is not contiguous
+    // and a dtype other than the table's are refused.
+    let err = rope_keys_in_place(&random(&[2, 3 * 8], 46), &angles, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("rope_keys_in_place") && err.contains("[2, 24]"),
+        "{err}"
+    );
+    let wide = random(&[2, 4 * 8], 47);
+    let err = rope_keys_in_place(&wide.narrow(1, 0, 16).unwrap(), &angles, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("contiguous"), "{err}");
+    let err = rope_keys_in_place(
+        &random(&[2, 16], 48).to_dtype(DType::BF16).unwrap(),
+        &angles,
+        1,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("dtype"), "{err}");
+}

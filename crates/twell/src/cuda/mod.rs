@@ -35,7 +35,7 @@ pub use cross_entropy::{cross_entropy, cross_entropy_bwd};
 pub use embedding::embedding_grad;
 pub use gate_l0::{gate_l0, gate_l0_grad_gate, gate_l0_grad_norms};
 pub use kl_divergence::{kl_divergence, kl_divergence_bwd};
-pub use rope::rope;
+pub use rope::{rope, rope_in_place};
 use twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm, PreNorm};
 
 const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
@@ -1372,7 +1372,9 @@ pub fn causal_attention_step(
 
 /// `causal_attention.cu` for `q [b, heads, t, hd]`, `k, v [b, kv_heads, T, hd]` (bf16,
 /// any layout [`attention_strides`] accepts, hd in [`crate::ops::CUDA_HEAD_DIMS`]);
-/// `dims` = (b, heads, t, kv_heads, T, hd). The output is `[b, t, heads, hd]`.
+/// `dims` = (b, heads, t, kv_heads, T, hd). The output is `[b, t, heads, hd]`. With
+/// `q_angles` (`cos_sin [t, hd]`, contiguous bf16) q is taken unturned and the kernel
+/// applies RoPE to it as it stages it; the prefill kernels only (not one query).
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention(
     q: &CudaStorage,
@@ -1383,6 +1385,7 @@ pub fn causal_attention(
     vl: &Layout,
     dims: (usize, usize, usize, usize, usize, usize),
     scale: f32,
+    q_angles: Option<(&CudaStorage, &Layout)>,
 ) -> Result<CudaStorage> {
     let (b, heads, t, kv_heads, total, hd) = dims;
     if !crate::ops::CUDA_HEAD_DIMS.contains(&hd) {
@@ -1423,6 +1426,29 @@ pub fn causal_attention(
     // One query per (batch, head): a block per (batch, head) over the keys, whose scores
     // fit in shared memory. Otherwise ATTENTION_QUERIES queries a block.
     let one_query = t == 1 && total <= crate::ops::CUDA_DECODE_MAX_KEYS;
+    let angles = match q_angles {
+        None => None,
+        Some(_) if one_query => {
+            return err(TwellError::Invalid(
+                "causal_attention on CUDA: one query per sequence takes q already turned".into(),
+            ))
+        }
+        Some((cs, csl)) => {
+            // 16-byte loads of each row's cos and sin.
+            if csl.dims() != [t, hd] || !csl.is_contiguous() || csl.start_offset() % 8 != 0 {
+                return err(TwellError::ShapeMismatch {
+                    what: "causal_attention q_angles",
+                    detail: format!(
+                        "want contiguous [{t}, {hd}] starting 16-byte aligned, got {:?} at \
+                         offset {}",
+                        csl.dims(),
+                        csl.start_offset()
+                    ),
+                });
+            }
+            Some(bf16_view("q_angles", cs, csl)?)
+        }
+    };
     let name = prefill_attention_kernel(&dev, t, total, hd)?;
     let wgmma = name.starts_with("causal_attention_wgmma");
     let cfg = if one_query {
@@ -1467,6 +1493,14 @@ pub fn causal_attention(
         .arg(&qst)
         .arg(&kst)
         .arg(&vst);
+    // The prefill kernels' last argument: q's angles, or a null pointer (q turned).
+    let no_angles: u64 = 0;
+    if !one_query {
+        match &angles {
+            Some(cs) => builder.arg(cs),
+            None => builder.arg(&no_angles),
+        };
+    }
     // SAFETY: the grid covers every (batch, head) and query row, keys are bounded by
     // `total` and rows addressed through the strides checked above; the one-query
     // kernel's dynamic shared memory holds its `total` scores (at most

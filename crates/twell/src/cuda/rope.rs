@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CudaStorage, Layout, Result};
+use candle_core::{CudaStorage, DType, Layout, Result};
 use half::bf16;
 
 use super::bf16_view;
@@ -72,4 +72,55 @@ pub fn rope(
     // the op.
     unsafe { builder.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// Turns the first `rot_heads` heads of each token row of `x` (`[tokens, heads, hd]` in
+/// memory, contiguous bf16) in place by `cos_sin [t, hd]`; the other heads are left as
+/// they are (`rope_in_place_bf16` in `kernels/rope.cu`).
+pub fn rope_in_place(
+    x: &mut CudaStorage,
+    xl: &Layout,
+    cs: &CudaStorage,
+    cl: &Layout,
+    (t, heads, hd): (usize, usize, usize),
+    rot_heads: usize,
+) -> Result<()> {
+    if rot_heads == 0 || rot_heads > heads || !hd.is_multiple_of(16) {
+        return err(TwellError::Invalid(format!(
+            "rope in place: {rot_heads} turned heads of {heads}, head size {hd} (CUDA takes \
+             multiples of 16)"
+        )));
+    }
+    super::check_dtype("rope in place: x", x, DType::BF16)?;
+    let Some((a, b)) = xl.contiguous_offsets() else {
+        return err(TwellError::Invalid(
+            "rope in place: x must be contiguous".into(),
+        ));
+    };
+    let cv = bf16_view("cos_sin", cs, cl)?;
+    let tokens = ((b - a) / (heads * hd)) as i64;
+    let threads = tokens as usize * rot_heads * (hd / 16);
+    let blocks = threads.div_ceil(ROPE_THREADS as usize);
+    if blocks > i32::MAX as usize {
+        return err(TwellError::Invalid(format!(
+            "rope in place: {threads} threads exceed one grid"
+        )));
+    }
+    let dev = x.device().clone();
+    let mut target = x.as_cuda_slice_mut::<bf16>()?.slice_mut(a..b);
+    let func = dev.get_or_load_custom_func("rope_in_place_bf16", "rope", ROPE_PTX)?;
+    let (t_i, heads_i, hd_i, rot_i) = (t as i32, heads as i32, hd as i32, rot_heads as i32);
+    let mut builder = func.builder();
+    builder
+        .arg(&mut target)
+        .arg(&cv)
+        .arg(&tokens)
+        .arg(&t_i)
+        .arg(&heads_i)
+        .arg(&hd_i)
+        .arg(&rot_i);
+    // SAFETY: one thread per 8 pairs of a turned head's row, bounded in the kernel, over
+    // the contiguous range of x; shapes checked by the op.
+    unsafe { builder.launch(super::grid_1d(blocks, ROPE_THREADS)) }.w()?;
+    Ok(())
 }

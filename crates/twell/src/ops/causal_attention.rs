@@ -34,6 +34,9 @@ pub struct CausalAttention {
     scale: f32,
     batch: usize,
     head_dim: usize,
+    /// q's RoPE angles (`cos_sin [t, hd]`) when q comes unturned and the CUDA prefill
+    /// kernel turns it ([`causal_attention_rows_turning_q`]); inference only.
+    q_angles: Option<Tensor>,
 }
 
 /// Keys or values `[b, kv_heads, T, hd]` with each head repeated for the query heads
@@ -175,6 +178,11 @@ impl CustomOp3 for CausalAttention {
         vs: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        if self.q_angles.is_some() {
+            return err(TwellError::Invalid(
+                "causal_attention: queries turned inside the op run on CUDA only".into(),
+            ));
+        }
         let (b, heads, t, kv_heads, total, hd) = self.dims(ql, kl, vl)?;
         let q_rows = Rows::new("q", qs, ql)?;
         let dtype = q_rows.dtype();
@@ -233,7 +241,21 @@ impl CustomOp3 for CausalAttention {
             self.heads_layout("k", kl)?,
             self.heads_layout("v", vl)?,
         );
-        let out = crate::cuda::causal_attention(qs, &q4, ks, &k4, vs, &v4, dims, self.scale)?;
+        let out = match &self.q_angles {
+            None => {
+                crate::cuda::causal_attention(qs, &q4, ks, &k4, vs, &v4, dims, self.scale, None)?
+            }
+            Some(angles) => {
+                let (storage, layout) = angles.storage_and_layout();
+                let candle_core::Storage::Cuda(cs) = &*storage else {
+                    return err(TwellError::Invalid(
+                        "causal_attention: q's angles must sit on the queries' CUDA device".into(),
+                    ));
+                };
+                let angles = Some((cs, layout));
+                crate::cuda::causal_attention(qs, &q4, ks, &k4, vs, &v4, dims, self.scale, angles)?
+            }
+        };
         Ok((out, Shape::from(ql.dims())))
     }
 
@@ -252,6 +274,12 @@ impl CustomOp3 for CausalAttention {
         out: &Tensor,
         grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if self.q_angles.is_some() {
+            return err(TwellError::Invalid(
+                "causal_attention: queries turned inside the op have no backward (inference)"
+                    .into(),
+            ));
+        }
         // Gradients take their input's shape (`[b·T, width]` or `[b, T, width]`).
         let (k_dims, v_dims) = (k.dims().to_vec(), v.dims().to_vec());
         let (q, k, v) = (
@@ -319,9 +347,51 @@ pub fn causal_attention_rows(
         scale: 1.0 / (head_dim.max(1) as f32).sqrt(),
         batch,
         head_dim,
+        q_angles: None,
     };
     let (q, k, v) = (readable(q)?, readable(k)?, readable(v)?);
     q.apply_op3(&k, &v, op)
+}
+
+/// [`causal_attention_rows`] of queries that still need their RoPE turn: `q [b·t,
+/// heads·hd]` as the projection gave it (a view of fused q | k | v rows is read in
+/// place) and `angles` the table of its `t` positions (as [`super::rope`] takes it);
+/// `k` and `v` already turned, as the KV cache keeps them. The same as `rope(q)` then
+/// [`causal_attention_rows`], bit for bit where the CUDA prefill kernels run: they turn
+/// q as they stage it, so q is not read and written once more by a RoPE pass and no
+/// turned copy is allocated. Elsewhere (CPU, one query per sequence, other dtypes or
+/// head sizes) it is those two calls. For inference: no backward.
+pub fn causal_attention_rows_turning_q(
+    q: &Tensor,
+    angles: &super::RopeTable,
+    k: &Tensor,
+    v: &Tensor,
+    batch: usize,
+    head_dim: usize,
+) -> Result<Tensor> {
+    let cs = &angles.cos_sin;
+    // One query a sequence takes the decode kernel, which reads q turned.
+    let one_query = q.dim(0)? <= batch;
+    if !kernel_takes(q, head_dim) || one_query || cs.dtype() != q.dtype() {
+        let q = super::rope(q, angles)?;
+        return causal_attention_rows(&q, k, v, batch, head_dim);
+    }
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        return err(TwellError::Invalid(format!(
+            "causal_attention: q, k, v must share a dtype, got {:?}, {:?}, {:?}",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        )));
+    }
+    let op = CausalAttention {
+        scale: 1.0 / (head_dim.max(1) as f32).sqrt(),
+        batch,
+        head_dim,
+        q_angles: Some(cs.contiguous()?),
+    };
+    let (q, k, v) = (readable(q)?, readable(k)?, readable(v)?);
+    q.apply_op3_no_bwd(&k, &v, &op)
 }
 
 /// Causal attention of `q [b, heads, t, hd]` over `k, v [b, kv_heads, T, hd]` with

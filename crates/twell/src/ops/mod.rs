@@ -45,8 +45,9 @@ pub use adamw::{adamw_step, adamw_step_mixed, sum_squares, AdamwStep};
 pub use add_rms_norm::{add_rms_norm, AddRmsNorm, RmsNorm};
 pub use attention_softmax_grad::{attention_row_dot, attention_softmax_grad, AttentionSoftmaxGrad};
 pub use causal_attention::{
-    causal_attention, causal_attention_reference, causal_attention_rows, causal_attention_step,
-    fused_on_device, kernel_name as causal_attention_kernel_name, step_on_device, CausalAttention,
+    causal_attention, causal_attention_reference, causal_attention_rows,
+    causal_attention_rows_turning_q, causal_attention_step, fused_on_device,
+    kernel_name as causal_attention_kernel_name, step_on_device, CausalAttention,
     CausalAttentionStep, CUDA_DECODE_MAX_KEYS, CUDA_HEAD_DIMS,
 };
 pub use cross_entropy::{cross_entropy, CrossEntropy};
@@ -57,7 +58,10 @@ pub use gated_t2d::{gated_t2d, GatedT2d};
 pub use kl_divergence::{
     kl_divergence, kl_divergence_fused, kl_divergence_reference, KlDivergence,
 };
-pub use rope::{rope, rope_qkv, QkvPart, Rope, RopeQkv, RopeTable};
+pub use rope::{
+    prefill_rope, rope, rope_keys_in_place, rope_qkv, rope_qkv_part, PrefillRope, QkvPart, Rope,
+    RopeQkv, RopeTable,
+};
 pub use twell_mlp::{
     add_norm_fuses, gate_screen, pre_norm_folds, twell_mlp, twell_mlp_add_norm, twell_mlp_screened,
     twell_mlp_with_backward_path, BackwardPath, TwellMlp,

@@ -239,6 +239,22 @@ pub fn rope_qkv(
     q_heads: usize,
     kv_heads: usize,
 ) -> Result<(Tensor, Tensor)> {
+    Ok((
+        rope_qkv_part(qkv, angles, q_heads, kv_heads, QkvPart::Queries)?,
+        rope_qkv_part(qkv, angles, q_heads, kv_heads, QkvPart::KeysValues)?,
+    ))
+}
+
+/// One part of [`rope_qkv`]: the turned queries, or the turned keys with the values
+/// (for an attention that turns its queries itself,
+/// [`super::causal_attention_rows_turning_q`]). One launch; for inference.
+pub fn rope_qkv_part(
+    qkv: &Tensor,
+    angles: &RopeTable,
+    q_heads: usize,
+    kv_heads: usize,
+    part: QkvPart,
+) -> Result<Tensor> {
     let cs = &angles.cos_sin;
     if qkv.dtype() != cs.dtype() {
         return err(TwellError::Invalid(format!(
@@ -247,26 +263,192 @@ pub fn rope_qkv(
             cs.dtype()
         )));
     }
-    let op = |part| RopeQkv {
+    let op = RopeQkv {
         q_heads,
         kv_heads,
         part,
     };
     let qkv = qkv.contiguous()?;
-    let ((_, _, hd), _) = op(QkvPart::Queries).dims(qkv.layout(), cs.layout())?;
+    let ((_, _, hd), _) = op.dims(qkv.layout(), cs.layout())?;
     if !kernel_runs(&qkv, hd) && !qkv.device().is_cpu() {
         // No kernel for this case: the split form (RoPE on each part, then one join).
         let q_width = q_heads * hd;
-        let q = rope(&qkv.narrow(1, 0, q_width)?, angles)?;
-        let k = rope(&qkv.narrow(1, q_width, kv_heads * hd)?, angles)?;
-        let v = qkv.narrow(1, q_width + kv_heads * hd, kv_heads * hd)?;
-        return Ok((q, Tensor::cat(&[&k, &v], 1)?));
+        let kv_width = kv_heads * hd;
+        return match part {
+            QkvPart::Queries => rope(&qkv.narrow(1, 0, q_width)?, angles),
+            QkvPart::KeysValues => {
+                let k = rope(&qkv.narrow(1, q_width, kv_width)?, angles)?;
+                let v = qkv.narrow(1, q_width + kv_width, kv_width)?;
+                Tensor::cat(&[&k, &v], 1)
+            }
+        };
     }
-    let cs = cs.contiguous()?;
-    Ok((
-        qkv.apply_op2_no_bwd(&cs, &op(QkvPart::Queries))?,
-        qkv.apply_op2_no_bwd(&cs, &op(QkvPart::KeysValues))?,
-    ))
+    qkv.apply_op2_no_bwd(&cs.contiguous()?, &op)
+}
+
+/// The op behind [`rope_keys_in_place`]: turns the first `rot_heads` heads of each row
+/// of `x [rows, heads · hd]` (contiguous) in place by `cos_sin [t, hd]`.
+struct RopeInPlace {
+    rot_heads: usize,
+}
+
+impl RopeInPlace {
+    /// `(t, heads, hd)` of a call, checked.
+    fn dims(&self, x: &Layout, cs: &Layout) -> Result<(usize, usize, usize)> {
+        let (t, heads, hd) = dims(x, cs)?;
+        if x.dims().len() != 2 || self.rot_heads == 0 || self.rot_heads > heads {
+            return err(TwellError::ShapeMismatch {
+                what: "rope_keys_in_place",
+                detail: format!(
+                    "x {:?}, cos_sin {:?}: want rows [b · t, heads · hd] with {} turned heads \
+                     of at most heads",
+                    x.dims(),
+                    cs.dims(),
+                    self.rot_heads
+                ),
+            });
+        }
+        Ok((t, heads, hd))
+    }
+}
+
+/// Turns the first `rot_heads` heads of each `heads · hd` row of `x` in place, in f32
+/// (as [`turn_cpu`] does).
+fn turn_in_place_cpu<T: candle_core::WithDType>(
+    x: &mut [T],
+    cs: &[f32],
+    (t, heads, hd): (usize, usize, usize),
+    rot_heads: usize,
+) {
+    let half = hd / 2;
+    x.par_chunks_mut(heads * hd)
+        .enumerate()
+        .for_each(|(token, row)| {
+            let angles = &cs[(token % t) * hd..][..hd];
+            let (co, sn) = angles.split_at(half);
+            for head in row.chunks_mut(hd).take(rot_heads) {
+                for i in 0..half {
+                    let (x1, x2) = (head[i].to_f64() as f32, head[i + half].to_f64() as f32);
+                    head[i] = T::from_f64((x1 * co[i] - x2 * sn[i]) as f64);
+                    head[i + half] = T::from_f64((x1 * sn[i] + x2 * co[i]) as f64);
+                }
+            }
+        });
+}
+
+impl candle_core::InplaceOp2 for RopeInPlace {
+    fn name(&self) -> &'static str {
+        "rope-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &mut CpuStorage,
+        xl: &Layout,
+        css: &CpuStorage,
+        csl: &Layout,
+    ) -> Result<()> {
+        let dims = self.dims(xl, csl)?;
+        let cs = Rows::new("cos_sin", css, csl)?.to_f32_vec();
+        let Some((a, b)) = xl.contiguous_offsets() else {
+            return err(TwellError::Invalid(
+                "rope_keys_in_place: x must be contiguous".into(),
+            ));
+        };
+        match xs {
+            CpuStorage::BF16(v) => turn_in_place_cpu(&mut v[a..b], &cs, dims, self.rot_heads),
+            CpuStorage::F16(v) => turn_in_place_cpu(&mut v[a..b], &cs, dims, self.rot_heads),
+            CpuStorage::F32(v) => turn_in_place_cpu(&mut v[a..b], &cs, dims, self.rot_heads),
+            CpuStorage::F64(v) => turn_in_place_cpu(&mut v[a..b], &cs, dims, self.rot_heads),
+            other => {
+                return err(TwellError::Invalid(format!(
+                    "rope_keys_in_place takes floats, got {:?}",
+                    candle_core::backend::BackendStorage::dtype(&*other)
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &mut candle_core::CudaStorage,
+        xl: &Layout,
+        css: &candle_core::CudaStorage,
+        csl: &Layout,
+    ) -> Result<()> {
+        let dims = self.dims(xl, csl)?;
+        crate::cuda::rope_in_place(xs, xl, css, csl, dims, self.rot_heads)
+    }
+}
+
+/// RoPE of the keys of `kv [b·t, 2·kv_heads·hd]` rows (keys, then values, as the KV
+/// cache keeps them), in place: the values are neither read nor copied. For a model
+/// whose inference prefill projects q and `k | v` apart and whose attention turns q
+/// itself ([`super::causal_attention_rows_turning_q`]). On CUDA outside the kernel's
+/// cases (bf16, head sizes a multiple of 16) the keys are turned by [`rope`] and written
+/// back. For inference: no backward.
+pub fn rope_keys_in_place(kv: &Tensor, angles: &RopeTable, kv_heads: usize) -> Result<()> {
+    let cs = &angles.cos_sin;
+    if kv.dtype() != cs.dtype() {
+        return err(TwellError::Invalid(format!(
+            "rope_keys_in_place: kv and cos_sin must share a dtype, got {:?} and {:?}",
+            kv.dtype(),
+            cs.dtype()
+        )));
+    }
+    if !kv.is_contiguous() {
+        return err(TwellError::Invalid(
+            "rope_keys_in_place: kv must be contiguous (it is written in place)".into(),
+        ));
+    }
+    let op = RopeInPlace {
+        rot_heads: kv_heads,
+    };
+    let (_, heads, hd) = op.dims(kv.layout(), cs.layout())?;
+    if heads != 2 * kv_heads {
+        return err(TwellError::ShapeMismatch {
+            what: "rope_keys_in_place",
+            detail: format!(
+                "kv {:?}: want rows of 2 · {kv_heads} heads (keys, then values)",
+                kv.dims()
+            ),
+        });
+    }
+    if kv.device().is_cuda() && !kernel_runs(kv, hd) {
+        let keys = rope(&kv.narrow(1, 0, kv_heads * hd)?, angles)?;
+        return kv.slice_set(&keys, 1, 0);
+    }
+    kv.inplace_op2(&cs.contiguous()?, &op)
+}
+
+/// How an inference prefill with fused q, k, v weights and the fused attention turns
+/// its queries and keys (`TWELL_PREFILL_ROPE`, for measuring one against another).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillRope {
+    /// One product for q | k | v, then [`rope_qkv`]: turned q, and `k | v` with the
+    /// keys turned (`all`).
+    TurnAll,
+    /// One product, then [`rope_qkv_part`] of `k | v`; the attention turns q
+    /// (`keys`).
+    TurnKeys,
+    /// Two products, q and `k | v`; [`rope_keys_in_place`] turns the keys where they
+    /// lie and the attention turns q (`in-place`, the default).
+    KeysInPlace,
+}
+
+/// The `TWELL_PREFILL_ROPE` knob (`all`, `keys` or `in-place`), read once a process.
+pub fn prefill_rope() -> Result<PrefillRope> {
+    static KNOB: crate::knobs::Cell = crate::knobs::Cell::new();
+    let choice = crate::knobs::read_once(&KNOB, || {
+        crate::knobs::env_choice("TWELL_PREFILL_ROPE", &["all", "keys", "in-place"])
+    })?;
+    Ok(match choice {
+        Some(0) => PrefillRope::TurnAll,
+        Some(1) => PrefillRope::TurnKeys,
+        _ => PrefillRope::KeysInPlace,
+    })
 }
 
 /// The RoPE angles of a run of positions, in both forms: candle's `cos, sin [positions,
