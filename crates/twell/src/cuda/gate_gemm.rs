@@ -130,6 +130,37 @@ struct Plan {
     workspace_bytes: usize,
 }
 
+impl Plan {
+    /// A plan that owns nothing yet: `make_plan` fills it in one object at a time, so an
+    /// error part way drops (and destroys) only what was made.
+    fn empty() -> Self {
+        Self {
+            desc: std::ptr::null_mut(),
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            c: std::ptr::null_mut(),
+            algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+            workspace_bytes: 0,
+        }
+    }
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each non-null object was created by `make_plan` for this plan alone.
+        unsafe {
+            for layout in [self.a, self.b, self.c] {
+                if !layout.is_null() {
+                    let _ = lt::destroy_matrix_layout(layout);
+                }
+            }
+            if !self.desc.is_null() {
+                let _ = lt::destroy_matmul_desc(self.desc);
+            }
+        }
+    }
+}
+
 /// A device's cuBLASLt handle and its plans by `(m, d, f)` (`None`: no algorithm).
 struct LtDevice {
     handle: lt_sys::cublasLtHandle_t,
@@ -314,14 +345,16 @@ fn make_plan(
 ) -> Result<Option<Plan>> {
     use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
     let bf = lt_sys::cudaDataType_t::CUDA_R_16BF;
-    let desc = lt::create_matmul_desc(
+    let mut plan = Plan::empty();
+    plan.desc = lt::create_matmul_desc(
         lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         lt_sys::cudaDataType_t::CUDA_R_32F,
     )
     .map_err(lt_error)?;
-    let a = lt::create_matrix_layout(bf, d as u64, f as u64, d as i64).map_err(lt_error)?;
-    let b = lt::create_matrix_layout(bf, d as u64, m as u64, d as i64).map_err(lt_error)?;
-    let c = lt::create_matrix_layout(bf, f as u64, m as u64, f as i64).map_err(lt_error)?;
+    plan.a = lt::create_matrix_layout(bf, d as u64, f as u64, d as i64).map_err(lt_error)?;
+    plan.b = lt::create_matrix_layout(bf, d as u64, m as u64, d as i64).map_err(lt_error)?;
+    plan.c = lt::create_matrix_layout(bf, f as u64, m as u64, f as i64).map_err(lt_error)?;
+    let (desc, a, b, c) = (plan.desc, plan.a, plan.b, plan.c);
     let transpose: i32 = 1;
     let keep: i32 = 0;
     let epilogue = lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_AUX;
@@ -338,57 +371,49 @@ fn make_plan(
         )?;
         set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &mask_ld)?;
     }
-    let pref = lt::create_matmul_pref().map_err(lt_error)?;
     let wanted = candidates()?;
     let mut found: Vec<lt_sys::cublasLtMatmulHeuristicResult_t> = Vec::with_capacity(wanted);
     let mut count: i32 = 0;
+    let pref = lt::create_matmul_pref().map_err(lt_error)?;
     // SAFETY: the preference takes the workspace limit as a size_t; the heuristic writes
-    // at most `wanted` results into `found`'s capacity and their number into `count`.
+    // at most `wanted` results into `found`'s capacity and their number into `count`. The
+    // preference is destroyed on every path before an error returns.
     unsafe {
-        lt::set_matmul_pref_attribute(
+        let limit = lt::set_matmul_pref_attribute(
             pref,
             lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
             &buffers.workspace_bytes as *const usize as *const _,
             std::mem::size_of::<usize>(),
-        )
-        .map_err(lt_error)?;
-        let status = lt_sys::cublasLtMatmulAlgoGetHeuristic(
-            handle,
-            desc,
-            a,
-            b,
-            c,
-            c,
-            pref,
-            wanted as i32,
-            found.as_mut_ptr(),
-            &mut count,
         );
-        lt::destroy_matmul_pref(pref).map_err(lt_error)?;
-        if status == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        let status = limit.is_ok().then(|| {
+            lt_sys::cublasLtMatmulAlgoGetHeuristic(
+                handle,
+                desc,
+                a,
+                b,
+                c,
+                c,
+                pref,
+                wanted as i32,
+                found.as_mut_ptr(),
+                &mut count,
+            )
+        });
+        let destroyed = lt::destroy_matmul_pref(pref);
+        limit.map_err(lt_error)?;
+        destroyed.map_err(lt_error)?;
+        if status == Some(lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS) {
             found.set_len(count.clamp(0, wanted as i32) as usize);
         }
     }
     found.retain(|h| h.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS);
     if found.is_empty() {
-        // No algorithm for this epilogue and shape: the plain GEMM takes it.
-        // SAFETY: created above, used by nothing else.
-        unsafe {
-            let _ = lt::destroy_matrix_layout(a);
-            let _ = lt::destroy_matrix_layout(b);
-            let _ = lt::destroy_matrix_layout(c);
-            let _ = lt::destroy_matmul_desc(desc);
-        }
+        // No algorithm for this epilogue and shape: the plain GEMM takes it (the plan's
+        // objects are destroyed as it drops).
         return Ok(None);
     }
-    let mut plan = Plan {
-        desc,
-        a,
-        b,
-        c,
-        algo: found[0].algo,
-        workspace_bytes: found[0].workspaceSize,
-    };
+    plan.algo = found[0].algo;
+    plan.workspace_bytes = found[0].workspaceSize;
     if m >= TUNE_MIN_ROWS && found.len() > 1 {
         let best = fastest(handle, stream, &plan, &found, buffers)?;
         plan.algo = found[best].algo;
