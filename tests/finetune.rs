@@ -6,7 +6,9 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::{rel_l2, tiny_config, tiny_tokenizer, tiny_weights};
 use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
-use sparse_llama::train::{L1Controller, L1Penalty, PackedData, TrainConfig, Trainer};
+use sparse_llama::train::{
+    DensityText, L1Controller, L1Penalty, PackedData, TrainConfig, Trainer, L1_TARGET_GAIN,
+};
 use sparse_llama::Cache;
 use twell::FfnMode;
 
@@ -108,10 +110,12 @@ fn bf16_training_computes_in_bf16_on_f32_masters() {
     assert!(p.forward > 0.0 && p.backward > 0.0 && p.optimizer > 0.0);
     let val = t.validate(&data, 2).unwrap();
     assert!(
-        val.is_finite() && val < first.ce,
-        "val {val} vs first {}",
+        val.ce.is_finite() && val.ce < first.ce,
+        "val {} vs first {}",
+        val.ce,
         first.ce
     );
+    assert!(val.mean_l0.is_some_and(|l0| l0 > 0.0), "{val:?}");
     for (name, w) in t.weights().unwrap() {
         assert_eq!(w.dtype(), DType::F32, "{name}");
     }
@@ -588,4 +592,62 @@ fn distillation_pulls_the_student_towards_the_teacher() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("vocabulary"), "{e}");
+}
+
+/// A target density read on validation text: a validation measures the validation
+/// split's L0 and its ratio to the training batches' mean density since the start, and
+/// the next step steers λ by the training density times that ratio.
+#[test]
+fn a_target_read_on_validation_text_steers_by_the_calibrated_density() {
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    // Other text than the training text, so the two densities differ.
+    let other: Vec<u32> = tiny_tokenizer()
+        .encode(
+            "numbers 12 34 56 and more numbers 78 90 then words again. "
+                .repeat(30)
+                .as_str(),
+            false,
+        )
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    let val_data = PackedData::new(&other, 32).unwrap();
+    let mut cfg = tiny_config("silu", 256).into_config(false).unwrap();
+    cfg.ffn_mode = FfnMode::Sparse;
+    let target = 0.2;
+    let tc = TrainConfig {
+        seq_len: 32,
+        batch_size: 4,
+        steps: 20,
+        lr: 3e-3,
+        warmup_steps: 2,
+        l1: 0.05,
+        l1_target_density: Some(target),
+        l1_target_text: DensityText::Validation,
+        ..Default::default()
+    };
+    let d_ff = cfg.intermediate_size as f64;
+    let mut t = Trainer::new(cfg.clone(), tiny_weights(&cfg, 11), tc, &Device::Cpu).unwrap();
+    let logs: Vec<_> = (0..4).map(|_| t.train_step(&data).unwrap()).collect();
+    let train_mean = logs.iter().map(|l| l.mean_l0 / d_ff).sum::<f64>() / logs.len() as f64;
+    let val = t.validate(&val_data, 2).unwrap();
+    let val_density = val.mean_l0.expect("activity statistics are on") / d_ff;
+    let calibration = val_density / train_mean;
+    assert!(
+        (calibration - 1.0).abs() > 1e-3,
+        "the two texts should differ in density: {calibration}"
+    );
+    let before = t.l1_scale();
+    let step = t.train_step(&data).unwrap();
+    let steered = step.mean_l0 / d_ff * calibration;
+    let want = (steered / target).powf(L1_TARGET_GAIN).clamp(0.9, 1.1);
+    let got = t.l1_scale() / before;
+    assert!((got - want).abs() < 1e-9, "λ factor {got}, want {want}");
+    // A target read on validation text without a target density is refused.
+    let bad = TrainConfig {
+        l1_target_text: DensityText::Validation,
+        ..Default::default()
+    };
+    let err = bad.validate().unwrap_err().to_string();
+    assert!(err.contains("validation text"), "{err}");
 }

@@ -74,6 +74,30 @@ impl std::str::FromStr for L1Penalty {
     }
 }
 
+/// The text whose FFN density a target density steers ([`TrainConfig::l1_target_text`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DensityText {
+    /// The training batches, measured every step.
+    #[default]
+    Training,
+    /// The validation split: the training batches' density scaled by the ratio the last
+    /// validation measured between the two. Training text can be sparser than the text
+    /// a model is judged on (sampled text is), and a target read there misses on it.
+    Validation,
+}
+
+impl std::str::FromStr for DensityText {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "training" => Ok(Self::Training),
+            "validation" => Ok(Self::Validation),
+            other => Err(format!("'{other}': want training or validation")),
+        }
+    }
+}
+
 /// Everything that shapes a run (saved with each checkpoint).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TrainConfig {
@@ -119,6 +143,9 @@ pub struct TrainConfig {
     /// instead of λ overshooting and silencing neurons for good.
     #[serde(default)]
     pub l1_target_anneal_steps: usize,
+    /// The text whose density [`Self::l1_target_density`] is read on.
+    #[serde(default)]
+    pub l1_target_text: DensityText,
     /// α of knowledge distillation: the loss is `(1 - α)·CE + α·KL(teacher ‖ student)
     /// + λ·L1` ([`crate::distill`]); 0 trains on the corpus' cross-entropy alone. Needs
     /// a teacher ([`Trainer::set_teacher`]).
@@ -148,6 +175,7 @@ impl Default for TrainConfig {
             no_activity_stats: false,
             l1_target_density: None,
             l1_target_anneal_steps: 0,
+            l1_target_text: DensityText::Training,
             distill: 0.0,
         }
     }
@@ -187,6 +215,8 @@ impl TrainConfig {
             }
         } else if self.l1_target_anneal_steps > 0 {
             return bad("annealing the target density needs a target density");
+        } else if self.l1_target_text == DensityText::Validation {
+            return bad("reading the target density on validation text needs a target density");
         }
         Ok(())
     }
@@ -225,6 +255,13 @@ pub struct L1Controller {
     /// The density at the first steered step: where an annealed target starts.
     #[serde(default)]
     pub anneal_from: Option<f64>,
+    /// Validation density over the training batches' mean density since the validation
+    /// before, as the last validation measured it.
+    #[serde(default)]
+    pub calibration: Option<f64>,
+    /// The training batches' densities since the last validation: sum and count.
+    #[serde(default)]
+    pub since_validation: (f64, usize),
 }
 
 impl Default for L1Controller {
@@ -232,6 +269,8 @@ impl Default for L1Controller {
         Self {
             scale: 1.0,
             anneal_from: None,
+            calibration: None,
+            since_validation: (0.0, 0),
         }
     }
 }
@@ -257,6 +296,34 @@ impl L1Controller {
             .get_or_insert(if usable { density } else { target });
         let progress = (steps_in.saturating_sub(1) as f64 / anneal_steps as f64).min(1.0);
         from * (target / from).powf(progress)
+    }
+
+    /// Notes a training step's density, for the next [`Self::calibrate`].
+    pub fn note_training_density(&mut self, density: f64) {
+        if density.is_finite() {
+            self.since_validation.0 += density;
+            self.since_validation.1 += 1;
+        }
+    }
+
+    /// After a validation that measured `val_density`: the ratio to the training
+    /// batches' mean density since the validation before (kept as it was when there is
+    /// nothing to compare).
+    pub fn calibrate(&mut self, val_density: f64) {
+        let (sum, count) = std::mem::take(&mut self.since_validation);
+        let train = sum / count.max(1) as f64;
+        if count > 0 && train > 0.0 && val_density.is_finite() && val_density > 0.0 {
+            self.calibration = Some(val_density / train);
+        }
+    }
+
+    /// The density a step that ran at `density` on training text counts as, read on
+    /// `text`: scaled by the last calibration for validation text (1 before the first).
+    pub fn density_on(&self, density: f64, text: DensityText) -> f64 {
+        match text {
+            DensityText::Training => density,
+            DensityText::Validation => density * self.calibration.unwrap_or(1.0),
+        }
     }
 
     /// Updates the factor after a step that ran at `density`.
@@ -378,6 +445,9 @@ pub struct StepLog {
     pub tokens_per_sec: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_ce: Option<f64>,
+    /// Mean nonzeros of `h` per token on the validation batches (mean over layers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_l0: Option<f64>,
     /// Where the step's time went, with [`TrainConfig::profile`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub phase_ms: Option<PhaseMs>,
@@ -424,6 +494,15 @@ impl<'a> PhaseClock<'a> {
         self.last = Some(now);
         Ok((now - last).as_secs_f64() * 1e3)
     }
+}
+
+/// What [`Trainer::validate`] measured.
+#[derive(Clone, Copy, Debug)]
+pub struct Validation {
+    /// Mean next-token cross-entropy.
+    pub ce: f64,
+    /// Mean nonzeros of `h` per token (mean over layers), with the activity statistics.
+    pub mean_l0: Option<f64>,
 }
 
 /// Where a run is, to resume it.
@@ -692,8 +771,14 @@ impl Trainer {
         // would compound against the ramp.
         let ramped = self.step > self.cfg.l1_warmup_steps;
         let mut l1_target = None;
+        let density = mean_l0 / self.model_cfg.intermediate_size as f64;
+        if !self.cfg.no_activity_stats {
+            self.l1_controller.note_training_density(density);
+        }
         if let (Some(target), true) = (self.cfg.l1_target_density, ramped) {
-            let density = mean_l0 / self.model_cfg.intermediate_size as f64;
+            let density = self
+                .l1_controller
+                .density_on(density, self.cfg.l1_target_text);
             let goal = self.l1_controller.annealed_target(
                 density,
                 target,
@@ -722,6 +807,7 @@ impl Trainer {
             dead_fraction: self.dead_fraction(),
             tokens_per_sec: tokens as f64 / t0.elapsed().as_secs_f64(),
             val_ce: None,
+            val_l0: None,
             phase_ms: self.cfg.profile.then_some(phases),
         })
     }
@@ -753,12 +839,15 @@ impl Trainer {
         dead as f64 / total.max(1) as f64
     }
 
-    /// Mean cross-entropy over up to `batches` validation batches (no gradients).
-    pub fn validate(&self, data: &PackedData, batches: usize) -> Result<f64> {
+    /// Mean cross-entropy over up to `batches` validation batches (no gradients), and
+    /// their mean L0 when the activity statistics are on; the L0 also calibrates a
+    /// target density read on validation text ([`DensityText::Validation`]).
+    pub fn validate(&mut self, data: &PackedData, batches: usize) -> Result<Validation> {
         // Without keys and values a cache holds only RoPE tables and masks: one serves
         // every batch.
         let mut cache = Cache::new(false, self.cfg.dtype(), &self.model_cfg, &self.device)?;
         let (mut sum, mut n) = (0f64, 0usize);
+        let (mut l0_sum, mut l0_n) = (0f64, 0usize);
         for k in 0..batches {
             let Some(batch) = data.ordered_batch(k, self.cfg.batch_size, &self.device)? else {
                 break;
@@ -770,11 +859,32 @@ impl Trainer {
             let ce = cross_entropy(&logits.detach(), &batch.narrow(1, 1, t)?)?;
             sum += ce.to_scalar::<f32>()? as f64;
             n += 1;
+            if !self.cfg.no_activity_stats {
+                let layers: Vec<f64> = self
+                    .model
+                    .ffn_stats()?
+                    .into_iter()
+                    .flatten()
+                    .map(|s| s.mean_l0)
+                    .collect();
+                if !layers.is_empty() {
+                    l0_sum += layers.iter().sum::<f64>() / layers.len() as f64;
+                    l0_n += 1;
+                }
+            }
         }
         if n == 0 {
             candle_core::bail!("no validation batches");
         }
-        Ok(sum / n as f64)
+        let mean_l0 = (l0_n > 0).then(|| l0_sum / l0_n as f64);
+        if let Some(l0) = mean_l0 {
+            self.l1_controller
+                .calibrate(l0 / self.model_cfg.intermediate_size as f64);
+        }
+        Ok(Validation {
+            ce: sum / n as f64,
+            mean_l0,
+        })
     }
 
     /// The trained weights, HF-named, in f32 (with bf16 training, the optimizer's

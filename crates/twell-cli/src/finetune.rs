@@ -8,7 +8,7 @@ use candle_core::DType;
 use indicatif::{ProgressBar, ProgressStyle};
 use sparse_llama::checkpoint::LoadOptions;
 use sparse_llama::corpus::Corpus;
-use sparse_llama::train::{L1Penalty, PackedData, TrainConfig, Trainer};
+use sparse_llama::train::{DensityText, L1Penalty, PackedData, TrainConfig, Trainer};
 use twell::{Activation, FfnMode};
 
 use crate::corpus_args::CorpusArgs;
@@ -63,6 +63,12 @@ pub struct FinetuneArgs {
     /// --l1-warmup) geometrically down to --l1-target-density over this many steps.
     #[arg(long, default_value_t = 0)]
     pub l1_target_anneal: usize,
+    /// The text --l1-target-density is read on: `training` (the training batches, every
+    /// step) or `validation` (the training batches' density scaled by the ratio between
+    /// the validation split's and theirs at the last --eval-every validation; needs
+    /// --eval-every > 0). Sampled training text can be sparser than held-out text.
+    #[arg(long, default_value = "training")]
+    pub l1_target_text: String,
     /// The L1 term: `plain` (Σ|h_j|), `down-norm` (Σ|h_j|·‖Wd_j‖, which rescaling a
     /// neuron's weights cannot lower), `hoyer` ((Σ|h_j|)² / Σh_j² per token, which a
     /// common scale of all neurons cannot lower) or `gate-l0` (a smooth count of the
@@ -148,9 +154,19 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         no_activity_stats: false,
         l1_target_density: args.l1_target_density,
         l1_target_anneal_steps: args.l1_target_anneal,
+        l1_target_text: args
+            .l1_target_text
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--l1-target-text {e}"))?,
         distill: args.distill,
     };
     cfg.validate()?;
+    if cfg.l1_target_text == DensityText::Validation && args.eval_every == 0 {
+        anyhow::bail!(
+            "--l1-target-text validation reads the density at each validation: give \
+             --eval-every > 0"
+        );
+    }
     // Resuming reads the weights from the checkpoint being resumed.
     let mut model_args = args.model.clone();
     if let Some(r) = &args.resume {
@@ -275,7 +291,8 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         let mut entry = trainer.train_step(&train)?;
         let step = trainer.step();
         if (args.eval_every > 0 && step % args.eval_every == 0) || step == args.steps {
-            entry.val_ce = Some(trainer.validate(&val, args.eval_batches)?);
+            let v = trainer.validate(&val, args.eval_batches)?;
+            (entry.val_ce, entry.val_l0) = (Some(v.ce), v.mean_l0);
         }
         writeln!(log, "{}", serde_json::to_string(&entry)?)?;
         bar.set_message(format!(
@@ -297,6 +314,10 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
                 .val_ce
                 .map(|v| format!(" val {v:.3}"))
                 .unwrap_or_default()
+                + &entry
+                    .val_l0
+                    .map(|v| format!(" (L0 {v:.1})"))
+                    .unwrap_or_default()
         ));
         bar.set_position(step as u64);
         let out_of_time = args

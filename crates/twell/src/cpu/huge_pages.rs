@@ -18,7 +18,8 @@ fn enabled() -> bool {
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 fn aligned_interior(start: usize, bytes: usize) -> Option<(usize, usize)> {
     let (a, b) = (start.next_multiple_of(HUGE), (start + bytes) / HUGE * HUGE);
-    (b > a).then_some((a, b - a))
+    // Lazily: for a range inside one 2 MB page `b` lies below `a`.
+    (b > a).then(|| (a, b - a))
 }
 
 #[cfg(target_os = "linux")]
@@ -75,6 +76,9 @@ mod tests {
     #[test]
     fn interior_is_aligned_and_inside() {
         assert_eq!(aligned_interior(0, HUGE - 1), None);
+        // Inside one page, not at its start: no interior (and no underflow).
+        assert_eq!(aligned_interior(16, 4096), None);
+        assert_eq!(aligned_interior(HUGE + 16, HUGE - 32), None);
         assert_eq!(aligned_interior(1, 2 * HUGE), Some((HUGE, HUGE)));
         assert_eq!(aligned_interior(HUGE, 3 * HUGE + 5), Some((HUGE, 3 * HUGE)));
     }
