@@ -321,6 +321,24 @@ impl CustomOp3 for CausalAttention {
     }
 }
 
+/// `Ok` when q, k and v share a dtype, else an error that names the three.
+fn same_dtype(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        return err(TwellError::Invalid(format!(
+            "causal_attention: q, k, v must share a dtype, got {:?}, {:?}, {:?}",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        )));
+    }
+    Ok(())
+}
+
+/// The scores' scale, `1 / √hd`.
+fn score_scale(head_dim: usize) -> f32 {
+    1.0 / (head_dim.max(1) as f32).sqrt()
+}
+
 /// Causal attention over token rows: `q [b·t, heads·hd]`, `k, v [b·T, kv_heads·hd]`
 /// (or `[b, T, kv_heads·hd]`) with `T >= t` (the layout of a model's projections, `[b,
 /// positions, heads, hd]` in memory). On CUDA the rows may be views: of wider rows
@@ -335,16 +353,9 @@ pub fn causal_attention_rows(
     batch: usize,
     head_dim: usize,
 ) -> Result<Tensor> {
-    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
-        return err(TwellError::Invalid(format!(
-            "causal_attention: q, k, v must share a dtype, got {:?}, {:?}, {:?}",
-            q.dtype(),
-            k.dtype(),
-            v.dtype()
-        )));
-    }
+    same_dtype(q, k, v)?;
     let op = CausalAttention {
-        scale: 1.0 / (head_dim.max(1) as f32).sqrt(),
+        scale: score_scale(head_dim),
         batch,
         head_dim,
         q_angles: None,
@@ -376,16 +387,9 @@ pub fn causal_attention_rows_turning_q(
         let q = super::rope(q, angles)?;
         return causal_attention_rows(&q, k, v, batch, head_dim);
     }
-    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
-        return err(TwellError::Invalid(format!(
-            "causal_attention: q, k, v must share a dtype, got {:?}, {:?}, {:?}",
-            q.dtype(),
-            k.dtype(),
-            v.dtype()
-        )));
-    }
+    same_dtype(q, k, v)?;
     let op = CausalAttention {
-        scale: 1.0 / (head_dim.max(1) as f32).sqrt(),
+        scale: score_scale(head_dim),
         batch,
         head_dim,
         q_angles: Some(cs.contiguous()?),
