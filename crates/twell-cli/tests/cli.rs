@@ -680,6 +680,24 @@ fn bad_finetune_flags_are_rejected() {
             "annealing the target density needs a target density",
         ),
         (&["--l1-target-anneal", "many"], "--l1-target-anneal"),
+        (&["--l1-target-text", "heldout"], "--l1-target-text"),
+        (
+            &["--l1-target-text", "validation"],
+            "on validation text needs a target density",
+        ),
+        (
+            &[
+                "--l1",
+                "1e-3",
+                "--l1-target-density",
+                "0.03",
+                "--l1-target-text",
+                "validation",
+                "--eval-every",
+                "0",
+            ],
+            "--eval-every > 0",
+        ),
         (
             &["--l1-penalty", "gate-l0", "--ffn", "sparse"],
             "add --ffn dense",
