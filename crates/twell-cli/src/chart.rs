@@ -227,10 +227,13 @@ pub fn training_curves(path: &Path, curves: &[crate::curves::Curve]) -> Result<(
         .map_err(|e| anyhow!("{e}"))?;
     let max_l0 = curves
         .iter()
-        .flat_map(|c| c.l0.iter().map(|p| p.1))
+        .flat_map(|c| c.l0.iter().chain(&c.val_l0).map(|p| p.1))
         .fold(1.0, f64::max);
     let mut chart = ChartBuilder::on(&bottom)
-        .caption("mean L0 (active FFN neurons per token)", ("sans-serif", 20))
+        .caption(
+            "mean L0 (active FFN neurons per token): training batches, dots validation",
+            ("sans-serif", 20),
+        )
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(60)
@@ -245,6 +248,13 @@ pub fn training_curves(path: &Path, curves: &[crate::curves::Curve]) -> Result<(
         let color = Palette99::pick(k).to_rgba();
         chart
             .draw_series(LineSeries::new(c.l0.clone(), color.stroke_width(2)))
+            .map_err(|e| anyhow!("{e}"))?;
+        chart
+            .draw_series(
+                c.val_l0
+                    .iter()
+                    .map(|&point| Circle::new(point, 3, color.filled())),
+            )
             .map_err(|e| anyhow!("{e}"))?;
     }
     root.present().map_err(|e| anyhow!("{e}"))?;

@@ -1,15 +1,18 @@
 //! `twell curves`: validation perplexity and mean L0 against step, from the JSON-lines
-//! logs `twell finetune` writes, several runs in one chart.
+//! logs `twell finetune` writes, several runs in one chart. The validation batches' L0
+//! (in the logs since the twenty-sixth session) shows as dots beside the training line.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-/// One run's points: `(step, validation perplexity)` and `(step, mean L0)`.
+/// One run's points: `(step, validation perplexity)`, `(step, mean L0)` of the training
+/// batches and `(step, mean L0)` of the validation batches (logs that have it).
 pub struct Curve {
     pub label: String,
     pub perplexity: Vec<(f64, f64)>,
     pub l0: Vec<(f64, f64)>,
+    pub val_l0: Vec<(f64, f64)>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -51,6 +54,7 @@ pub fn read(path: &Path, label: Option<String>) -> Result<Curve> {
         label: label.unwrap_or_else(|| run_name(path)),
         perplexity: Vec::new(),
         l0: Vec::new(),
+        val_l0: Vec::new(),
     };
     for (n, line) in text
         .lines()
@@ -67,6 +71,9 @@ pub fn read(path: &Path, label: Option<String>) -> Result<Curve> {
         }
         if let Some(ce) = entry["val_ce"].as_f64() {
             curve.perplexity.push((step, ce.exp()));
+        }
+        if let Some(l0) = entry["val_l0"].as_f64() {
+            curve.val_l0.push((step, l0));
         }
     }
     if curve.l0.is_empty() {

@@ -550,6 +550,13 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
     let lines = train_log(&out);
     assert_eq!(lines.len(), 4);
     assert!(lines[1]["val_ce"].as_f64().is_some() && lines[3]["val_ce"].as_f64().is_some());
+    // A validation step also logs the validation batches' L0; the others do not.
+    assert!(
+        lines[1]["val_l0"].as_f64().is_some_and(|l0| l0 > 0.0),
+        "{:?}",
+        lines[1]
+    );
+    assert!(lines[0].get("val_l0").is_none(), "{:?}", lines[0]);
     assert!(lines[0]["l0"].as_array().unwrap().len() == 2);
     let cfg = read_json(&out.join("final/config.json"));
     assert_eq!(cfg["hidden_act"], "relu");
@@ -571,6 +578,8 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
     assert!(ok, "{text}");
     let chart = std::fs::read_to_string(&svg).unwrap();
     assert!(chart.contains("run a") && chart.contains("run b"));
+    // The validation L0 of each run: one dot per validation (steps 2 and 4, two runs).
+    assert_eq!(chart.matches("<circle").count(), 4, "{chart}");
     fails_with(
         &[
             "curves",
