@@ -308,22 +308,25 @@ impl CausalSelfAttention {
                 return self.o_proj.forward(&y);
             }
         }
+        // `TWELL_PREFILL_ROPE`'s ways differ only for fused weights under the fused
+        // attention.
+        let prefill_rope = if fused && pass != Pass::Train && self.kv_proj.is_some() {
+            twell::ops::prefill_rope()?
+        } else {
+            PrefillRope::TurnAll
+        };
         // `q_turned` is false where q is still the projection's: the fused attention
         // turns it as it reads it, one pass over q fewer.
-        let prefill_rope = match (&self.qkv_proj, &self.kv_proj) {
-            (Some(_), Some(_)) if pass != Pass::Train => twell::ops::prefill_rope()?,
-            _ => PrefillRope::TurnAll,
-        };
         let (q, mut k, mut v, kv, q_turned) = match (&self.qkv_proj, &self.kv_proj) {
             // q and `k | v` apart (`k | v` as the cache keeps them), the keys turned in
             // place: RoPE reads and writes the keys only.
-            (Some(_), Some(kv_proj)) if fused && prefill_rope == PrefillRope::KeysInPlace => {
+            (Some(_), Some(kv_proj)) if prefill_rope == PrefillRope::KeysInPlace => {
                 let q = self.q_proj.forward(x)?;
                 let kv = kv_proj.forward(x)?;
                 twell::ops::rope_keys_in_place(&kv, rope, nkv)?;
                 (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv), false)
             }
-            (Some(qkv), _) if fused && prefill_rope == PrefillRope::TurnKeys => {
+            (Some(qkv), _) if prefill_rope == PrefillRope::TurnKeys => {
                 let qkv = qkv.forward(x)?;
                 let kv = twell::ops::rope_qkv_part(&qkv, rope, nq, nkv, QkvPart::KeysValues)?;
                 let q = qkv.narrow(1, 0, nq * hd)?;

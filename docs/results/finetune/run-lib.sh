@@ -1,4 +1,4 @@
-# run-lib.sh: what the device jobs of s10/s11/s12 share, sourced by their job.sh. Each
+# run-lib.sh: what the device jobs of s10 and after share, sourced by their job.sh. Each
 # job sets $common (the flags every run gets) before calling run.
 #   run NAME FLAGS...: starts `twell finetune $common FLAGS --out $out/NAME` in the
 #     background, resuming from the run's latest step-N checkpoint (left by --time-limit)
@@ -19,4 +19,22 @@ pack_logs() {
   for f in $out/*.log; do echo "== $f"; tail -c 600 $f; echo; done
   mkdir -p /tmp/pack; for d in $out/*/; do n=$(basename $d); cp $d/train_log.jsonl /tmp/pack/$n.jsonl; cp $out/$n.log /tmp/pack/; done
   tar cJf $OUT/logs.tar.xz -C /tmp/pack .
+}
+# assemble_assets DIR: the default GGUF from parts a and b (left in /tmp/assets by earlier
+#   calls) and DIR/gguf.part-c, and the speeches from DIR/sotu.tar.xz, once per machine.
+assemble_assets() {
+  [ -e $TWELL_DATA/SmolLM2-135M-Instruct.Q4_1.gguf ] && return
+  mkdir -p $TWELL_DATA
+  cat /tmp/assets/gguf.part-a /tmp/assets/gguf.part-b $1/gguf.part-c > $TWELL_DATA/SmolLM2-135M-Instruct.Q4_1.gguf
+  md5sum $TWELL_DATA/SmolLM2-135M-Instruct.Q4_1.gguf   # a1231443440b107ff29f02bdb38c9d0a
+  tar xJf $1/sotu.tar.xz -C $TWELL_DATA
+}
+# sample_once: the teacher's texts into /tmp/samples (COUNT, default 8192; seed 0), once
+#   per machine, unless SAMPLE=0.
+sample_once() {
+  [ "${SAMPLE:-1}" = 1 ] && [ ! -e /tmp/samples/done ] || return 0
+  timeout ${SAMPLE_SECS:-200} $T sample --device cuda --count ${COUNT:-8192} --batch 256 \
+    --prompt-tokens 32 --max-tokens 480 --temperature 0.8 --seed 0 --out /tmp/samples 2>&1 \
+    | tr '\r' '\n' | tail -3
+  touch /tmp/samples/done
 }

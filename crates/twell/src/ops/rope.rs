@@ -96,6 +96,12 @@ impl CustomOp2 for Rope {
     }
 }
 
+/// One pair `(x[i], x[i + hd/2])` turned by its angle's cos and sin, in f32: the CPU
+/// forms' one formula (rotate-half, as HF Llama).
+fn turn_pair(x1: f32, x2: f32, cos: f32, sin: f32) -> (f32, f32) {
+    (x1 * cos - x2 * sin, x1 * sin + x2 * cos)
+}
+
 /// The CPU form of `kernels/rope.cu`: heads `first..first + count` of each token row
 /// as rows of their own, those below `rot_heads` turned, the others copied (`rot_heads =
 /// count = heads`, `first = 0` is plain RoPE).
@@ -124,8 +130,7 @@ fn turn_cpu(
         let angles = &cs[(token % t) * hd..][..hd];
         let (co, sn) = angles.split_at(half);
         for i in 0..half {
-            o[i] = x[i] * co[i] - x[i + half] * sn[i];
-            o[i + half] = x[i] * sn[i] + x[i + half] * co[i];
+            (o[i], o[i + half]) = turn_pair(x[i], x[i + half], co[i], sn[i]);
         }
     });
     crate::cpu::float::storage_from_f32(out, dtype)
@@ -329,8 +334,8 @@ fn turn_in_place_cpu<T: candle_core::WithDType>(
             for head in row.chunks_mut(hd).take(rot_heads) {
                 for i in 0..half {
                     let (x1, x2) = (head[i].to_f64() as f32, head[i + half].to_f64() as f32);
-                    head[i] = T::from_f64((x1 * co[i] - x2 * sn[i]) as f64);
-                    head[i + half] = T::from_f64((x1 * sn[i] + x2 * co[i]) as f64);
+                    let (o1, o2) = turn_pair(x1, x2, co[i], sn[i]);
+                    (head[i], head[i + half]) = (T::from_f64(o1 as f64), T::from_f64(o2 as f64));
                 }
             }
         });
