@@ -166,12 +166,17 @@ extern "C" __global__ void gated_t2d_finish_bf16(const float* __restrict__ acc, 
 // lane, packed bf16); `walk_tiles` reads each tile's slot list with one coalesced load,
 // and each list's h go back with one coalesced store. The token's L1 term is stored, not
 // added (the parts of a split row meet in shared memory first).
-template <int MAXV, int SPLIT>
+// NORM (inference, the norm before the MLP folded in): x is the residual sum s, not yet
+// normalised, and the gate came from s with the norm's weight folded into the gate and up
+// rows (`SparseMlp::fold_pre_norm`). The RMS norm's factor r = rsqrt(mean(s²) + eps) is
+// positive, so relu(r · g) = r · relu(g): the pack kept the right neurons, and each h is
+// r · g · u, with u the dot of the normalised row, made here in registers.
+template <int MAXV, int SPLIT, bool NORM>
 __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,
                        const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
                        __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate,
                        float* __restrict__ l1_out, __nv_bfloat16* __restrict__ u_out, int M, int d, int f,
-                       int tile, int cap, int n_tiles) {
+                       int tile, int cap, int n_tiles, float eps) {
     const RowPart rp(SPLIT, n_tiles);
     const long long row = rp.row;
     const int lane = threadIdx.x & 31;
@@ -181,6 +186,7 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
     if (row < M) {
         uint4 xr[MAXV];
         row_to_registers<MAXV>(x + row * d, d, xr);
+        const float g_scale = NORM ? normalize_registers<MAXV>(xr, d, eps) : 1.f;
         const long long two_d = 2LL * d;
         auto dot = [&](int j) { return registers_dot<MAXV>(xr, w_ud + j * two_d, d); };
         walk_tiles(
@@ -191,7 +197,7 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
                 // measured slower, the extra registers costing more than they hid.
                 for (int q = 0; q < n; ++q) {
                     const float u = dot(__shfl_sync(FULL_MASK, j, q));
-                    const __nv_bfloat16 h = __float2bfloat16(__shfl_sync(FULL_MASK, g, q) * u);
+                    const __nv_bfloat16 h = __float2bfloat16(g_scale * __shfl_sync(FULL_MASK, g, q) * u);
                     l1 += fabsf(__bfloat162float(h));
                     if (lane == q) {
                         mine = h;
@@ -214,7 +220,7 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
                         const int q = __ffs(mask) - 1;
                         mask &= mask - 1;
                         const float u = dot(c0 + k + q);
-                        const __nv_bfloat16 h = __float2bfloat16(__shfl_sync(FULL_MASK, g, q) * u);
+                        const __nv_bfloat16 h = __float2bfloat16(g_scale * __shfl_sync(FULL_MASK, g, q) * u);
                         l1 += fabsf(__bfloat162float(h));
                         if (lane == q) mine = h;
                     }
@@ -241,13 +247,24 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
 
 // One entry point per row width and split (`gated_t2d_up_rows_bf16_v{MAXV}_s{SPLIT}`): the
 // split is a constant, so the one-warp-per-row kernels carry none of the split's code.
+// `gated_t2d_up_rows_norm_bf16_v{MAXV}_s{SPLIT}` is the NORM form, with the norm's eps.
 #define UP_ROW_KERNEL(MAXV, SPLIT)                                                                  \
     extern "C" __global__ void __launch_bounds__(256) gated_t2d_up_rows_bf16_v##MAXV##_s##SPLIT(     \
         const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                \
         const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,                   \
         __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate, float* __restrict__ l1, \
         __nv_bfloat16* __restrict__ u_out, int M, int d, int f, int tile, int cap, int n_tiles) {   \
-        up_row<MAXV, SPLIT>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, cap, n_tiles); \
+        up_row<MAXV, SPLIT, false>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, cap, \
+                                   n_tiles, 0.f);                                                   \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) gated_t2d_up_rows_norm_bf16_v##MAXV##_s##SPLIT( \
+        const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                \
+        const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,                   \
+        __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate, float* __restrict__ l1, \
+        __nv_bfloat16* __restrict__ u_out, int M, int d, int f, int tile, int cap, int n_tiles,     \
+        float eps) {                                                                                \
+        up_row<MAXV, SPLIT, true>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, cap, \
+                                  n_tiles, eps);                                                    \
     }
 #define UP_ROW_KERNELS(MAXV) UP_ROW_KERNEL(MAXV, 1) UP_ROW_KERNEL(MAXV, 4)
 UP_ROW_KERNELS(1)

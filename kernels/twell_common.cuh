@@ -97,6 +97,36 @@ __device__ __forceinline__ void row_to_registers(const __nv_bfloat16* __restrict
     }
 }
 
+// The RMS norm of a row held as `row_to_registers` leaves it, with a weight of one, in
+// place: each value becomes bf16(v · rsqrt(mean(v²) + eps)), what `add_rms_norm` stores
+// for a unit weight (the sum of squares reduced in a warp's order, not a block's).
+// Returns the scale, the same in every lane.
+template <int MAXV>
+__device__ __forceinline__ float normalize_registers(uint4* r, int d, float eps) {
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAXV; ++i) {
+        const __nv_bfloat162* rh = reinterpret_cast<const __nv_bfloat162*>(&r[i]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float2 v = __bfloat1622float2(rh[q]);
+            ss = fmaf(v.x, v.x, ss);
+            ss = fmaf(v.y, v.y, ss);
+        }
+    }
+    const float scale = rsqrtf(warp_sum(ss) / d + eps);
+#pragma unroll
+    for (int i = 0; i < MAXV; ++i) {
+        __nv_bfloat162* rh = reinterpret_cast<__nv_bfloat162*>(&r[i]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float2 v = __bfloat1622float2(rh[q]);
+            rh[q] = __floats2bfloat162_rn(scale * v.x, scale * v.y);
+        }
+    }
+    return scale;
+}
+
 // r . w over d, for a row r held as `row_to_registers` leaves it. The loop is unrolled,
 // so all of the warp's loads of w are in flight at once. The result is in every lane.
 template <int MAXV>

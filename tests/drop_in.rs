@@ -27,11 +27,14 @@ fn same_logits_as_candle_transformers_llama() {
     .unwrap();
     // Split or fused projections; the fused ones also with our fused ops' CPU forms
     // (`AttentionPath::Fused`), whose prefill turns the keys in place and lets the
-    // attention turn q.
-    for (fused, path) in [
-        (false, AttentionPath::Auto),
-        (true, AttentionPath::Auto),
-        (true, AttentionPath::Fused),
+    // attention turn q; and that with each MLP's norm weight folded into its weights
+    // (`fold_mlp_norms`), whose prefill adds the output projection to the residual
+    // (`residual_add_linear`) and starts the MLP sublayer from the sum.
+    for (fused, path, fold) in [
+        (false, AttentionPath::Auto, false),
+        (true, AttentionPath::Auto, false),
+        (true, AttentionPath::Fused, false),
+        (true, AttentionPath::Fused, true),
     ] {
         let mut ours = sparse_llama::Llama::load(
             VarBuilder::from_tensors(w.clone(), DType::F32, &dev),
@@ -41,8 +44,12 @@ fn same_logits_as_candle_transformers_llama() {
         if fused {
             ours.fuse_qkv().unwrap();
         }
+        if fold {
+            ours.fold_mlp_norms().unwrap();
+        }
         ours.set_attention_path(path);
         assert_eq!(ours.is_qkv_fused(), fused);
+        assert_eq!(ours.are_mlp_norms_folded(), fold);
         let mut cache_theirs =
             candle_llama::Cache::new(true, DType::F32, &theirs_cfg, &dev).unwrap();
         let mut cache_ours = sparse_llama::Cache::new(true, DType::F32, &ours_cfg, &dev).unwrap();
@@ -78,4 +85,53 @@ fn same_logits_as_candle_transformers_llama() {
             assert!(err.to_string().contains("fuse_qkv"), "{err}");
         }
     }
+}
+
+/// `fold_mlp_norms` moves each MLP norm's weight into the MLP's gate and up weights: a
+/// ReLU model on the TwELL path gives the same logits folded or not (prefill, a chunk,
+/// a decode step), on the plain and on the fused attention, and a folded model refuses
+/// to train.
+#[test]
+fn folded_mlp_norms_keep_a_sparse_models_logits() {
+    let dev = Device::Cpu;
+    let cfg = tiny_config("relu", 256).into_config(false).unwrap();
+    let w = tiny_weights(&cfg, 2);
+    let load = |fold: bool, path: AttentionPath| {
+        let mut model =
+            sparse_llama::Llama::load(VarBuilder::from_tensors(w.clone(), DType::F32, &dev), &cfg)
+                .unwrap();
+        model.set_ffn_mode(twell::FfnMode::Sparse).unwrap();
+        model.fuse_qkv().unwrap();
+        if fold {
+            model.fold_mlp_norms().unwrap();
+            // A second call leaves the weights as they are.
+            model.fold_mlp_norms().unwrap();
+        }
+        model.set_attention_path(path);
+        model
+    };
+    let run = |model: &sparse_llama::Llama| {
+        let mut cache = sparse_llama::Cache::new(true, DType::F32, &cfg, &dev).unwrap();
+        let prompt = Tensor::new(&[[5u32, 17, 99, 3, 250, 42, 7, 7, 1, 200]], &dev).unwrap();
+        let a = model.forward_all(&prompt, 0, &mut cache).unwrap();
+        let pair = Tensor::new(&[[11u32, 12]], &dev).unwrap();
+        let b = model.forward_all(&pair, 10, &mut cache).unwrap();
+        let one = Tensor::new(&[[13u32]], &dev).unwrap();
+        let c = model.forward_all(&one, 12, &mut cache).unwrap();
+        Tensor::cat(&[a, b, c], 1).unwrap()
+    };
+    for path in [AttentionPath::Plain, AttentionPath::Fused] {
+        let want = run(&load(false, path));
+        let got = run(&load(true, path));
+        assert_eq!(got.dims(), want.dims());
+        let err = rel_l2(&got, &want);
+        assert!(err < 1e-5, "{path:?}: {err}");
+    }
+    let mut folded =
+        sparse_llama::Llama::load(VarBuilder::from_tensors(w.clone(), DType::F32, &dev), &cfg)
+            .unwrap();
+    folded.fold_mlp_norms().unwrap();
+    let tokens = Tensor::new(&[[5u32, 17, 99]], &dev).unwrap();
+    let err = folded.forward_train(&tokens).err().expect("refused");
+    assert!(err.to_string().contains("fold_mlp_norms"), "{err}");
 }

@@ -251,11 +251,13 @@ impl CausalSelfAttention {
         })
     }
 
-    /// `x [b · t, h]` rows of `batch = (b, t)` → `[b · t, h]`. `rope` holds the angles of
-    /// positions `index_pos..index_pos + t`; `mask` is `[t, kv_len]`, or `None` for one
-    /// token and for the fused kernels (`fused`), which apply the causal mask themselves.
+    /// `x [b · t, h]` rows of `batch = (b, t)` → the heads' output rows `[b · t, heads ·
+    /// hd]`, before the output projection (the caller applies it, or adds its product
+    /// to the residual in one GEMM). `rope` holds the angles of positions `index_pos..
+    /// index_pos + t`; `mask` is `[t, kv_len]`, or `None` for one token and for the fused
+    /// kernels (`fused`), which apply the causal mask themselves.
     #[allow(clippy::too_many_arguments)]
-    fn forward(
+    fn attend(
         &self,
         x: &Tensor,
         batch: (usize, usize),
@@ -305,7 +307,7 @@ impl CausalSelfAttention {
                 let qkv = qkv_proj.forward(x)?;
                 let y = twell::ops::causal_attention_step(&qkv, rope, &slot.kv, slot.len, nq, nkv)?;
                 slot.len += 1;
-                return self.o_proj.forward(&y);
+                return Ok(y);
             }
         }
         // `TWELL_PREFILL_ROPE`'s ways differ only for fused weights under the fused
@@ -365,7 +367,7 @@ impl CausalSelfAttention {
             } else {
                 twell::ops::causal_attention_rows_turning_q(&q, rope, &k, &v, b, hd)?
             };
-            return self.o_proj.forward(&y);
+            return Ok(y);
         }
         self.plain_attention(heads(&q, nq)?, heads(&k, nkv)?, heads(&v, nkv)?, mask, pass)
     }
@@ -404,7 +406,7 @@ impl CausalSelfAttention {
     }
 
     /// Attention as plain candle ops: f32 scores `[b, heads, t, T]`, the mask added, a
-    /// softmax, then the output projection. Training takes candle's composite softmax,
+    /// softmax; the heads' rows `[b · t, heads · hd]`. Training takes candle's composite softmax,
     /// which it can differentiate; inference its fused one.
     fn plain_attention(
         &self,
@@ -436,8 +438,7 @@ impl CausalSelfAttention {
             Pass::Train => candle_nn::ops::softmax(&att, D::Minus1)?,
         };
         let y = att.matmul(&v.contiguous()?)?.to_dtype(in_dtype)?;
-        let y = y.transpose(1, 2)?.reshape((b * t, hidden))?;
-        self.o_proj.forward(&y)
+        y.transpose(1, 2)?.reshape((b * t, hidden))
     }
 }
 
@@ -451,12 +452,15 @@ struct Norm {
 
 impl Norm {
     fn load(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
-        let weight = vb.get(size, "weight")?;
-        Ok(Self {
+        Ok(Self::new(vb.get(size, "weight")?, eps))
+    }
+
+    fn new(weight: Tensor, eps: f64) -> Self {
+        Self {
             inner: RmsNorm::new(weight.clone(), eps),
             weight,
             eps,
-        })
+        }
     }
 
     fn forward(&self, x: &Tensor, pass: Pass) -> Result<Tensor> {
@@ -580,6 +584,30 @@ impl Llama {
             .try_for_each(|b| b.self_attn.fuse_qkv())
     }
 
+    /// Folds the weight of each block's norm before the MLP into the MLP's gate and up
+    /// weights ([`SparseMlp::fold_pre_norm`]), the norm keeping a unit weight: the same
+    /// function, for inference. An inference prefill then adds the attention's output
+    /// projection to the residual in one GEMM (`ops::residual_add_linear`) and the MLP
+    /// sublayer starts from the sum ([`SparseMlp::forward_sublayer_from_sum`]): on the
+    /// sparse CUDA path the normalised rows are never written. Like [`Llama::fuse_qkv`],
+    /// [`Llama::forward_train`] refuses a folded model.
+    pub fn fold_mlp_norms(&mut self) -> Result<()> {
+        for block in &mut self.blocks {
+            if block.mlp.pre_norm_folded() {
+                continue;
+            }
+            let norm = &mut block.post_attention_layernorm;
+            block.mlp.fold_pre_norm(&norm.weight)?;
+            *norm = Norm::new(norm.weight.ones_like()?, norm.eps);
+        }
+        Ok(())
+    }
+
+    /// Whether [`Llama::fold_mlp_norms`] has run.
+    pub fn are_mlp_norms_folded(&self) -> bool {
+        self.blocks.iter().any(|b| b.mlp.pre_norm_folded())
+    }
+
     /// Whether [`Llama::fuse_qkv`] has run.
     pub fn is_qkv_fused(&self) -> bool {
         self.blocks.iter().any(|b| b.self_attn.qkv_proj.is_some())
@@ -623,6 +651,13 @@ impl Llama {
             candle_core::bail!(
                 "this model's q, k, v projections are fused for inference (fuse_qkv): their \
                  gradients would reach no trained variable; load the model again to train"
+            );
+        }
+        if pass == Pass::Train && self.are_mlp_norms_folded() {
+            candle_core::bail!(
+                "this model's MLP norms are folded into its weights for inference \
+                 (fold_mlp_norms): their gradients would reach no trained variable; load \
+                 the model again to train"
             );
         }
         if index_pos + t > self.config.max_position_embeddings {
@@ -688,16 +723,33 @@ impl Llama {
                 Some(c) if c.use_kv_cache => Some(&mut c.kvs[i]),
                 _ => None,
             };
-            let attn =
-                block
-                    .self_attn
-                    .forward(&h, (b, t), &rope, mask.as_ref(), kv, pass, fused)?;
+            let y = block
+                .self_attn
+                .attend(&h, (b, t), &rope, mask.as_ref(), kv, pass, fused)?;
             // The norm of the next sublayer: this block's MLP, then the next block's
             // attention (or the final norm).
             let next = match self.blocks.get(i + 1) {
                 Some(b) => &b.input_layernorm,
                 None => &self.norm,
             };
+            // After `fold_mlp_norms`, an inference prefill adds the output projection to
+            // the residual in its GEMM, and the MLP sublayer starts from that sum.
+            let o_proj = &block.self_attn.o_proj;
+            if pass == Pass::Inference
+                && fused
+                && b * t > 1
+                && block.mlp.pre_norm_folded()
+                && o_proj.bias().is_none()
+            {
+                let s = twell::ops::residual_add_linear(x, &y, o_proj.weight())?;
+                (x, h) = block.mlp.forward_sublayer_from_sum(
+                    &s,
+                    block.post_attention_layernorm.eps,
+                    (&next.weight, next.eps),
+                )?;
+                continue;
+            }
+            let attn = o_proj.forward(&y)?;
             match (pass, fused) {
                 (Pass::Train, false) => {
                     x = (attn + &x)?;

@@ -462,24 +462,54 @@ fn check_tokens(device: &Device) -> Result<Tensor> {
 /// tokens: relative L2 error of the logits, with the q, k, v projections split (as
 /// loaded) and then fused (`fuse_qkv`: one product, the RoPE kernel's q | k | v form,
 /// keys and values read from wider rows).
-fn check_model_attention(dev: &Device) -> Result<[f64; 2]> {
+///
+/// The third pass also folds each MLP's norm weight into its weights (`fold_mlp_norms`,
+/// on the same weights as plain tensors, the MLPs on the TwELL path): the prefill
+/// chunks then add the output projection into the residual (`residual_add_linear`) and
+/// run `twell_mlp_norm_add_norm`.
+///
+/// Returns the three errors and the folded pass's distance from the fused one (zero
+/// would mean the folded path did not run).
+fn check_model_attention(dev: &Device) -> Result<([f64; 3], f64)> {
     use sparse_llama::Cache;
     let ([(mut gpu, _), (cpu, _)], cfg) = check_models(dev)?;
     let plain = cpu.forward_train(&check_tokens(&Device::Cpu)?)?.logits;
     let ids = check_tokens(dev)?;
-    let mut errs = [0.0; 2];
-    for err in errs.iter_mut() {
+    let mut errs = [0.0; 3];
+    let mut logits = Vec::new();
+    for (pass, err) in errs.iter_mut().enumerate() {
+        if pass == 2 {
+            gpu = check_model_weights_frozen(dev, &cfg)?;
+            gpu.fuse_qkv()?;
+            gpu.set_ffn_mode(twell::FfnMode::Sparse)?;
+            gpu.fold_mlp_norms()?;
+        }
         let mut cache = Cache::new(true, DType::BF16, &cfg, dev)?;
         let first = gpu.forward_all(&ids.narrow(1, 0, 40)?, 0, &mut cache)?;
         let second = gpu.forward_all(&ids.narrow(1, 40, 55)?, 40, &mut cache)?;
         let third = gpu.forward_all(&ids.narrow(1, 95, 1)?, 95, &mut cache)?;
-        *err = rel_l2(
-            &Tensor::cat(&[first, second, third], 1)?.to_device(&Device::Cpu)?,
-            &plain,
-        )?;
+        let all = Tensor::cat(&[first, second, third], 1)?.to_device(&Device::Cpu)?;
+        *err = rel_l2(&all, &plain)?;
+        logits.push(all);
         gpu.fuse_qkv()?;
     }
-    Ok(errs)
+    Ok((errs, rel_l2(&logits[2], &logits[1])?))
+}
+
+/// The model of [`check_models`] in bf16 on `dev`, its weights plain tensors (as a
+/// checkpoint loads them), which `fold_mlp_norms` takes.
+fn check_model_weights_frozen(
+    dev: &Device,
+    cfg: &sparse_llama::Config,
+) -> Result<sparse_llama::Llama> {
+    let ([(gpu, vars), _], _) = check_models(dev)?;
+    drop(gpu);
+    let weights = vars
+        .into_iter()
+        .map(|(name, var)| (name, var.as_tensor().detach()))
+        .collect();
+    let vb = candle_nn::VarBuilder::from_tensors(weights, DType::BF16, dev);
+    Ok(sparse_llama::Llama::load(vb, cfg)?)
 }
 
 #[derive(Serialize, Debug)]
@@ -709,6 +739,118 @@ fn check_mlp_add_norm(
         both_norm_diff: Some(both_norm_diff),
         bf16_steps: steps,
         pass: steps <= 1.0,
+    })
+}
+
+#[derive(Serialize, Debug)]
+struct MlpNormAddNormResult {
+    m: usize,
+    d: usize,
+    f: usize,
+    target_density: f64,
+    /// The MLP's share of the sums (`sum − s`) against the f32 MLP of the f32 norm, for
+    /// this launch and for the unfolded launches (rms_norm · alpha, `twell_mlp`,
+    /// `add_rms_norm`): both carry the rounding of the bf16 sums, at the residual's
+    /// magnitude, so the folded one is judged against the unfolded one.
+    mlp_err: f64,
+    unfolded_mlp_err: f64,
+    /// The sums and the normalised rows against the unfolded launches'.
+    sum_err: f64,
+    norm_err: f64,
+    pass: bool,
+}
+
+/// `twell_mlp_norm_add_norm` (the norm before the MLP folded into the weights and the
+/// up kernel) against the unfolded launches: `rms_norm(s) · alpha_pre`, `twell_mlp`,
+/// `add_rms_norm`. The residual sums `s` are the synthetic input at three times its
+/// scale (the norm undoes it).
+fn check_mlp_norm_add_norm(
+    dev: &Device,
+    (m, d, f, density): (usize, usize, usize, f64),
+    seed: u64,
+) -> Result<MlpNormAddNormResult> {
+    let (config, w, x) = case_inputs(dev, (m, d, f, density, 256, 8), seed)?;
+    dev.set_seed(seed)?;
+    let s = (x * 3.0)?;
+    let pre_alpha = Tensor::randn(1f32, 0.1, d, dev)?.to_dtype(DType::BF16)?;
+    let alpha = Tensor::randn(1f32, 0.1, d, dev)?.to_dtype(DType::BF16)?;
+    let eps = 1e-5;
+    if !twell::ops::norm_add_norm_runs(&s) {
+        bail!("mlp with both norms folded ({m} rows, d {d}) would not run on this device");
+    }
+    let fold = |t: &Tensor| -> Result<Tensor> {
+        Ok(t.to_dtype(DType::F32)?
+            .broadcast_mul(&pre_alpha.to_dtype(DType::F32)?)?
+            .to_dtype(DType::BF16)?)
+    };
+    let folded_ud = up_down_matrix(&fold(&w.up)?, &w.down)?;
+    let (sum, normed) = twell::ops::twell_mlp_norm_add_norm(
+        &s,
+        &fold(&w.gate)?,
+        &folded_ud,
+        config,
+        eps,
+        (&alpha, eps),
+    )?;
+    let hm = candle_nn::ops::rms_norm(&s, &pre_alpha, eps as f32)?;
+    let out = twell_mlp(&hm, &w.gate, &up_down_matrix(&w.up, &w.down)?, config)?.out;
+    let (want_sum, want_normed) = twell::ops::add_rms_norm(&s, &out, &alpha, eps)?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let s32 = f32(&s)?;
+    let hm32 = candle_nn::ops::rms_norm_slow(&s32, &f32(&pre_alpha)?, eps as f32)?;
+    let h32 = (hm32.matmul(&f32(&w.gate)?.t()?)?.relu()? * hm32.matmul(&f32(&w.up)?.t()?)?)?;
+    let out32 = h32.matmul(&f32(&w.down)?.t()?)?;
+    let mlp_err = rel_l2(&(f32(&sum)? - &s32)?, &out32)?;
+    let unfolded_mlp_err = rel_l2(&(f32(&want_sum)? - &s32)?, &out32)?;
+    let (sum_err, norm_err) = (rel_l2(&sum, &want_sum)?, rel_l2(&normed, &want_normed)?);
+    Ok(MlpNormAddNormResult {
+        m,
+        d,
+        f,
+        target_density: density,
+        mlp_err,
+        unfolded_mlp_err,
+        sum_err,
+        norm_err,
+        pass: mlp_err <= 1.25 * unfolded_mlp_err + 2e-3
+            && sum_err < TOLERANCE
+            && norm_err < TOLERANCE,
+    })
+}
+
+#[derive(Serialize, Debug)]
+struct ResidualLinearResult {
+    /// `(m, n, k)`.
+    dims: (usize, usize, usize),
+    /// Against `residual + y · Wᵀ` in f32; and whether the residual tensor given holds
+    /// the sum (written in place).
+    err: f64,
+    in_place: bool,
+    pass: bool,
+}
+
+/// `residual_add_linear` (one cuBLAS GEMM with the residual as C) against f32 candle ops.
+fn check_residual_add_linear(
+    dev: &Device,
+    (m, n, k): (usize, usize, usize),
+    seed: u64,
+) -> Result<ResidualLinearResult> {
+    dev.set_seed(seed)?;
+    let bf = |t: Tensor| t.to_dtype(DType::BF16);
+    let residual = bf(Tensor::randn(0f32, 1.0, (m, n), dev)?)?;
+    let y = bf(Tensor::randn(0f32, 1.0, (m, k), dev)?)?;
+    let w = bf((Tensor::randn(0f32, 1.0, (n, k), dev)? / (k as f64).sqrt())?)?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let want = (f32(&residual)? + f32(&y)?.matmul(&f32(&w)?.t()?)?)?;
+    let alias = residual.clone();
+    let got = twell::ops::residual_add_linear(residual, &y, &w)?;
+    let err = rel_l2(&got, &want)?;
+    let in_place = rel_l2(&alias, &got)? == 0.0;
+    Ok(ResidualLinearResult {
+        dims: (m, n, k),
+        err,
+        in_place,
+        pass: err < 1e-2 && in_place,
     })
 }
 
@@ -1101,6 +1243,10 @@ struct Report {
     attention: Vec<AttentionResult>,
     add_rms_norm: Vec<NormResult>,
     mlp_add_norm: Vec<MlpAddNormResult>,
+    mlp_norm_add_norm: Vec<MlpNormAddNormResult>,
+    residual_linear: Vec<ResidualLinearResult>,
+    /// `ops::rms_norm` against candle's, three shapes.
+    rms_norm_err: Vec<f64>,
     rope: Vec<RopeResult>,
     cross_entropy: Vec<LossResult>,
     kl_divergence_f32_teacher: Vec<LossResult>,
@@ -1115,8 +1261,8 @@ struct Report {
     embedding_grad_err: f64,
     attention_step: Vec<AttentionStepResult>,
     attention_turning_q: Vec<AttentionTurningQResult>,
-    /// Split, then fused q, k, v projections.
-    model_attention_err: [f64; 2],
+    /// Split, then fused q, k, v projections, then fused with the MLP norms folded.
+    model_attention_err: [f64; 3],
     model_training: ModelTrainResult,
 }
 
@@ -1354,6 +1500,69 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         mlp_add_norm.push(r);
     }
+    let mut mlp_norm_add_norm = Vec::new();
+    // (m, d, d_ff, density): four warps a row and one, past 65,536 rows, d 4096,
+    // overflowing tiles.
+    #[rustfmt::skip]
+    let norm_cases = [
+        (333, 576, 1536, 0.05),
+        (8192, 2048, 5632, 0.005),
+        (70_000, 2048, 5632, 0.01),
+        (300, 4096, 11008, 0.03),
+        (1000, 2048, 5632, 0.5),
+    ];
+    for (k, &dims) in norm_cases.iter().enumerate() {
+        let r = check_mlp_norm_add_norm(&dev, dims, 1400 + k as u64)?;
+        println!(
+            "mlp with the norm before it folded (m, d, d_ff, density) = ({}, {}, {}, {}): the \
+             mlp's share of the sums vs f32 {:.2e} (unfolded launches {:.2e}); vs rms_norm, \
+             twell_mlp, add_rms_norm: sums {:.2e}, normalised {:.2e} {}",
+            r.m,
+            r.d,
+            r.f,
+            r.target_density,
+            r.mlp_err,
+            r.unfolded_mlp_err,
+            r.sum_err,
+            r.norm_err,
+            tally.record(r.pass)
+        );
+        mlp_norm_add_norm.push(r);
+    }
+    let mut residual_linear = Vec::new();
+    for (k, &dims) in [
+        (1, 576, 576),
+        (333, 576, 1536),
+        (32_768, 2048, 2048),
+        (70_000, 576, 576),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let r = check_residual_add_linear(&dev, dims, 1410 + k as u64)?;
+        println!(
+            "residual + y · Wᵀ in place (m, n, k) = {:?}: rel err {:.2e}, in place {} {}",
+            r.dims,
+            r.err,
+            r.in_place,
+            tally.record(r.pass)
+        );
+        residual_linear.push(r);
+    }
+    let mut rms_norm_err = Vec::new();
+    for (k, &(m, d)) in [(1, 576), (333, 2048), (32_768, 2048)].iter().enumerate() {
+        dev.set_seed(1420 + k as u64)?;
+        let x = (Tensor::randn(0f32, 2.0, (m, d), &dev)?).to_dtype(DType::BF16)?;
+        let alpha = Tensor::randn(1f32, 0.1, d, &dev)?.to_dtype(DType::BF16)?;
+        let got = twell::ops::rms_norm(&x, &alpha, 1e-5)?;
+        let err = rel_l2(&got, &candle_nn::ops::rms_norm(&x, &alpha, 1e-5)?)?;
+        println!(
+            "rms_norm (the add + norm kernel without the add) [{m}, {d}]: rel err vs candle's \
+             {err:.2e} {}",
+            tally.record(err < 1e-2)
+        );
+        rms_norm_err.push(err);
+    }
     let mut rope = Vec::new();
     for (k, &dims) in [(1, 1, 9, 64), (2, 333, 8, 64), (4, 2048, 32, 64)]
         .iter()
@@ -1490,8 +1699,17 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         );
         attention_turning_q.push(r);
     }
-    let model_attention_err = check_model_attention(&dev)?;
-    for (err, projections) in model_attention_err.iter().zip(["split", "fused"]) {
+    let (model_attention_err, folded_moved) = check_model_attention(&dev)?;
+    println!(
+        "model with its MLP norms folded: logits {folded_moved:.2e} (rel L2) from the \
+         unfolded model's, the folded path ran {}",
+        tally.record(folded_moved > 0.0)
+    );
+    for (err, projections) in
+        model_attention_err
+            .iter()
+            .zip(["split", "fused", "fused, MLP norms folded, TwELL MLPs,"])
+    {
         println!(
             "model (2 layers, hd 64, GQA 8/2, 2 x 96 tokens in two cached chunks, {projections} \
              q, k, v): inference vs the CPU's f32 training path, logits rel err {err:.2e} {}",
@@ -1516,6 +1734,9 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             attention,
             add_rms_norm,
             mlp_add_norm,
+            mlp_norm_add_norm,
+            residual_linear,
+            rms_norm_err,
             rope,
             cross_entropy,
             kl_divergence_f32_teacher,

@@ -99,6 +99,9 @@ impl ModelArgs {
         let ck = self.open()?;
         let mut model = ck.load_model(dtype, &device, &self.load_options()?)?;
         model.fuse_qkv()?;
+        if twell::mlp::fold_norms_wanted()? {
+            model.fold_mlp_norms()?;
+        }
         Ok((ck, model))
     }
 }

@@ -249,6 +249,17 @@ enum LastForward {
     Dense(Tensor),
 }
 
+/// The `TWELL_FOLD_NORMS` knob (`1`, the default, or `0`): whether the CLI folds each
+/// MLP's norm weight into its gate and up weights for inference (the model's
+/// `fold_mlp_norms`), read once a process, to measure both ways on one build.
+pub fn fold_norms_wanted() -> Result<bool> {
+    static KNOB: crate::knobs::Cell = crate::knobs::Cell::new();
+    let choice = crate::knobs::read_once(&KNOB, || {
+        crate::knobs::env_choice("TWELL_FOLD_NORMS", &["1", "0"])
+    })?;
+    Ok(choice != Some(1))
+}
+
 /// A gated MLP (`gate_proj`, `up_proj`, `down_proj`, no biases) with a dense and a
 /// TwELL-sparse path.
 pub struct SparseMlp {
@@ -274,6 +285,9 @@ pub struct SparseMlp {
     calls: std::sync::atomic::AtomicUsize,
     last: Mutex<Option<LastForward>>,
     last_density: Mutex<Option<f64>>,
+    /// After [`SparseMlp::fold_pre_norm`]: the unit weight `[d]` of the norm before the
+    /// MLP, whose own weight now sits in `gate` and `up`.
+    unit_pre_norm: Option<Tensor>,
 }
 
 impl std::fmt::Debug for SparseMlp {
@@ -329,6 +343,7 @@ impl SparseMlp {
             calls: std::sync::atomic::AtomicUsize::new(0),
             last: Mutex::new(None),
             last_density: Mutex::new(None),
+            unit_pre_norm: None,
         })
     }
 
@@ -552,6 +567,98 @@ impl SparseMlp {
     ) -> Result<(Tensor, Tensor)> {
         let measure = self.measure_now(x.device());
         self.add_norm_measured(x, residual, (alpha, eps), measure)
+    }
+
+    /// Folds the weight `alpha [d]` of the RMS norm before this MLP into `gate` and `up`
+    /// (each column k scaled by `alpha[k]`, in f32, then rounded to the weights' dtype),
+    /// so that the norm's own weight becomes one: `mlp(rms_norm(s) · alpha)` is then
+    /// `mlp(rms_norm(s))`. The caller gives that norm a unit weight (the model's
+    /// `fold_mlp_norms`). Why: the norm's factor per row is then a positive scalar, which
+    /// the sparse prefill applies inside its kernels
+    /// ([`SparseMlp::forward_sublayer_from_sum`]), so the normalised rows are never
+    /// written. For inference on frozen weights; once per MLP.
+    pub fn fold_pre_norm(&mut self, alpha: &Tensor) -> Result<()> {
+        let d = self.hidden();
+        if alpha.dims() != [d] {
+            return err(TwellError::ShapeMismatch {
+                what: "SparseMlp::fold_pre_norm",
+                detail: format!("alpha is {:?}, expected [{d}]", alpha.dims()),
+            });
+        }
+        crate::ops::same_dtype_and_device("SparseMlp::fold_pre_norm", &self.gate, alpha)?;
+        if self.unit_pre_norm.is_some() {
+            return err(TwellError::Invalid(
+                "SparseMlp::fold_pre_norm: the norm's weight is folded in already".into(),
+            ));
+        }
+        if [&self.gate, &self.up, &self.down]
+            .into_iter()
+            .any(|w| !frozen(w))
+        {
+            return err(TwellError::Invalid(
+                "SparseMlp::fold_pre_norm is for inference: the weights are trainable".into(),
+            ));
+        }
+        let scale = alpha.to_dtype(DType::F32)?;
+        let fold = |w: &Tensor| -> Result<Tensor> {
+            w.to_dtype(DType::F32)?
+                .broadcast_mul(&scale)?
+                .to_dtype(w.dtype())
+        };
+        self.gate = fold(&self.gate)?;
+        self.up = fold(&self.up)?;
+        self.down = self.down.contiguous()?;
+        self.fused = None;
+        self.up_down = OnceLock::new();
+        self.gate_screen = OnceLock::new();
+        self.unit_pre_norm = Some(alpha.ones_like()?);
+        Ok(())
+    }
+
+    /// Whether [`SparseMlp::fold_pre_norm`] has run.
+    pub fn pre_norm_folded(&self) -> bool {
+        self.unit_pre_norm.is_some()
+    }
+
+    /// The MLP sublayer from the residual sum `s` (the attention's output already added,
+    /// see `ops::residual_add_linear`), after [`SparseMlp::fold_pre_norm`]: returns
+    /// `(out, rms_norm(out) · alpha)` with `out = s + mlp(rms_norm(s))` (unit weight,
+    /// `pre_eps`; `alpha`, `eps`: the next norm). Prefill rows on the sparse CUDA path run
+    /// as [`crate::ops::twell_mlp_norm_add_norm`]: the gate GEMM reads `s` and the up
+    /// kernel normalises its rows in registers. Elsewhere: [`crate::ops::rms_norm`],
+    /// then [`SparseMlp::forward_add_norm`]'s path.
+    pub fn forward_sublayer_from_sum(
+        &self,
+        s: &Tensor,
+        pre_eps: f64,
+        (alpha, eps): (&Tensor, f64),
+    ) -> Result<(Tensor, Tensor)> {
+        let Some(unit) = &self.unit_pre_norm else {
+            return err(TwellError::Invalid(
+                "SparseMlp::forward_sublayer_from_sum needs the norm's weight folded in \
+                 (fold_pre_norm)"
+                    .into(),
+            ));
+        };
+        let measure = self.measure_now(s.device());
+        if crate::ops::norm_add_norm_runs(s) && self.folds_add_norm(s, s, &[alpha], measure) {
+            let d = self.hidden();
+            let rows = crate::ops::reshaped(s, &[s.elem_count() / d, d])?;
+            let (sum, normed) = crate::ops::twell_mlp_norm_add_norm(
+                &rows,
+                &self.gate,
+                &self.up_down()?,
+                self.config,
+                pre_eps,
+                (alpha, eps),
+            )?;
+            return Ok((
+                crate::ops::reshaped(&sum, s.dims())?,
+                crate::ops::reshaped(&normed, s.dims())?,
+            ));
+        }
+        let normed = crate::ops::rms_norm(s, unit, pre_eps)?;
+        self.add_norm_measured(&normed, s, (alpha, eps), measure)
     }
 
     /// The whole MLP sublayer of a pre-norm (Llama) block, from the previous sublayer's

@@ -419,3 +419,130 @@ fn forward_add_norm_and_forward_sublayer_are_the_steps_they_fold() {
     .to_string();
     assert!(err.contains("m = 1 with a norm before the MLP"), "{err}");
 }
+
+/// `fold_pre_norm` then `forward_sublayer_from_sum` gives what the unfolded MLP gives
+/// after `rms_norm(s) · alpha` (sparse and dense paths, one row and several); the fold
+/// refuses a second call, trainable weights and a wrong shape, and the sublayer from the
+/// sum needs the fold. The CUDA launch behind it says where it runs.
+#[test]
+fn a_folded_norm_weight_gives_the_unfolded_sublayer() {
+    let dev = Device::Cpu;
+    let w = synthetic_mlp(64, 384, 0.05, DType::F32, &dev, 9).unwrap();
+    let build = |mode| {
+        SparseMlp::new(
+            w.gate.clone(),
+            w.up.clone(),
+            w.down.clone(),
+            Activation::Relu,
+            mode,
+        )
+        .unwrap()
+    };
+    let pre_alpha = Tensor::randn(1f32, 0.1, 64, &dev).unwrap();
+    let alpha = Tensor::randn(1f32, 0.1, 64, &dev).unwrap();
+    for mode in [FfnMode::Sparse, FfnMode::Dense] {
+        let plain = build(mode);
+        let mut folded = build(mode);
+        let err = folded
+            .forward_sublayer_from_sum(&pre_alpha.unsqueeze(0).unwrap(), 1e-5, (&alpha, 1e-6))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fold_pre_norm"), "{err}");
+        assert!(!folded.pre_norm_folded());
+        folded.fold_pre_norm(&pre_alpha).unwrap();
+        assert!(folded.pre_norm_folded());
+        for rows in [1, 5] {
+            let s = (synthetic_input(rows, 64, DType::F32, &dev, 10).unwrap() * 3.0).unwrap();
+            let (sum, normed) = folded
+                .forward_sublayer_from_sum(&s, 1e-5, (&alpha, 1e-6))
+                .unwrap();
+            let hm = twell::ops::rms_norm(&s, &pre_alpha, 1e-5).unwrap();
+            let out = plain.forward(&hm).unwrap();
+            let (want_sum, want_normed) = twell::ops::add_rms_norm(&s, &out, &alpha, 1e-6).unwrap();
+            assert_eq!(sum.dims(), s.dims());
+            let (e_sum, e_norm) = (
+                rel_l2(&sum, &want_sum).unwrap(),
+                rel_l2(&normed, &want_normed).unwrap(),
+            );
+            assert!(
+                e_sum < 1e-5 && e_norm < 1e-5,
+                "{mode:?}, rows {rows}: {e_sum} {e_norm}"
+            );
+            // Without the first norm the result is another.
+            let (skipped, _) = plain.forward_add_norm(&s, &s, &alpha, 1e-6).unwrap();
+            assert!(rel_l2(&skipped, &want_sum).unwrap() > 1e-3);
+        }
+        let err = folded.fold_pre_norm(&pre_alpha).unwrap_err().to_string();
+        assert!(err.contains("folded in already"), "{err}");
+    }
+    let mut mlp = build(FfnMode::Sparse);
+    let err = mlp
+        .fold_pre_norm(&Tensor::ones(63, DType::F32, &dev).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("expected [64]"), "{err}");
+    let gate = candle_core::Var::from_tensor(&w.gate).unwrap();
+    let mut trainable = SparseMlp::new(
+        gate.as_tensor().clone(),
+        w.up.clone(),
+        w.down.clone(),
+        Activation::Relu,
+        FfnMode::Sparse,
+    )
+    .unwrap();
+    let err = trainable.fold_pre_norm(&pre_alpha).unwrap_err().to_string();
+    assert!(err.contains("trainable"), "{err}");
+    // The launch with both norms folded is CUDA-only and names the unfolded ops.
+    let s = synthetic_input(100, 64, DType::F32, &dev, 11).unwrap();
+    assert!(!twell::ops::norm_add_norm_runs(&s));
+    let w_ud = twell::up_down_matrix(&w.up, &w.down).unwrap();
+    let launch = |gate: &Tensor, alpha: &Tensor| {
+        twell::ops::twell_mlp_norm_add_norm(
+            &s,
+            gate,
+            &w_ud,
+            Default::default(),
+            1e-5,
+            (alpha, 1e-5),
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    let err = launch(&w.gate, &alpha);
+    assert!(
+        err.contains("CUDA") && err.contains("add_rms_norm"),
+        "{err}"
+    );
+    let err = launch(&w.up.t().unwrap(), &alpha);
+    assert!(err.contains("gate_proj [f, d]"), "{err}");
+}
+
+/// `residual_add_linear` off CUDA: candle's ops, `residual + y · Wᵀ`; bad shapes and
+/// mixed dtypes are named. `rms_norm` off CUDA is candle's.
+#[test]
+fn the_residual_plus_a_linear_layer_and_the_norm_alone() {
+    let dev = Device::Cpu;
+    let residual = Tensor::randn(0f32, 1.0, (7, 48), &dev).unwrap();
+    let y = Tensor::randn(0f32, 1.0, (7, 32), &dev).unwrap();
+    let w = Tensor::randn(0f32, 0.2, (48, 32), &dev).unwrap();
+    let want = (&residual + y.matmul(&w.t().unwrap()).unwrap()).unwrap();
+    let got = twell::ops::residual_add_linear(residual.clone(), &y, &w).unwrap();
+    assert!(rel_l2(&got, &want).unwrap() < 1e-6);
+    let err = twell::ops::residual_add_linear(residual.clone(), &y, &w.t().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("weight [n, k]"), "{err}");
+    let err =
+        twell::ops::residual_add_linear(residual.clone(), &y.to_dtype(DType::BF16).unwrap(), &w)
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("y is BF16"), "{err}");
+    let alpha = Tensor::randn(1f32, 0.1, 48, &dev).unwrap();
+    let normed = twell::ops::rms_norm(&residual, &alpha, 1e-5).unwrap();
+    let candle = candle_nn::ops::rms_norm(&residual, &alpha, 1e-5).unwrap();
+    assert!(rel_l2(&normed, &candle).unwrap() < 1e-6);
+    let err = twell::ops::rms_norm(&residual, &alpha.to_dtype(DType::F64).unwrap(), 1e-5)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("share a dtype"), "{err}");
+}

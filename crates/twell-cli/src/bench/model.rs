@@ -116,6 +116,10 @@ pub struct ModelReport {
     /// Whether the inference phases ran one q, k, v product per layer (`--split-qkv`
     /// off).
     pub fused_qkv: bool,
+    /// Whether each MLP's norm weight was folded into its weights (`TWELL_FOLD_NORMS`,
+    /// on unless `0`): the prefill then adds the output projection into the residual and
+    /// the sparse MLP normalises in its kernels.
+    pub folded_mlp_norms: bool,
     pub measurements: Vec<Measurement>,
 }
 
@@ -211,6 +215,9 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
     )?;
     if !args.split_qkv {
         model.fuse_qkv()?;
+    }
+    if twell::mlp::fold_norms_wanted()? {
+        model.fold_mlp_norms()?;
     }
     let meter = EnergyMeter::new(match &device {
         Device::Cuda(_) => Some(0),
@@ -423,6 +430,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
         parameters: cfg.num_parameters(),
         density_per_layer,
         fused_qkv: !args.split_qkv,
+        folded_mlp_norms: model.are_mlp_norms_folded(),
         measurements,
     })
 }

@@ -26,6 +26,7 @@ mod embedding;
 mod gate_gemm;
 mod gate_l0;
 mod kl_divergence;
+mod residual_linear;
 mod rope;
 mod twell_mlp_decode;
 pub use adamw::{adamw_mixed, adamw_moment, adamw_update, bf16_from_master, sum_squares};
@@ -35,6 +36,7 @@ pub use cross_entropy::{cross_entropy, cross_entropy_bwd};
 pub use embedding::embedding_grad;
 pub use gate_l0::{gate_l0, gate_l0_grad_gate, gate_l0_grad_norms};
 pub use kl_divergence::{kl_divergence, kl_divergence_bwd};
+pub use residual_linear::residual_add_linear;
 pub use rope::{rope, rope_in_place};
 use twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm, PreNorm};
 
@@ -538,6 +540,7 @@ pub fn twell_mlp_add_norm(
             residual: bf16_view("residual", residual, rl)?,
             alpha: bf16_view("alpha", alpha, al)?,
             eps,
+            pre_norm_eps: None,
         };
         let (sum_normed, _, _) =
             mlp_forward((x, xl), (wg, wl), (w_ud, ul), config, false, Some(fold))?;
@@ -581,6 +584,38 @@ pub fn twell_mlp_add_norm(
     Ok(CudaStorage::wrap_cuda_slice(sum_normed, dev))
 }
 
+/// The prefill MLP sublayer from the residual sum `s [m, d]` with the norm before the MLP
+/// folded in: `(s + mlp(rms_norm(s)), its norm · alpha)`, where `wg` and `w_ud`'s up half
+/// already carry the pre-norm's weight (so the norm's own weight is one). The gate GEMM
+/// reads `s` itself, and the up row kernel normalises its row in registers and scales the
+/// gate by the norm's factor (`gated_t2d_up_rows_norm`): no normalised copy of `s` is
+/// written or read. Prefill row kernels only ([`folds_into_down_rows`]).
+pub fn twell_mlp_norm_add_norm(
+    (s, sl): (&CudaStorage, &Layout),
+    (wg, wl): (&CudaStorage, &Layout),
+    (w_ud, ul): (&CudaStorage, &Layout),
+    (alpha, al): (&CudaStorage, &Layout),
+    config: TwellConfig,
+    pre_eps: f32,
+    eps: f32,
+) -> Result<CudaStorage> {
+    let (m, d) = sl.shape().dims2()?;
+    if m <= 1 || d % 8 != 0 || !folds_into_down_rows(m, d) {
+        return err(TwellError::Invalid(format!(
+            "twell_mlp_norm_add_norm takes more than {DECODE_MAX_TOKENS} rows of hidden up \
+             to 4096 (a multiple of 8), got [{m}, {d}]"
+        )));
+    }
+    let fold = RowFold {
+        residual: bf16_view("s", s, sl)?,
+        alpha: bf16_view("alpha", alpha, al)?,
+        eps,
+        pre_norm_eps: Some(pre_eps),
+    };
+    let (sum_normed, _, _) = mlp_forward((s, sl), (wg, wl), (w_ud, ul), config, false, Some(fold))?;
+    Ok(sum_normed)
+}
+
 /// The whole ReGLU MLP for `x [m, d]`, `wg [f, d]`, `w_ud [f, 2d]` (bf16):
 /// returns the result `[mlp_result_len(m, d)]` (the `[m, d]` outputs, then each token's
 /// L1 term) and the counts,
@@ -612,6 +647,9 @@ struct RowFold<'a> {
     residual: CudaView<'a, bf16>,
     alpha: CudaView<'a, bf16>,
     eps: f32,
+    /// The norm before the MLP, folded into the up kernel: `x` is then the residual sum
+    /// and the weights carry the norm's weight ([`twell_mlp_norm_add_norm`]).
+    pre_norm_eps: Option<f32>,
 }
 
 /// [`twell_mlp_forward`]; with `fold` (prefill row kernels only) the result is `[2 · m ·
@@ -755,8 +793,15 @@ fn mlp_forward(
         Some(_) => row_split(&dev, m, d)?,
         None => 1,
     };
+    let pre_norm_eps = fold.as_ref().and_then(|f| f.pre_norm_eps);
     let (up_name, up_warps) = match row_kernels {
-        Some(v) => (format!("gated_t2d_up_rows_bf16_v{v}_s{split}"), m * split),
+        Some(v) => {
+            let kind = if pre_norm_eps.is_some() { "_norm" } else { "" };
+            (
+                format!("gated_t2d_up_rows{kind}_bf16_v{v}_s{split}"),
+                m * split,
+            )
+        }
         None => (
             "gated_t2d_up_bf16".to_string(),
             m * n_tiles * (cap / slots_per_warp),
@@ -785,6 +830,9 @@ fn mlp_forward(
     dims.push(&mut b);
     if row_kernels.is_none() {
         b.arg(&spw_i);
+    }
+    if let Some(pre_eps) = &pre_norm_eps {
+        b.arg(pre_eps);
     }
     // SAFETY: `split` warps per row (row kernel; a divisor of the block's warps) or one
     // per (row, tile, slot group), bounds checked in the kernel.

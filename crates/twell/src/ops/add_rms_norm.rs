@@ -260,6 +260,32 @@ impl CustomOp3 for RmsNormBackward {
     }
 }
 
+/// `rms_norm(x) · alpha` for `x [.., d]` and `alpha [d]`: on CUDA in bf16 (hidden sizes
+/// as [`add_rms_norm`]) the same kernel with no second input ([`RmsNorm`], which has a
+/// backward), 16-byte loads where candle's norm reads an element at a time; elsewhere
+/// candle's ops (their differentiable form when an input tracks gradients).
+pub fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f64) -> Result<Tensor> {
+    if x.dtype() != alpha.dtype() {
+        return err(TwellError::Invalid(format!(
+            "rms_norm: x and alpha must share a dtype, got {:?} and {:?}",
+            x.dtype(),
+            alpha.dtype()
+        )));
+    }
+    let d = x.dims().last().copied().unwrap_or(0);
+    let tracked = x.track_op() || alpha.track_op();
+    if !fused_on_device(x) || !d.is_multiple_of(8) || d == 0 {
+        return if tracked {
+            candle_nn::ops::rms_norm_slow(x, alpha, eps as f32)
+        } else {
+            candle_nn::ops::rms_norm(x, alpha, eps as f32)
+        };
+    }
+    let rows = super::reshaped(x, &[x.elem_count() / d, d])?.contiguous()?;
+    let normed = rows.apply_op2(&alpha.contiguous()?, RmsNorm::new(eps))?;
+    super::reshaped(&normed, x.dims())
+}
+
 /// `(x + y, rms_norm(x + y) · alpha)` for `x, y [.., d]` and `alpha [d]`, as a Llama
 /// block's residual add and the norm after it compute them (the sum rounded to the
 /// dtype before it is normalised). On CUDA in bf16 (hidden sizes up to 8,192, a

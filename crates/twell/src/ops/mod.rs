@@ -38,11 +38,12 @@ mod gate_l0;
 mod gate_pack;
 mod gated_t2d;
 mod kl_divergence;
+mod residual_linear;
 mod rope;
 mod twell_mlp;
 
 pub use adamw::{adamw_step, adamw_step_mixed, sum_squares, AdamwStep};
-pub use add_rms_norm::{add_rms_norm, AddRmsNorm, RmsNorm};
+pub use add_rms_norm::{add_rms_norm, rms_norm, AddRmsNorm, RmsNorm};
 pub use attention_softmax_grad::{attention_row_dot, attention_softmax_grad, AttentionSoftmaxGrad};
 pub use causal_attention::{
     causal_attention, causal_attention_reference, causal_attention_rows,
@@ -58,13 +59,15 @@ pub use gated_t2d::{gated_t2d, GatedT2d};
 pub use kl_divergence::{
     kl_divergence, kl_divergence_fused, kl_divergence_reference, KlDivergence,
 };
+pub use residual_linear::residual_add_linear;
 pub use rope::{
     prefill_rope, rope, rope_keys_in_place, rope_qkv, rope_qkv_part, PrefillRope, QkvPart, Rope,
     RopeQkv, RopeTable,
 };
 pub use twell_mlp::{
-    add_norm_fuses, gate_screen, pre_norm_folds, twell_mlp, twell_mlp_add_norm, twell_mlp_screened,
-    twell_mlp_with_backward_path, BackwardPath, TwellMlp,
+    add_norm_fuses, gate_screen, norm_add_norm_runs, pre_norm_folds, twell_mlp, twell_mlp_add_norm,
+    twell_mlp_norm_add_norm, twell_mlp_screened, twell_mlp_with_backward_path, BackwardPath,
+    TwellMlp,
 };
 
 use std::sync::Arc;

@@ -549,6 +549,91 @@ pub fn twell_mlp_add_norm(
     }
 }
 
+/// Whether [`twell_mlp_norm_add_norm`] runs for the residual sums `s`: CUDA, bf16, and
+/// prefill rows the down row kernel takes (as [`add_norm_fuses`] for more than one row).
+pub fn norm_add_norm_runs(s: &Tensor) -> bool {
+    let rows = s.elem_count() / s.dims().last().copied().unwrap_or(1).max(1);
+    rows > 1 && add_norm_fuses(s)
+}
+
+/// The MLP sublayer from the residual sum `s [m, d]`, the norms on both sides folded in:
+/// `(s + mlp(rms_norm(s)), rms_norm(s + mlp(rms_norm(s))) · alpha)`, where the norm before
+/// the MLP has a weight of one because its weight was folded into `gate_proj` and
+/// `w_ud`'s up half ([`crate::SparseMlp::fold_pre_norm`]). Its factor is positive, so it
+/// leaves the ReLU mask as it is and scales each kept gate value: the gate GEMM reads `s`
+/// itself and no normalised copy of `s` is written. What `rms_norm` (unit weight),
+/// `twell_mlp` and `add_rms_norm` give up to bf16 rounding (the gate is rounded before
+/// it is scaled). Inference only (no backward); the cases of [`norm_add_norm_runs`],
+/// else an error.
+pub fn twell_mlp_norm_add_norm(
+    s: &Tensor,
+    gate_proj: &Tensor,
+    w_ud: &Tensor,
+    config: TwellConfig,
+    pre_eps: f64,
+    (alpha, eps): (&Tensor, f64),
+) -> Result<(Tensor, Tensor)> {
+    let (m, d) = matrix_dims("s", s)?;
+    let (f, dg) = matrix_dims("gate_proj", gate_proj)?;
+    let (f2, dw) = matrix_dims("w_ud", w_ud)?;
+    if dg != d || f2 != f || dw != 2 * d || alpha.dims() != [d] {
+        return shape_err(
+            "twell_mlp_norm_add_norm",
+            format!(
+                "want s [m, d], gate_proj [f, d], w_ud [f, 2d] and alpha [d], got {:?}, \
+                 {:?}, {:?} and {:?}",
+                s.dims(),
+                gate_proj.dims(),
+                w_ud.dims(),
+                alpha.dims()
+            ),
+        );
+    }
+    for t in [gate_proj, w_ud, alpha] {
+        same_dtype_and_device("twell_mlp_norm_add_norm", s, t)?;
+    }
+    check_size("twell_mlp_norm_add_norm", m, f, config)?;
+    if !norm_add_norm_runs(s) {
+        return err(TwellError::Invalid(format!(
+            "twell_mlp_norm_add_norm runs on CUDA in bf16 for prefill rows; got {:?} {:?} \
+             with {m} rows of hidden {d} (elsewhere: rms_norm, twell_mlp, then add_rms_norm)",
+            s.device().location(),
+            s.dtype()
+        )));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::{op::BackpropOp, Storage};
+        let ts = [s, gate_proj, w_ud, alpha]
+            .into_iter()
+            .map(|t| t.contiguous())
+            .collect::<Result<Vec<_>>>()?;
+        let parts: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+        let cuda = |i: usize| match &*parts[i].0 {
+            Storage::Cuda(s) => Ok((s, parts[i].1)),
+            _ => Err(candle_core::Error::Msg(
+                "twell_mlp_norm_add_norm: every input must be on the CUDA device".into(),
+            )),
+        };
+        let both = crate::cuda::twell_mlp_norm_add_norm(
+            cuda(0)?,
+            cuda(1)?,
+            cuda(2)?,
+            cuda(3)?,
+            config,
+            pre_eps as f32,
+            eps as f32,
+        )?;
+        let both = Tensor::from_storage(Storage::Cuda(both), (2 * m, d), BackpropOp::none(), false);
+        Ok((both.narrow(0, 0, m)?, both.narrow(0, m, m)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (pre_eps, eps);
+        unreachable!("norm_add_norm_runs is false without the cuda feature")
+    }
+}
+
 /// Builds the int8 screen of a host `gate_proj [f, d]` for [`twell_mlp_screened`].
 pub fn gate_screen(gate_proj: &Tensor) -> Result<GateScreen> {
     let (f, d) = matrix_dims("gate_proj", gate_proj)?;
