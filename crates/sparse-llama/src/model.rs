@@ -406,8 +406,8 @@ impl CausalSelfAttention {
     }
 
     /// Attention as plain candle ops: f32 scores `[b, heads, t, T]`, the mask added, a
-    /// softmax; the heads' rows `[b · t, heads · hd]`. Training takes candle's composite softmax,
-    /// which it can differentiate; inference its fused one.
+    /// softmax; the heads' rows `[b · t, heads · hd]`. Training takes candle's composite
+    /// softmax, which it can differentiate; inference its fused one.
     fn plain_attention(
         &self,
         q: Tensor,

@@ -512,35 +512,14 @@ pub fn twell_mlp_add_norm(
     }
     #[cfg(feature = "cuda")]
     {
-        use candle_core::{op::BackpropOp, Storage};
-        let ts = [x, gate_proj, w_ud, residual, alpha]
+        let inputs: Vec<&Tensor> = [x, gate_proj, w_ud, residual, alpha]
             .into_iter()
             .chain(pre_alpha)
-            .map(|t| t.contiguous())
-            .collect::<Result<Vec<_>>>()?;
-        let parts: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
-        let cuda = |i: usize| match &*parts[i].0 {
-            Storage::Cuda(s) => Ok((s, parts[i].1)),
-            _ => Err(candle_core::Error::Msg(
-                "twell_mlp_add_norm: every input must be on the CUDA device".into(),
-            )),
-        };
-        let pre = match pre_norm {
-            Some((_, pre_eps)) => Some((cuda(5)?, pre_eps as f32)),
-            None => None,
-        };
-        let both = crate::cuda::twell_mlp_add_norm(
-            cuda(0)?,
-            cuda(1)?,
-            cuda(2)?,
-            cuda(3)?,
-            cuda(4)?,
-            config,
-            eps as f32,
-            pre,
-        )?;
-        let both = Tensor::from_storage(Storage::Cuda(both), (2 * m, d), BackpropOp::none(), false);
-        Ok((both.narrow(0, 0, m)?, both.narrow(0, m, m)?))
+            .collect();
+        sums_and_norms_on_cuda("twell_mlp_add_norm", &inputs, (m, d), |c| {
+            let pre = pre_norm.map(|(_, pre_eps)| (c[5], pre_eps as f32));
+            crate::cuda::twell_mlp_add_norm(c[0], c[1], c[2], c[3], c[4], config, eps as f32, pre)
+        })
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -603,35 +582,60 @@ pub fn twell_mlp_norm_add_norm(
     }
     #[cfg(feature = "cuda")]
     {
-        use candle_core::{op::BackpropOp, Storage};
-        let ts = [s, gate_proj, w_ud, alpha]
-            .into_iter()
-            .map(|t| t.contiguous())
-            .collect::<Result<Vec<_>>>()?;
-        let parts: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
-        let cuda = |i: usize| match &*parts[i].0 {
-            Storage::Cuda(s) => Ok((s, parts[i].1)),
-            _ => Err(candle_core::Error::Msg(
-                "twell_mlp_norm_add_norm: every input must be on the CUDA device".into(),
-            )),
-        };
-        let both = crate::cuda::twell_mlp_norm_add_norm(
-            cuda(0)?,
-            cuda(1)?,
-            cuda(2)?,
-            cuda(3)?,
-            config,
-            pre_eps as f32,
-            eps as f32,
-        )?;
-        let both = Tensor::from_storage(Storage::Cuda(both), (2 * m, d), BackpropOp::none(), false);
-        Ok((both.narrow(0, 0, m)?, both.narrow(0, m, m)?))
+        sums_and_norms_on_cuda(
+            "twell_mlp_norm_add_norm",
+            &[s, gate_proj, w_ud, alpha],
+            (m, d),
+            |c| {
+                crate::cuda::twell_mlp_norm_add_norm(
+                    c[0],
+                    c[1],
+                    c[2],
+                    c[3],
+                    config,
+                    pre_eps as f32,
+                    eps as f32,
+                )
+            },
+        )
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (pre_eps, eps);
         unreachable!("norm_add_norm_runs is false without the cuda feature")
     }
+}
+
+/// Runs `launch` on the CUDA storages of `inputs` (made contiguous) and splits the `[2m,
+/// d]` it returns into the sums and their normalised rows, as the add + norm folds give
+/// them.
+#[cfg(feature = "cuda")]
+fn sums_and_norms_on_cuda(
+    what: &str,
+    inputs: &[&Tensor],
+    (m, d): (usize, usize),
+    launch: impl FnOnce(&[(&candle_core::CudaStorage, &Layout)]) -> Result<candle_core::CudaStorage>,
+) -> Result<(Tensor, Tensor)> {
+    use candle_core::{op::BackpropOp, Storage};
+    let ts = inputs
+        .iter()
+        .map(|t| t.contiguous())
+        .collect::<Result<Vec<_>>>()?;
+    let parts: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let mut cuda = Vec::with_capacity(parts.len());
+    for (storage, layout) in &parts {
+        match &**storage {
+            Storage::Cuda(s) => cuda.push((s, *layout)),
+            _ => {
+                return Err(candle_core::Error::Msg(format!(
+                    "{what}: every input must be on the CUDA device"
+                )))
+            }
+        }
+    }
+    let both = launch(&cuda)?;
+    let both = Tensor::from_storage(Storage::Cuda(both), (2 * m, d), BackpropOp::none(), false);
+    Ok((both.narrow(0, 0, m)?, both.narrow(0, m, m)?))
 }
 
 /// Builds the int8 screen of a host `gate_proj [f, d]` for [`twell_mlp_screened`].
