@@ -124,7 +124,8 @@ pub fn draw_rows(logits: &Tensor, temperature: f64, quantiles: &[f64]) -> Result
     let logits = logits.to_dtype(DType::F32)?;
     // A NaN logit is never chosen: -inf instead.
     let not_nan = logits.eq(&logits)?;
-    let neg_inf = Tensor::full(f32::NEG_INFINITY, (rows, vocab), device)?;
+    // One -inf broadcast over the rows (stride 0), not a [rows, vocab] buffer per step.
+    let neg_inf = Tensor::new(f32::NEG_INFINITY, device)?.broadcast_as((rows, vocab))?;
     let clean = not_nan.where_cond(&logits, &neg_inf)?;
     let max = clean.max_keepdim(D::Minus1)?;
     let max_host: Vec<f32> = max.flatten_all()?.to_vec1()?;
