@@ -2,6 +2,7 @@
 //! GPU, over shapes, token counts (1, odd, past 65,536), densities and overflow, with
 //! outputs poisoned before every launch. Exits non-zero on any failure.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
@@ -418,17 +419,8 @@ type CheckModel = (sparse_llama::Llama, Vec<(String, Var)>);
 /// bf16 on `dev` and in f32 on the CPU from the same weights, each with its weights as
 /// variables (for the training check).
 fn check_models(dev: &Device) -> Result<([CheckModel; 2], sparse_llama::Config)> {
-    use sparse_llama::{synthetic, Llama};
-    let cfg = synthetic::config(512, 1024, 2, 8, 2, 1000)?;
-    let mut weights = synthetic::weights(&cfg, 0.1, 11, DType::BF16, dev)?;
-    // The random model's attention writes little into the residual stream; make it
-    // count, so an attention error shows in the logits. On the CPU in bf16 this model's
-    // two paths differ by 6e-3, and dropping the cached past changes the logits by 0.95.
-    for (name, w) in weights.iter_mut() {
-        if name.contains("o_proj") {
-            *w = (&*w * 30.0)?;
-        }
-    }
+    use sparse_llama::Llama;
+    let (weights, cfg) = check_weights(dev)?;
     let build = |device: &Device, dtype: DType| -> Result<(Llama, Vec<(String, Var)>)> {
         let varmap = candle_nn::VarMap::new();
         let mut vars = Vec::new();
@@ -447,6 +439,22 @@ fn check_models(dev: &Device) -> Result<([CheckModel; 2], sparse_llama::Config)>
         [build(dev, DType::BF16)?, build(&Device::Cpu, DType::F32)?],
         cfg,
     ))
+}
+
+/// The weights (bf16 on `dev`, HF names) and config of the model checks' random Llama.
+fn check_weights(dev: &Device) -> Result<(HashMap<String, Tensor>, sparse_llama::Config)> {
+    use sparse_llama::synthetic;
+    let cfg = synthetic::config(512, 1024, 2, 8, 2, 1000)?;
+    let mut weights = synthetic::weights(&cfg, 0.1, 11, DType::BF16, dev)?;
+    // The random model's attention writes little into the residual stream; make it
+    // count, so an attention error shows in the logits. On the CPU in bf16 this model's
+    // two paths differ by 6e-3, and dropping the cached past changes the logits by 0.95.
+    for (name, w) in weights.iter_mut() {
+        if name.contains("o_proj") {
+            *w = (&*w * 30.0)?;
+        }
+    }
+    Ok((weights, cfg))
 }
 
 /// The tokens of the model checks: 2 sequences of 96.
@@ -479,7 +487,7 @@ fn check_model_attention(dev: &Device) -> Result<([f64; 3], f64)> {
     let mut logits = Vec::new();
     for (pass, err) in errs.iter_mut().enumerate() {
         if pass == 2 {
-            gpu = check_model_weights_frozen(dev, &cfg)?;
+            gpu = check_model_weights_frozen(dev)?;
             gpu.fuse_qkv()?;
             gpu.set_ffn_mode(twell::FfnMode::Sparse)?;
             gpu.fold_mlp_norms()?;
@@ -498,18 +506,10 @@ fn check_model_attention(dev: &Device) -> Result<([f64; 3], f64)> {
 
 /// The model of [`check_models`] in bf16 on `dev`, its weights plain tensors (as a
 /// checkpoint loads them), which `fold_mlp_norms` takes.
-fn check_model_weights_frozen(
-    dev: &Device,
-    cfg: &sparse_llama::Config,
-) -> Result<sparse_llama::Llama> {
-    let ([(gpu, vars), _], _) = check_models(dev)?;
-    drop(gpu);
-    let weights = vars
-        .into_iter()
-        .map(|(name, var)| (name, var.as_tensor().detach()))
-        .collect();
+fn check_model_weights_frozen(dev: &Device) -> Result<sparse_llama::Llama> {
+    let (weights, cfg) = check_weights(dev)?;
     let vb = candle_nn::VarBuilder::from_tensors(weights, DType::BF16, dev);
-    Ok(sparse_llama::Llama::load(vb, cfg)?)
+    Ok(sparse_llama::Llama::load(vb, &cfg)?)
 }
 
 #[derive(Serialize, Debug)]

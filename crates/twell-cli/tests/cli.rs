@@ -765,6 +765,7 @@ fn model_bench_runs_all_phases_on_a_random_shape() {
             "{want} missing from {phases:?}"
         );
     }
+    assert_eq!(report["folded_mlp_norms"], true, "the CLI folds by default");
     let density = report["density_per_layer"].as_array().unwrap();
     assert_eq!(density.len(), 2);
     assert!(density
@@ -805,6 +806,10 @@ fn bad_model_bench_flags_are_rejected() {
     model(&["--heads", "3"], "heads");
     model(&["--heads", "4", "--decode-batch", "0"], "at least 1");
     model(&["--heads", "4", "--energy-secs=-1"], "--energy-secs");
+    // A knob's bad value names the knob.
+    let args = ["bench", "model", "--shape", "64x256x2", "--heads", "4"];
+    let (ok, text) = twell_with_env(&args, &[("TWELL_FOLD_NORMS", "yes")]);
+    assert!(!ok && text.contains("TWELL_FOLD_NORMS=\"yes\""), "{text}");
 }
 
 #[test]

@@ -607,6 +607,7 @@ impl SparseMlp {
         };
         self.gate = fold(&self.gate)?;
         self.up = fold(&self.up)?;
+        // A view of a stored up/down matrix would keep that whole matrix alive.
         self.down = self.down.contiguous()?;
         self.fused = None;
         self.up_down = OnceLock::new();

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
-use common::rel_l2;
+use common::{rel_l2, relu_mlp};
 use twell::density::{synthetic_input, synthetic_mlp};
 use twell::{Activation, FfnMode, L1Term, SparseMlp};
 
@@ -19,26 +19,16 @@ fn sparse_and_auto_equal_dense_for_relu_and_batched_input() {
         .unwrap()
         .reshape((2, 5, 64))
         .unwrap();
-    let make = |mode| {
-        SparseMlp::new(
-            w.gate.clone(),
-            w.up.clone(),
-            w.down.clone(),
-            Activation::Relu,
-            mode,
-        )
-        .unwrap()
-    };
-    let dense = make(FfnMode::Dense).forward(&x).unwrap();
+    let dense = relu_mlp(&w, FfnMode::Dense).forward(&x).unwrap();
     assert_eq!(dense.dims(), &[2, 5, 64]);
     for mode in [FfnMode::Sparse, FfnMode::Auto] {
-        let (out, l1) = make(mode).forward_with_l1(&x).unwrap();
+        let (out, l1) = relu_mlp(&w, mode).forward_with_l1(&x).unwrap();
         assert_eq!(l1.dims(), &[2, 5]);
         assert!(rel_l2(&out, &dense).unwrap() < 1e-5, "{mode:?}");
     }
     // The sparse output is contiguous as it comes (a residual add or a matmul reads it
     // without a copy), and so is its L1 term.
-    let sparse = make(FfnMode::Sparse);
+    let sparse = relu_mlp(&w, FfnMode::Sparse);
     let module = sparse.forward(&x).unwrap();
     let (out, l1) = sparse.forward_with_l1(&x).unwrap();
     assert!(module.is_contiguous() && out.is_contiguous() && l1.is_contiguous());
@@ -130,17 +120,7 @@ fn screened_decoding_equals_unscreened_and_dense() {
     let dev = Device::Cpu;
     for (density, seed) in [(0.01, 3u64), (0.4, 4)] {
         let w = synthetic_mlp(256, 1024, density, DType::F32, &dev, seed).unwrap();
-        let make = |screen: bool, mode| {
-            SparseMlp::new(
-                w.gate.clone(),
-                w.up.clone(),
-                w.down.clone(),
-                Activation::Relu,
-                mode,
-            )
-            .unwrap()
-            .with_gate_screen(screen)
-        };
+        let make = |screen: bool, mode| relu_mlp(&w, mode).with_gate_screen(screen);
         let (screened, plain, dense) = (
             make(true, FfnMode::Sparse),
             make(false, FfnMode::Sparse),
@@ -338,14 +318,7 @@ fn forward_add_norm_and_forward_sublayer_are_the_steps_they_fold() {
     // the MLP, then `add_rms_norm`: the same tensors.
     let dev = Device::Cpu;
     let w = synthetic_mlp(64, 384, 0.02, DType::F32, &dev, 5).unwrap();
-    let mlp = SparseMlp::new(
-        w.gate.clone(),
-        w.up.clone(),
-        w.down.clone(),
-        Activation::Relu,
-        FfnMode::Sparse,
-    )
-    .unwrap();
+    let mlp = relu_mlp(&w, FfnMode::Sparse);
     for rows in [1, 3] {
         let x = synthetic_input(rows, 64, DType::F32, &dev, 6).unwrap();
         let residual = Tensor::randn(0f32, 1.0, (rows, 64), &dev).unwrap();
@@ -428,21 +401,11 @@ fn forward_add_norm_and_forward_sublayer_are_the_steps_they_fold() {
 fn a_folded_norm_weight_gives_the_unfolded_sublayer() {
     let dev = Device::Cpu;
     let w = synthetic_mlp(64, 384, 0.05, DType::F32, &dev, 9).unwrap();
-    let build = |mode| {
-        SparseMlp::new(
-            w.gate.clone(),
-            w.up.clone(),
-            w.down.clone(),
-            Activation::Relu,
-            mode,
-        )
-        .unwrap()
-    };
     let pre_alpha = Tensor::randn(1f32, 0.1, 64, &dev).unwrap();
     let alpha = Tensor::randn(1f32, 0.1, 64, &dev).unwrap();
     for mode in [FfnMode::Sparse, FfnMode::Dense] {
-        let plain = build(mode);
-        let mut folded = build(mode);
+        let plain = relu_mlp(&w, mode);
+        let mut folded = relu_mlp(&w, mode);
         let err = folded
             .forward_sublayer_from_sum(&pre_alpha.unsqueeze(0).unwrap(), 1e-5, (&alpha, 1e-6))
             .unwrap_err()
@@ -475,7 +438,7 @@ fn a_folded_norm_weight_gives_the_unfolded_sublayer() {
         let err = folded.fold_pre_norm(&pre_alpha).unwrap_err().to_string();
         assert!(err.contains("folded in already"), "{err}");
     }
-    let mut mlp = build(FfnMode::Sparse);
+    let mut mlp = relu_mlp(&w, FfnMode::Sparse);
     let err = mlp
         .fold_pre_norm(&Tensor::ones(63, DType::F32, &dev).unwrap())
         .unwrap_err()

@@ -600,7 +600,7 @@ pub fn twell_mlp_norm_add_norm(
     eps: f32,
 ) -> Result<CudaStorage> {
     let (m, d) = sl.shape().dims2()?;
-    if m <= 1 || d % 8 != 0 || !folds_into_down_rows(m, d) {
+    if d % 8 != 0 || !folds_into_down_rows(m, d) {
         return err(TwellError::Invalid(format!(
             "twell_mlp_norm_add_norm takes more than {DECODE_MAX_TOKENS} rows of hidden up \
              to 4096 (a multiple of 8), got [{m}, {d}]"

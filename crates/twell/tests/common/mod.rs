@@ -90,3 +90,15 @@ impl Vars {
             .collect()
     }
 }
+
+/// A ReLU `SparseMlp` in `mode` on copies of `w`'s weights.
+pub fn relu_mlp(w: &twell::density::MlpWeights, mode: twell::FfnMode) -> twell::SparseMlp {
+    twell::SparseMlp::new(
+        w.gate.clone(),
+        w.up.clone(),
+        w.down.clone(),
+        twell::Activation::Relu,
+        mode,
+    )
+    .unwrap()
+}
