@@ -21,6 +21,27 @@
 
 #define ROPE_THREADS 256
 
+// Turns the 8 pairs (src[c + e], src[half + c + e]) of one row by position `pos`'s
+// angles into dst (which may be src: every load comes before the first store).
+__device__ __forceinline__ void turn_eight_pairs(const __nv_bfloat16* src,
+                                                 __nv_bfloat16* dst,
+                                                 const __nv_bfloat16* __restrict__ cs,
+                                                 int pos, int hd, int c) {
+    const int half = hd / 2;
+    float x1[VEC], x2[VEC], co[VEC], sn[VEC], o1[VEC], o2[VEC];
+    load8(src + c, x1);
+    load8(src + half + c, x2);
+    const __nv_bfloat16* angles = cs + static_cast<long long>(pos) * hd;
+    load8(angles + c, co);
+    load8(angles + half + c, sn);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        rope_turn(x1[e], x2[e], co[e], sn[e], o1[e], o2[e]);
+    }
+    store8(dst + c, o1);
+    store8(dst + half + c, o2);
+}
+
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_bf16(
     const __nv_bfloat16* __restrict__ x,   // [tokens, heads, hd]
     const __nv_bfloat16* __restrict__ cs,  // [t, hd]: each position's cos, then its sin
@@ -36,30 +57,22 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_bf16(
     const int pos = static_cast<int>(token % t);
     const __nv_bfloat16* src = x + (token * heads + head) * hd;
     __nv_bfloat16* dst = out + row * hd;
-    float x1[VEC], x2[VEC], co[VEC], sn[VEC], o1[VEC], o2[VEC];
-    load8(src + c, x1);
-    load8(src + half + c, x2);
     if (head >= rot_heads) {  // a value head: copied
+        float x1[VEC], x2[VEC];
+        load8(src + c, x1);
+        load8(src + half + c, x2);
         store8(dst + c, x1);
         store8(dst + half + c, x2);
         return;
     }
-    const __nv_bfloat16* angles = cs + static_cast<long long>(pos) * hd;
-    load8(angles + c, co);
-    load8(angles + half + c, sn);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-        rope_turn(x1[e], x2[e], co[e], sn[e], o1[e], o2[e]);
-    }
-    store8(dst + c, o1);
-    store8(dst + half + c, o2);
+    turn_eight_pairs(src, dst, cs, pos, hd, c);
 }
 
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_in_place_bf16(
     __nv_bfloat16* x,                      // [tokens, heads, hd], turned in place
     const __nv_bfloat16* __restrict__ cs,  // [t, hd]: each position's cos, then its sin
     long long tokens, int t, int heads, int hd, int rot_heads) {
-    const int half = hd / 2, groups = half / VEC;
+    const int groups = hd / 2 / VEC;
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= tokens * rot_heads * groups) return;
     const long long row = i / groups;  // (token, turned head)
@@ -68,16 +81,5 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_in_place_bf16(
     const int head = static_cast<int>(row % rot_heads);
     const int pos = static_cast<int>(token % t);
     __nv_bfloat16* at = x + (token * heads + head) * hd;
-    float x1[VEC], x2[VEC], co[VEC], sn[VEC], o1[VEC], o2[VEC];
-    load8(at + c, x1);
-    load8(at + half + c, x2);
-    const __nv_bfloat16* angles = cs + static_cast<long long>(pos) * hd;
-    load8(angles + c, co);
-    load8(angles + half + c, sn);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-        rope_turn(x1[e], x2[e], co[e], sn[e], o1[e], o2[e]);
-    }
-    store8(at + c, o1);
-    store8(at + half + c, o2);
+    turn_eight_pairs(at, at, cs, pos, hd, c);
 }

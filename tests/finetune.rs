@@ -294,6 +294,20 @@ fn bad_training_settings_and_resume_dirs_are_rejected() {
             distill: f64::NAN,
             ..Default::default()
         },
+        TrainConfig {
+            l1_penalty: L1Penalty::GateL0,
+            gate_l0_eps: 0.0,
+            ..Default::default()
+        },
+        TrainConfig {
+            l1_penalty: L1Penalty::GateL0,
+            gate_l0_eps: f64::INFINITY,
+            ..Default::default()
+        },
+        TrainConfig {
+            gate_l0_eps: 0.03,
+            ..Default::default()
+        },
     ] {
         let e = Trainer::new(cfg.clone(), w.clone(), bad, &Device::Cpu)
             .err()

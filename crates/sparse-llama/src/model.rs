@@ -820,6 +820,14 @@ impl Llama {
         }
     }
 
+    /// Sets every layer's ε of the `gate-l0` term (see [`SparseMlp::set_gate_l0_eps`]).
+    pub fn set_gate_l0_eps(&mut self, eps: f64) -> Result<()> {
+        for b in &mut self.blocks {
+            b.mlp.set_gate_l0_eps(eps)?;
+        }
+        Ok(())
+    }
+
     /// Sets the feed-forward path of every layer.
     pub fn set_ffn_mode(&mut self, mode: FfnMode) -> Result<()> {
         for b in &mut self.blocks {

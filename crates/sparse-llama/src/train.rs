@@ -117,6 +117,9 @@ pub struct TrainConfig {
     /// What the L1 term sums: `|h_j|`, or `|h_j|·‖Wd_j‖` (rescaling-proof).
     #[serde(default)]
     pub l1_penalty: L1Penalty,
+    /// ε of the `gate-l0` term's smooth count ([`twell::SparseMlp::set_gate_l0_eps`]).
+    #[serde(default = "default_gate_l0_eps")]
+    pub gate_l0_eps: f64,
     pub seed: u64,
     /// Neurons that fired in none of the last this many steps count as dead.
     pub dead_window_steps: usize,
@@ -153,6 +156,10 @@ pub struct TrainConfig {
     pub distill: f64,
 }
 
+fn default_gate_l0_eps() -> f64 {
+    twell::GATE_L0_EPS
+}
+
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
@@ -168,6 +175,7 @@ impl Default for TrainConfig {
             l1: 2e-5,
             l1_warmup_steps: 0,
             l1_penalty: L1Penalty::Plain,
+            gate_l0_eps: twell::GATE_L0_EPS,
             seed: 0,
             dead_window_steps: 50,
             bf16: false,
@@ -202,6 +210,12 @@ impl TrainConfig {
         }
         if !(0.0..=1.0).contains(&self.distill) {
             return bad("the distillation weight must be in [0, 1]");
+        }
+        if !(self.gate_l0_eps > 0.0 && self.gate_l0_eps.is_finite()) {
+            return bad("the gate-l0 term's ε must be a positive number");
+        }
+        if self.gate_l0_eps != twell::GATE_L0_EPS && self.l1_penalty != L1Penalty::GateL0 {
+            return bad("ε is a setting of the gate-l0 term only");
         }
         if let Some(target) = self.l1_target_density {
             if !(target > 0.0 && target < 1.0) {
@@ -627,6 +641,7 @@ impl Trainer {
         let mut model = Llama::load(vb, model_cfg)?;
         model.record_ffn_stats(!cfg.no_activity_stats);
         model.set_l1_term(cfg.l1_penalty.term());
+        model.set_gate_l0_eps(cfg.gate_l0_eps)?;
         Ok(model)
     }
 

@@ -75,6 +75,11 @@ pub struct FinetuneArgs {
     /// positive gates, each as a cosine); all but `plain` need --ffn dense.
     #[arg(long, default_value = "plain")]
     pub l1_penalty: String,
+    /// ε of `gate-l0`'s smooth count φ(z) = z / (z + ε), in units of a gate's spread
+    /// (default 0.1): smaller counts more sharply and pulls only on the gates nearest
+    /// zero; larger pulls on more of the positive gates, more like L1.
+    #[arg(long)]
+    pub l1_gate_eps: Option<f64>,
     /// Distill from a teacher (--teacher, else the --model checkpoint as loaded: its own
     /// activation, dense, frozen, the same one when resuming): the loss becomes
     /// (1 - α)·CE + α·KL(teacher ‖ student) + λ·L1. α in [0, 1]; 0 is off.
@@ -129,6 +134,9 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
             bail!("--time-limit must be a positive number of seconds, not {limit}");
         }
     }
+    if args.l1_gate_eps.is_some() && args.l1_penalty != "gate-l0" {
+        bail!("--l1-gate-eps is a setting of --l1-penalty gate-l0");
+    }
     let device = args.model.device()?;
     let dtype = args.model.dtype(&device)?;
     let cfg = TrainConfig {
@@ -147,6 +155,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
             .l1_penalty
             .parse()
             .map_err(|e| anyhow::anyhow!("--l1-penalty {e}"))?,
+        gate_l0_eps: args.l1_gate_eps.unwrap_or(twell::GATE_L0_EPS),
         seed: args.seed,
         dead_window_steps: 50,
         bf16: dtype == DType::BF16,

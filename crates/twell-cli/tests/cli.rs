@@ -711,6 +711,22 @@ fn bad_finetune_flags_are_rejected() {
             &["--l1-penalty", "gate-l0", "--ffn", "sparse"],
             "add --ffn dense",
         ),
+        (
+            &["--l1-gate-eps", "0.03"],
+            "a setting of --l1-penalty gate-l0",
+        ),
+        (
+            &[
+                "--l1-penalty",
+                "gate-l0",
+                "--ffn",
+                "dense",
+                "--l1-gate-eps",
+                "0",
+            ],
+            "ε must be a positive number",
+        ),
+        (&["--l1-gate-eps", "sharp"], "--l1-gate-eps"),
         // One document cannot be split into training and held-out text.
         (&["--holdout", "1"], "cannot hold out"),
         (&["--resume", "/no/such/run"], "neither a directory"),

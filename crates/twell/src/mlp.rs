@@ -153,7 +153,8 @@ pub enum L1Term {
     /// small `h_j`, `2·Σ|h| / Σh²`, fades as the other activations grow. Dense path only.
     Hoyer,
     /// `Σ_j φ(z_j)` with `z_j = relu(g_j)·√d / (‖x‖·‖Wg_j‖)` (the gate as a cosine,
-    /// scaled to unit spread) and `φ(z) = z / (z + ε)`, ε = [`GATE_L0_EPS`]: a smooth
+    /// scaled to unit spread) and `φ(z) = z / (z + ε)`, ε = [`GATE_L0_EPS`] unless
+    /// [`SparseMlp::set_gate_l0_eps`] says otherwise: a smooth
     /// count of the positive gates. Scaling `x` or a gate row changes nothing, and its
     /// pull, `ε / (z + ε)²`, is strongest on the gates just above zero, the ones that
     /// need the least to switch off; the large ones are barely touched. Dense path only.
@@ -282,6 +283,8 @@ pub struct SparseMlp {
     record_stats: bool,
     /// The per-token sparsity term (see [`SparseMlp::set_l1_term`]).
     l1_term: L1Term,
+    /// ε of [`L1Term::GateL0`] (see [`SparseMlp::set_gate_l0_eps`]).
+    gate_l0_eps: f64,
     calls: std::sync::atomic::AtomicUsize,
     last: Mutex<Option<LastForward>>,
     last_density: Mutex<Option<f64>>,
@@ -340,6 +343,7 @@ impl SparseMlp {
             break_even: None,
             record_stats: false,
             l1_term: L1Term::Plain,
+            gate_l0_eps: GATE_L0_EPS,
             calls: std::sync::atomic::AtomicUsize::new(0),
             last: Mutex::new(None),
             last_density: Mutex::new(None),
@@ -432,6 +436,19 @@ impl SparseMlp {
     /// compute the plain term).
     pub fn set_l1_term(&mut self, term: L1Term) {
         self.l1_term = term;
+    }
+
+    /// ε of [`L1Term::GateL0`]'s `φ(z) = z / (z + ε)` (default [`GATE_L0_EPS`]): a
+    /// smaller ε counts more sharply (closer to L0) and pulls on a narrower band of gates
+    /// just above zero; a larger one pulls on more of the positive gates, more like L1.
+    pub fn set_gate_l0_eps(&mut self, eps: f64) -> Result<()> {
+        if !(eps > 0.0 && eps.is_finite()) {
+            return err(TwellError::Invalid(format!(
+                "the gate-l0 term's ε must be a positive number, not {eps}"
+            )));
+        }
+        self.gate_l0_eps = eps;
+        Ok(())
     }
 
     pub fn set_mode(&mut self, mode: FfnMode) -> Result<()> {
@@ -846,8 +863,13 @@ impl SparseMlp {
                 let norm =
                     |t: &Tensor| (t.to_dtype(DType::F32)?.sqr()?.sum(D::Minus1)? + 1e-12)?.sqrt();
                 let (x_norm, w_norm) = (norm(&x2)?, norm(&self.gate)?);
-                let count =
-                    crate::ops::gate_l0(&gate, &x_norm, &w_norm, (d as f64).sqrt(), GATE_L0_EPS)?;
+                let count = crate::ops::gate_l0(
+                    &gate,
+                    &x_norm,
+                    &w_norm,
+                    (d as f64).sqrt(),
+                    self.gate_l0_eps,
+                )?;
                 Some(count.to_dtype(h.dtype())?)
             }
         };

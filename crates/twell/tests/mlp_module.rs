@@ -222,6 +222,34 @@ fn down_norm_l1_ignores_relu_rescaling() {
             "count {c} against L0 {l}"
         );
     }
+    // A smaller ε counts more sharply: each token's count rises to its L0.
+    let mut sharp = SparseMlp::new(
+        w.gate.clone(),
+        w.up.clone(),
+        w.down.clone(),
+        Activation::Relu,
+        FfnMode::Dense,
+    )
+    .unwrap();
+    sharp.set_l1_term(L1Term::GateL0);
+    for bad in [0.0, -0.1, f64::NAN, f64::INFINITY] {
+        let e = sharp.set_gate_l0_eps(bad).expect_err("bad ε accepted");
+        assert!(format!("{e}").contains("ε"), "{e}");
+    }
+    sharp.set_gate_l0_eps(1e-4).unwrap();
+    let sharp = sharp
+        .forward_with_l1(&x)
+        .unwrap()
+        .1
+        .to_vec1::<f32>()
+        .unwrap();
+    let count0 = count0.to_vec1::<f32>().unwrap();
+    for ((s, c), l) in sharp.iter().zip(&count0).zip(&lv) {
+        assert!(
+            *s >= c - 1e-4 && *s <= l + 1e-3 && l - s < 0.05 * l.max(1.0),
+            "sharp count {s}, count {c}, L0 {l}"
+        );
+    }
     let mut sparse =
         SparseMlp::new(w.gate, w.up, w.down, Activation::Relu, FfnMode::Sparse).unwrap();
     sparse.set_l1_term(L1Term::DownNorm);
