@@ -156,7 +156,7 @@ fn down_norm_l1_ignores_relu_rescaling() {
     let gate = w.gate.broadcast_mul(&col(&a)).unwrap();
     let up = w.up.broadcast_mul(&col(&b)).unwrap();
     let down = w.down.broadcast_mul(&row(&inv)).unwrap();
-    let run = |g: &Tensor, u: &Tensor, dn: &Tensor, term: L1Term| {
+    let dense_mlp = |g: &Tensor, u: &Tensor, dn: &Tensor, term: L1Term| {
         let mut mlp = SparseMlp::new(
             g.clone(),
             u.clone(),
@@ -166,7 +166,10 @@ fn down_norm_l1_ignores_relu_rescaling() {
         )
         .unwrap();
         mlp.set_l1_term(term);
-        mlp.forward_with_l1(&x).unwrap()
+        mlp
+    };
+    let run = |g: &Tensor, u: &Tensor, dn: &Tensor, term: L1Term| {
+        dense_mlp(g, u, dn, term).forward_with_l1(&x).unwrap()
     };
     let (out0, plain0) = run(&w.gate, &w.up, &w.down, L1Term::Plain);
     let (out1, plain1) = run(&gate, &up, &down, L1Term::Plain);
@@ -223,15 +226,7 @@ fn down_norm_l1_ignores_relu_rescaling() {
         );
     }
     // A smaller ε counts more sharply: each token's count rises to its L0.
-    let mut sharp = SparseMlp::new(
-        w.gate.clone(),
-        w.up.clone(),
-        w.down.clone(),
-        Activation::Relu,
-        FfnMode::Dense,
-    )
-    .unwrap();
-    sharp.set_l1_term(L1Term::GateL0);
+    let mut sharp = dense_mlp(&w.gate, &w.up, &w.down, L1Term::GateL0);
     for bad in [0.0, -0.1, f64::NAN, f64::INFINITY] {
         let e = sharp.set_gate_l0_eps(bad).expect_err("bad ε accepted");
         assert!(format!("{e}").contains("ε"), "{e}");
