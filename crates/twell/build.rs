@@ -24,6 +24,7 @@ fn main() {
         "gated_t2d",
         "twell_mlp_bwd",
         "twell_mlp_decode",
+        "twell_mlp_products",
         "causal_attention",
         "attention_softmax_grad",
         "cross_entropy",

@@ -26,6 +26,7 @@ const TOLERANCE: f64 = 2e-2;
 
 #[derive(Serialize, Debug)]
 struct CaseResult {
+    path: ForwardPath,
     m: usize,
     d: usize,
     f: usize,
@@ -57,10 +58,23 @@ fn case_inputs(dev: &Device, case: Case, seed: u64) -> Result<(TwellConfig, MlpW
     Ok((config, w, x))
 }
 
-fn check_case(dev: &Device, case: Case, seed: u64) -> Result<CaseResult> {
+/// Which forward of the MLP a case runs: the TwELL kernels, or the inference path of
+/// cuBLAS GEMMs around one element-wise kernel (`twell_mlp_products`).
+#[derive(Clone, Copy, Debug, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum ForwardPath {
+    Pairs,
+    Products,
+}
+
+fn check_case(dev: &Device, case: Case, path: ForwardPath, seed: u64) -> Result<CaseResult> {
     let (m, d, f, density, tile, cf) = case;
     let (config, w, x) = case_inputs(dev, case, seed)?;
-    let res = twell_mlp(&x, &w.gate, &up_down_matrix(&w.up, &w.down)?, config)?;
+    let w_ud = up_down_matrix(&w.up, &w.down)?;
+    let res = match path {
+        ForwardPath::Pairs => twell_mlp(&x, &w.gate, &w_ud, config)?,
+        ForwardPath::Products => twell::twell_mlp_products(&x, &w.gate, &w_ud, config)?,
+    };
     // Dense f32 reference on the same bf16 numbers.
     let f32 = |t: &Tensor| t.to_dtype(DType::F32);
     let (x32, g32, u32_, d32) = (f32(&x)?, f32(&w.gate)?, f32(&w.up)?, f32(&w.down)?);
@@ -81,6 +95,7 @@ fn check_case(dev: &Device, case: Case, seed: u64) -> Result<CaseResult> {
     let nnz_close = nnz_gpu.abs_diff(nnz_reference) <= 16 + nnz_reference / 100;
     let pass = err_out < TOLERANCE && err_l1 < TOLERANCE && nnz_close;
     Ok(CaseResult {
+        path,
         m,
         d,
         f,
@@ -95,6 +110,32 @@ fn check_case(dev: &Device, case: Case, seed: u64) -> Result<CaseResult> {
         nnz_reference,
         pass,
     })
+}
+
+/// `Auto` once its measured density is past the break-even, at inference: its second
+/// call must take the products path (`twell_mlp_products`, which its statistics report
+/// as not sparse) and agree with candle's dense MLP on the same weights. Returns the
+/// relative error and whether the TwELL kernels ran instead.
+fn check_auto_dense_side(dev: &Device) -> Result<(f64, bool)> {
+    use candle_core::Module;
+    let w = synthetic_mlp(2048, 5632, 0.3, DType::BF16, dev, 77)?;
+    let x = synthetic_input(2048, 2048, DType::BF16, dev, 78)?;
+    let mlp = |mode| {
+        twell::SparseMlp::new(
+            w.gate.clone(),
+            w.up.clone(),
+            w.down.clone(),
+            twell::Activation::Relu,
+            mode,
+        )
+    };
+    let auto = mlp(twell::FfnMode::Auto)?.with_stats(true);
+    // The first call runs sparse (nothing measured yet) and measures 30%.
+    auto.forward(&x)?;
+    let out = auto.forward(&x)?;
+    let stats = auto.last_stats()?.context("auto kept no statistics")?;
+    let reference = mlp(twell::FfnMode::Dense)?.forward(&x)?;
+    Ok((rel_l2(&out, &reference)?, stats.sparse))
 }
 
 #[derive(Serialize, Debug)]
@@ -1343,7 +1384,8 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
     ];
     let mut results = Vec::new();
     println!(
-        "{:>7} {:>5} {:>6} {:>5} {:>3} {:>8} {:>8} {:>9} {:>9} {:>9} {:>10} {:>10} pass",
+        "{:>8} {:>7} {:>5} {:>6} {:>5} {:>3} {:>8} {:>8} {:>9} {:>9} {:>9} {:>10} {:>10} pass",
+        "path",
         "M",
         "d",
         "d_ff",
@@ -1357,15 +1399,30 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         "nnz gpu",
         "nnz ref"
     );
-    for (k, &case) in cases.iter().enumerate() {
-        let r = check_case(&dev, case, 100 + k as u64)?;
+    let runs = cases
+        .iter()
+        .enumerate()
+        .flat_map(|(k, &case)| [ForwardPath::Pairs, ForwardPath::Products].map(|p| (k, case, p)));
+    for (k, case, path) in runs {
+        let r = check_case(&dev, case, path, 100 + k as u64)?;
         println!(
-            "{:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>7.2}% {:>9} {:>9.2e} {:>9.2e} {:>10} {:>10} {}",
-            r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, 100.0 * r.density,
+            "{:>8} {:>7} {:>5} {:>6} {:>5} {:>3} {:>7.2}% {:>7.2}% {:>9} {:>9.2e} {:>9.2e} {:>10} {:>10} {}",
+            format!("{:?}", r.path).to_lowercase(), r.m, r.d, r.f, r.tile, r.compression, 100.0 * r.target_density, 100.0 * r.density,
             r.overflow_tiles, r.err_out, r.err_l1, r.nnz_gpu, r.nnz_reference, tally.record(r.pass)
         );
         results.push(r);
     }
+    let (auto_err, auto_sparse) = check_auto_dense_side(&dev)?;
+    println!(
+        "auto above the break-even (M 2048, 30%): {} against candle's dense MLP, rel err \
+         {auto_err:.2e} {}",
+        if auto_sparse {
+            "the TwELL kernels"
+        } else {
+            "the products path"
+        },
+        tally.record(!auto_sparse && auto_err < TOLERANCE)
+    );
     #[rustfmt::skip]
     let bwd_cases: &[Case] = &[
         (1, 2048, 5632, 0.01, 256, 8),

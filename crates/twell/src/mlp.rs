@@ -27,7 +27,8 @@ pub enum FfnMode {
     Dense,
     /// Gate GEMM + ReLU + TwELL pack, then the sparse up/down projections.
     Sparse,
-    /// Sparse while the measured density stays below the break-even, dense above it.
+    /// Sparse while the measured density stays below the break-even, dense above it (on
+    /// a GPU, for inference, dense by [`crate::ops::twell_mlp_products`]).
     #[default]
     Auto,
 }
@@ -181,11 +182,15 @@ pub struct MlpStats {
     /// How often each neuron fired in this forward (`[ffn]`), for dead-neuron counts;
     /// empty after a CUDA forward, which counts per tile only.
     pub fired: Vec<u32>,
+    /// Whether the forward ran the TwELL kernels (else candle's dense MLP, or on a GPU
+    /// `Auto`'s dense side, [`crate::ops::twell_mlp_products`], whose tile counts fill
+    /// the overflow fields all the same).
     pub sparse: bool,
 }
 
 impl MlpStats {
-    fn from_output(res: &crate::ops::MlpOutput) -> Result<Self> {
+    /// `sparse`: whether the TwELL kernels ran (not [`crate::ops::twell_mlp_products`]).
+    fn from_output(res: &crate::ops::MlpOutput, sparse: bool) -> Result<Self> {
         let (tokens, ffn) = (res.out.dim(0)?, res.ffn);
         let nnz = res.nnz()?;
         let (overflow_tiles, overflow_rows) = res.overflow()?;
@@ -197,7 +202,7 @@ impl MlpStats {
             overflow_tiles,
             overflow_rows,
             fired: res.fired_per_neuron().unwrap_or_default(),
-            sparse: true,
+            sparse,
         })
     }
 
@@ -247,6 +252,8 @@ fn count_nonzero(h: &Tensor) -> Result<u64> {
 /// What the sparse path leaves behind to be turned into [`MlpStats`] on request.
 enum LastForward {
     Sparse(crate::ops::MlpOutput),
+    /// `Auto`'s dense side on a GPU ([`crate::ops::twell_mlp_products`]).
+    Products(crate::ops::MlpOutput),
     Dense(Tensor),
 }
 
@@ -493,6 +500,20 @@ impl SparseMlp {
                 *self.last_density.lock().expect("density lock"),
             ),
         }
+    }
+
+    /// Whether a call that `Auto` sends to the dense side runs
+    /// [`crate::ops::twell_mlp_products`] (cuBLAS GEMMs around one element-wise kernel
+    /// that also counts the active neurons) instead of candle's three matmuls: on a GPU,
+    /// for inference (the op has no backward), with ReLU and the plain L1 term. `Dense`
+    /// stays candle's own MLP, the reference the benchmarks compare against.
+    fn dense_side_runs_products(&self, x2: &Tensor, want_l1: bool) -> bool {
+        self.mode == FfnMode::Auto
+            && self.activation == Activation::Relu
+            && (!want_l1 || self.l1_term == L1Term::Plain)
+            && !x2.track_op()
+            && [&self.gate, &self.up, &self.down].into_iter().all(frozen)
+            && crate::ops::products_run(x2, self.ffn())
     }
 
     /// Whether this call should measure the density: always on the host (free), and
@@ -834,6 +855,21 @@ impl SparseMlp {
             };
             return Ok((out, l1));
         }
+        if self.dense_side_runs_products(&x2, want_l1) {
+            let res =
+                crate::ops::twell_mlp_products(&x2, &self.gate, &self.up_down()?, self.config)?;
+            if measure {
+                *self.last_density.lock().expect("density lock") = Some(res.density()?);
+            }
+            if self.record_stats {
+                *self.last.lock().expect("stats lock") = Some(LastForward::Products(res.detach()));
+            }
+            let l1 = match want_l1 {
+                true => Some(crate::ops::reshaped(&res.l1, lead)?),
+                false => None,
+            };
+            return Ok((res.out_with_lead(lead)?, l1));
+        }
         let gate = x2.matmul(&self.gate.t()?)?;
         // Views of a fused matrix are copied out (candle's matmul takes no row stride);
         // separate weights are contiguous already and not copied.
@@ -894,7 +930,8 @@ impl SparseMlp {
         let last = self.last.lock().expect("stats lock");
         Ok(match last.as_ref() {
             None => None,
-            Some(LastForward::Sparse(res)) => Some(MlpStats::from_output(res)?),
+            Some(LastForward::Sparse(res)) => Some(MlpStats::from_output(res, true)?),
+            Some(LastForward::Products(res)) => Some(MlpStats::from_output(res, false)?),
             Some(LastForward::Dense(h)) => Some(MlpStats::from_dense(h)?),
         })
     }

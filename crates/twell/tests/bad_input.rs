@@ -120,3 +120,35 @@ fn sparse_mlp_rejects_silu_sparse_and_wrong_shapes() {
     assert!(Activation::from_hf("gelu").is_err());
     assert!("fast".parse::<FfnMode>().is_err());
 }
+
+#[test]
+fn the_products_path_refuses_bad_shapes_and_gradients() {
+    let cfg = TwellConfig::default();
+    let x = t(&[3, 8], DType::F32);
+    let e = msg(twell::twell_mlp_products(
+        &x,
+        &t(&[16, 8], DType::F32),
+        &t(&[16, 8], DType::F32),
+        cfg,
+    ));
+    assert!(
+        e.contains("w_ud") && e.contains("twell_mlp_products"),
+        "{e}"
+    );
+    let e = msg(twell::twell_mlp_products(
+        &x,
+        &t(&[16, 8], DType::F32),
+        &t(&[16, 16], DType::BF16),
+        cfg,
+    ));
+    assert!(e.contains("dtype"), "{e}");
+    // It has no backward: a variable input is refused, not silently cut from the graph.
+    let var = candle_core::Var::from_tensor(&x).unwrap();
+    let e = msg(twell::twell_mlp_products(
+        var.as_tensor(),
+        &t(&[16, 8], DType::F32),
+        &t(&[16, 16], DType::F32),
+        cfg,
+    ));
+    assert!(e.contains("no backward"), "{e}");
+}

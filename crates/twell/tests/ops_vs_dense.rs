@@ -325,3 +325,19 @@ fn output_rows_and_l1_terms_differentiate_alone() {
         }
     }
 }
+
+#[test]
+fn products_entry_is_the_twell_mlp_on_the_host() {
+    // On the host `twell_mlp_products` hands over to `twell_mlp` (its GPU path is
+    // checked by `twell check-gpu`): the same rows, L1 terms and counts.
+    let w = synthetic_mlp(64, 512, 0.2, DType::F32, &Device::Cpu, 8).unwrap();
+    let x = synthetic_input(9, 64, DType::F32, &Device::Cpu, 9).unwrap();
+    let w_ud = up_down_matrix(&w.up, &w.down).unwrap();
+    let cfg = TwellConfig::default();
+    let want = twell_mlp(&x, &w.gate, &w_ud, cfg).unwrap();
+    let got = twell::twell_mlp_products(&x, &w.gate, &w_ud, cfg).unwrap();
+    assert!(rel_l2(&got.out, &want.out).unwrap() < 1e-6);
+    assert!(rel_l2(&got.l1, &want.l1).unwrap() < 1e-6);
+    assert_eq!(got.host_counts().unwrap(), want.host_counts().unwrap());
+    assert!(got.nnz().unwrap() > 0);
+}

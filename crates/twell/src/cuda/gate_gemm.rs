@@ -87,7 +87,7 @@ fn gate_knob() -> Result<Option<GateKnob>> {
 }
 
 /// `g = x · Wgᵀ` into a fresh `[m, f]` bf16 buffer, through cuBLAS.
-fn gate_gemm_plain(
+pub(super) fn gate_gemm_plain(
     dev: &CudaDevice,
     x: &CudaView<bf16>,
     wg: &CudaView<bf16>,

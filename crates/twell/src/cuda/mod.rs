@@ -29,6 +29,7 @@ mod kl_divergence;
 mod residual_linear;
 mod rope;
 mod twell_mlp_decode;
+mod twell_mlp_products;
 pub use adamw::{adamw_mixed, adamw_moment, adamw_update, bf16_from_master, sum_squares};
 pub use add_rms_norm::{add_rms_norm, rms_norm_bwd, MAX_HIDDEN as ADD_RMS_NORM_MAX_HIDDEN};
 pub use attention_softmax_grad::{attention_row_dot, attention_softmax_grad};
@@ -39,6 +40,7 @@ pub use kl_divergence::{kl_divergence, kl_divergence_bwd};
 pub use residual_linear::residual_add_linear;
 pub use rope::{rope, rope_in_place};
 use twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm, PreNorm};
+pub use twell_mlp_products::{products_take, twell_mlp_products};
 
 const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
 const GATED_T2D_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));

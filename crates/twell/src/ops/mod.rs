@@ -2,7 +2,8 @@
 //!
 //! * [`gate_pack`]: `relu(x · Wgᵀ)` packed to TwELL (the D2T step);
 //! * [`gated_t2d`]: the sparse up and down projections of a packed gate;
-//! * [`twell_mlp`]: both fused, the whole ReGLU MLP;
+//! * [`twell_mlp`]: both fused, the whole ReGLU MLP, and [`twell_mlp_products`], the same
+//!   MLP for inference at higher densities (cuBLAS GEMMs around one element-wise kernel);
 //! * [`causal_attention_rows`] (and [`causal_attention`] on `[b, heads, t, hd]` views):
 //!   fused causal attention for the model around the MLP, and
 //!   [`attention_softmax_grad`], the row-wise middle of its backward;
@@ -41,6 +42,7 @@ mod kl_divergence;
 mod residual_linear;
 mod rope;
 mod twell_mlp;
+mod twell_mlp_products;
 
 pub use adamw::{adamw_step, adamw_step_mixed, sum_squares, AdamwStep};
 pub use add_rms_norm::{add_rms_norm, rms_norm, AddRmsNorm, RmsNorm};
@@ -69,6 +71,7 @@ pub use twell_mlp::{
     twell_mlp_norm_add_norm, twell_mlp_screened, twell_mlp_with_backward_path, BackwardPath,
     TwellMlp,
 };
+pub use twell_mlp_products::{products_run, twell_mlp_products};
 
 use std::sync::Arc;
 

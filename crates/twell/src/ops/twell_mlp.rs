@@ -653,21 +653,7 @@ fn run(
     screen: Option<Arc<GateScreen>>,
     backward_path: BackwardPath,
 ) -> Result<MlpOutput> {
-    let (m, d) = matrix_dims("x", x)?;
-    let (f, dg) = matrix_dims("gate_proj", gate_proj)?;
-    let (f2, dw) = matrix_dims("w_ud", w_ud)?;
-    if dg != d || f2 != f || dw != 2 * d {
-        return shape_err(
-            "twell_mlp",
-            format!(
-                "x is [{m}, {d}]: want gate_proj [f, {d}] and w_ud [f, {}], got [{f}, {dg}] and [{f2}, {dw}]",
-                2 * d
-            ),
-        );
-    }
-    same_dtype_and_device("twell_mlp", x, gate_proj)?;
-    same_dtype_and_device("twell_mlp", x, w_ud)?;
-    check_size("twell_mlp", m, f, config)?;
+    let (m, d, f) = mlp_dims("twell_mlp", x, gate_proj, w_ud, config)?;
     let saved = Arc::new(Mutex::new(None));
     let op = TwellMlp {
         config,
@@ -707,6 +693,33 @@ fn run(
         None => candle_core::bail!("twell-mlp: forward produced no pattern"),
     };
     MlpOutput::new(out, l1, activity, config, f)
+}
+
+/// `(M, d, f)` of an MLP op's inputs `x [M, d]`, `gate_proj [f, d]` and `w_ud [f, 2d]`,
+/// checked: matching shapes, one dtype and device, and a size TwELL can index.
+pub(crate) fn mlp_dims(
+    what: &'static str,
+    x: &Tensor,
+    gate_proj: &Tensor,
+    w_ud: &Tensor,
+    config: TwellConfig,
+) -> Result<(usize, usize, usize)> {
+    let (m, d) = matrix_dims("x", x)?;
+    let (f, dg) = matrix_dims("gate_proj", gate_proj)?;
+    let (f2, dw) = matrix_dims("w_ud", w_ud)?;
+    if dg != d || f2 != f || dw != 2 * d {
+        return shape_err(
+            what,
+            format!(
+                "x is [{m}, {d}]: want gate_proj [f, {d}] and w_ud [f, {}], got [{f}, {dg}] and [{f2}, {dw}]",
+                2 * d
+            ),
+        );
+    }
+    same_dtype_and_device(what, x, gate_proj)?;
+    same_dtype_and_device(what, x, w_ud)?;
+    check_size(what, m, f, config)?;
+    Ok((m, d, f))
 }
 
 /// What the two nodes of a differentiable MLP pass hand each other: the forward's
