@@ -89,19 +89,25 @@ impl Activation {
 /// measured M (docs/benchmarks.md), and loses at 50%.
 pub const DEFAULT_BREAK_EVEN_DENSITY: f64 = 0.15;
 
-/// The same on CUDA (H200, hidden 2048 / d_ff 5632): from 2k to 65k tokens the sparse
-/// path wins 1.2–1.4x at 1% density and loses (0.64–0.67x) at 3%; interpolating its
-/// times puts the break-even at 1.5–1.8% (docs/benchmarks.md, fifth session).
-pub const CUDA_BREAK_EVEN_DENSITY: f64 = 0.015;
+/// The same on CUDA (H200, hidden 2048 / d_ff 5632), against `Auto`'s dense side at
+/// inference ([`crate::ops::twell_mlp_products`], 1.26–1.38x of candle's dense MLP at
+/// every density from 1.5% to 50%): at 2k / 16k / 65k tokens the TwELL kernels reach
+/// 1.64x / 1.93x / 2.05x at 0.5%, 1.23x / 1.44x / 1.50x at 1% and 0.99x / 1.12x /
+/// 1.16x at 1.5%, so the two cross at 0.95% / 1.13% / 1.18% (docs/benchmarks.md,
+/// twenty-ninth session). Against candle's dense MLP alone it was 1.5–1.8% (fifth).
+pub const CUDA_BREAK_EVEN_DENSITY: f64 = 0.011;
 
 /// From 2 tokens up to this many the CUDA sparse path lost to dense (or tied, at 256
-/// tokens and 0.5%) at every density measured, so `Auto` runs dense there.
+/// tokens and 0.5%) at every density measured, so `Auto` runs dense there (at
+/// inference its dense side, 1.05–1.08x of candle's at 256 tokens).
 pub const CUDA_AUTO_MIN_TOKENS: usize = 512;
 
 /// Below this many tokens (and from [`CUDA_AUTO_MIN_TOKENS`]) the prefill kernels split
 /// each row over four warps, and the sparse path wins by less: 1.16–1.26x at 0.5%,
 /// 1.04–1.06x at 1%, 0.61–0.66x at 3% (512 and 1,024 tokens, fourteenth session), so
-/// `Auto` takes [`CUDA_FEW_TOKENS_BREAK_EVEN_DENSITY`] there.
+/// `Auto` takes [`CUDA_FEW_TOKENS_BREAK_EVEN_DENSITY`] there. (`Auto`'s dense side at
+/// inference reaches 1.06x at 512 tokens, twenty-ninth session: level with the sparse
+/// path's 1% there.)
 pub const CUDA_FEW_TOKENS: usize = 2048;
 
 /// The break-even density for [`CUDA_AUTO_MIN_TOKENS`] ..  [`CUDA_FEW_TOKENS`] tokens.
@@ -991,9 +997,9 @@ mod tests {
         assert!(sparse(CUDA_AUTO_MIN_TOKENS, true, 0.01));
         assert!(!sparse(CUDA_AUTO_MIN_TOKENS, true, 0.011));
         assert!(!sparse(CUDA_FEW_TOKENS - 1, true, 0.011));
-        // GPU, 2,048 tokens and more: 1.5%.
-        assert!(sparse(CUDA_FEW_TOKENS, true, 0.015));
-        assert!(!sparse(CUDA_FEW_TOKENS, true, 0.016));
+        // GPU, 2,048 tokens and more: 1.1%.
+        assert!(sparse(CUDA_FEW_TOKENS, true, 0.011));
+        assert!(!sparse(CUDA_FEW_TOKENS, true, 0.012));
     }
 
     #[test]

@@ -83,6 +83,8 @@ pub struct MlpRow {
     /// Peak device memory above the weights and x during one call (None on CPU).
     pub dense_peak_bytes: Option<u64>,
     pub sparse_peak_bytes: Option<u64>,
+    /// The same for `Auto` (on a GPU above the break-even, `twell_mlp_products`).
+    pub auto_peak_bytes: Option<u64>,
     /// Mean ms of each CUDA sparse stage (gate GEMM, pack, up, down), with --stages.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stages_ms: Option<[f64; 4]>,
@@ -289,6 +291,9 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                 let memory = MemoryProbe::start(&device)?;
                 std::hint::black_box(sets[0].1.forward(&x)?);
                 let sparse_peak_bytes = memory.peak_extra()?;
+                let memory = MemoryProbe::start(&device)?;
+                std::hint::black_box(sets[0].2.forward(&x)?);
+                let auto_peak_bytes = memory.peak_extra()?;
                 let elem = dtype.size_in_bytes() as f64;
                 let dense_bytes = 3.0 * (hidden * ffn) as f64 * elem;
                 // With the int8 gate screen (host, few tokens) the gate costs one byte per
@@ -317,6 +322,7 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     dense_gflops: 6.0 * (m * hidden * ffn) as f64 / t[0] / 1e9,
                     dense_peak_bytes,
                     sparse_peak_bytes,
+                    auto_peak_bytes,
                     stages_ms,
                 });
                 bar.inc(1);
@@ -400,13 +406,18 @@ pub fn print(report: &MlpReport) {
             r.sparse_gbps,
             r.dense_gflops
         );
-        if let (Some(dm), Some(sm)) = (r.dense_peak_bytes, r.sparse_peak_bytes) {
+        if let (Some(dm), Some(sm), Some(am)) =
+            (r.dense_peak_bytes, r.sparse_peak_bytes, r.auto_peak_bytes)
+        {
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
             println!(
-                "{:>20} peak extra memory: dense {:.1} MiB, sparse {:.1} MiB ({:.2}x)",
+                "{:>20} peak extra memory: dense {:.1} MiB, sparse {:.1} MiB ({:.2}x), auto {:.1} MiB ({:.2}x)",
                 "",
-                dm as f64 / (1 << 20) as f64,
-                sm as f64 / (1 << 20) as f64,
-                sm as f64 / dm.max(1) as f64
+                mib(dm),
+                mib(sm),
+                sm as f64 / dm.max(1) as f64,
+                mib(am),
+                am as f64 / dm.max(1) as f64
             );
         }
         if let Some(st) = r.stages_ms {

@@ -3,7 +3,9 @@
 //! Everything runs on candle's stream of the input's device, with no host
 //! synchronisation: the gate GEMM through cuBLAS, then `gate_pack`, then the two
 //! `gated_t2d` kernels; or, for a few rows of inference, the one `twell_mlp_decode`
-//! kernel. Scratch buffers come from the stream-ordered pool.
+//! kernel; or, for inference above the break-even density, `twell_mlp_products` (cuBLAS
+//! GEMMs around one element-wise kernel). Scratch buffers come from the stream-ordered
+//! pool.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cublas::{sys::cublasOperation_t, Gemm, GemmConfig};
