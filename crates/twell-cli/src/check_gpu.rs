@@ -120,21 +120,12 @@ fn check_auto_dense_side(dev: &Device) -> Result<(f64, bool)> {
     use candle_core::Module;
     let w = synthetic_mlp(2048, 5632, 0.3, DType::BF16, dev, 77)?;
     let x = synthetic_input(2048, 2048, DType::BF16, dev, 78)?;
-    let mlp = |mode| {
-        twell::SparseMlp::new(
-            w.gate.clone(),
-            w.up.clone(),
-            w.down.clone(),
-            twell::Activation::Relu,
-            mode,
-        )
-    };
-    let auto = mlp(twell::FfnMode::Auto)?.with_stats(true);
+    let auto = w.relu_mlp(twell::FfnMode::Auto)?.with_stats(true);
     // The first call runs sparse (nothing measured yet) and measures 30%.
     auto.forward(&x)?;
     let out = auto.forward(&x)?;
     let stats = auto.last_stats()?.context("auto kept no statistics")?;
-    let reference = mlp(twell::FfnMode::Dense)?.forward(&x)?;
+    let reference = w.relu_mlp(twell::FfnMode::Dense)?.forward(&x)?;
     Ok((rel_l2(&out, &reference)?, stats.sparse))
 }
 

@@ -20,6 +20,20 @@ pub struct MlpWeights {
     pub down: Tensor,
 }
 
+impl MlpWeights {
+    /// A ReLU [`crate::SparseMlp`] in `mode` on copies of these weights: how benches and
+    /// checks build the MLP they time or compare.
+    pub fn relu_mlp(&self, mode: crate::FfnMode) -> Result<crate::SparseMlp> {
+        crate::SparseMlp::new(
+            self.gate.clone(),
+            self.up.clone(),
+            self.down.clone(),
+            crate::Activation::Relu,
+            mode,
+        )
+    }
+}
+
 /// Standard deviation of the synthetic weights (the scale of a typical init).
 pub const WEIGHT_STD: f64 = 0.02;
 

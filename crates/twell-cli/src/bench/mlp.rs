@@ -9,7 +9,7 @@ use candle_nn::Linear;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use twell::density::{synthetic_input, synthetic_mlp, MlpWeights};
-use twell::{Activation, FfnMode, SparseMlp};
+use twell::{FfnMode, SparseMlp};
 
 use super::memory::MemoryProbe;
 use super::timing::{host_read_bandwidth, interleaved_medians, Rounds};
@@ -210,22 +210,10 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
             let sets: Vec<(DenseMlp, SparseMlp, SparseMlp)> = (0..args.weight_sets)
                 .map(|k| {
                     let w = synthetic_mlp(hidden, ffn, density, dtype, &device, 1000 + k as u64)?;
-                    let sparse = SparseMlp::new(
-                        w.gate.clone(),
-                        w.up.clone(),
-                        w.down.clone(),
-                        Activation::Relu,
-                        FfnMode::Sparse,
-                    )?
-                    .with_gate_screen(!args.no_screen);
-                    let auto = SparseMlp::new(
-                        w.gate.clone(),
-                        w.up.clone(),
-                        w.down.clone(),
-                        Activation::Relu,
-                        FfnMode::Auto,
-                    )?
-                    .with_gate_screen(!args.no_screen);
+                    let sparse = w
+                        .relu_mlp(FfnMode::Sparse)?
+                        .with_gate_screen(!args.no_screen);
+                    let auto = w.relu_mlp(FfnMode::Auto)?.with_gate_screen(!args.no_screen);
                     Ok((DenseMlp::new(&w), sparse, auto))
                 })
                 .collect::<candle_core::Result<_>>()?;

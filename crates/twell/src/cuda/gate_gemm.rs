@@ -87,15 +87,28 @@ fn gate_knob() -> Result<Option<GateKnob>> {
 }
 
 /// `g = x · Wgᵀ` into a fresh `[m, f]` bf16 buffer, through cuBLAS.
-pub(super) fn gate_gemm_plain(
+fn gate_gemm_plain(
     dev: &CudaDevice,
     x: &CudaView<bf16>,
     wg: &CudaView<bf16>,
     (m, d, f): (usize, usize, usize),
 ) -> Result<CudaSlice<bf16>> {
+    x_times_wt(dev, x, wg, d, (m, d, f))
+}
+
+/// `x · Wᵀ` (`x [m, d]`, `W [f, d]` with its rows `w_stride` elements apart, bf16) into a
+/// fresh `[m, f]` bf16 buffer through cuBLAS: the plain gate, and the up projection
+/// read in place from `w_ud [f, 2d]` (stride 2d).
+pub(super) fn x_times_wt(
+    dev: &CudaDevice,
+    x: &CudaView<bf16>,
+    w: &CudaView<bf16>,
+    w_stride: usize,
+    (m, d, f): (usize, usize, usize),
+) -> Result<CudaSlice<bf16>> {
     // SAFETY: cuBLAS writes every element below.
-    let mut gate = unsafe { dev.alloc::<bf16>(m * f)? };
-    // Row-major G [m, f] is column-major Gᵀ [f, m] = Wg [f, d] · xᵀ [d, m].
+    let mut out = unsafe { dev.alloc::<bf16>(m * f)? };
+    // Row-major Y [m, f] is column-major Yᵀ [f, m] = W [f, d] · xᵀ [d, m].
     let cfg = GemmConfig {
         transa: cublasOperation_t::CUBLAS_OP_T,
         transb: cublasOperation_t::CUBLAS_OP_N,
@@ -103,14 +116,14 @@ pub(super) fn gate_gemm_plain(
         n: m as i32,
         k: d as i32,
         alpha: bf16::ONE,
-        lda: d as i32,
+        lda: w_stride as i32,
         ldb: d as i32,
         beta: bf16::ZERO,
         ldc: f as i32,
     };
     // SAFETY: shapes and leading dimensions match the buffers above.
-    unsafe { dev.cublas_handle().gemm(cfg, wg, x, &mut gate) }.w()?;
-    Ok(gate)
+    unsafe { dev.cublas_handle().gemm(cfg, w, x, &mut out) }.w()?;
+    Ok(out)
 }
 
 /// u32 words of mask per token row: cuBLASLt wants the mask's leading dimension a

@@ -54,25 +54,9 @@ pub fn twell_mlp_products(
         bf16_view("gate_proj", wg, wl)?,
         bf16_view("w_ud", w_ud, ul)?,
     );
-    let gate = gate_gemm::gate_gemm_plain(&dev, &xv, &wgv, (m, d, f))?;
-    // SAFETY: cuBLAS writes every element of u.
-    let mut up = unsafe { dev.alloc::<bf16>(m * f)? };
-    // Row-major U [m, f] is column-major Uᵀ [f, m] = Wu [f, d] · xᵀ [d, m], Wu being the
-    // first d columns of each 2d-wide row of w_ud.
-    let up_cfg = GemmConfig {
-        transa: cublasOperation_t::CUBLAS_OP_T,
-        transb: cublasOperation_t::CUBLAS_OP_N,
-        m: f as i32,
-        n: m as i32,
-        k: d as i32,
-        alpha: bf16::ONE,
-        lda: (2 * d) as i32,
-        ldb: d as i32,
-        beta: bf16::ZERO,
-        ldc: f as i32,
-    };
-    // SAFETY: shapes and leading dimensions match the buffers above.
-    unsafe { dev.cublas_handle().gemm(up_cfg, &wudv, &xv, &mut up) }.w()?;
+    let gate = gate_gemm::x_times_wt(&dev, &xv, &wgv, d, (m, d, f))?;
+    // Wu is the first d columns of each 2d-wide row of w_ud.
+    let mut up = gate_gemm::x_times_wt(&dev, &xv, &wudv, 2 * d, (m, d, f))?;
 
     let n_tiles = config.n_tiles(f);
     let len = mlp_result_len(m, d);

@@ -266,6 +266,21 @@ pub fn up_down_matrix(up: &Tensor, down: &Tensor) -> Result<Tensor> {
     Tensor::cat(&[up, &down.t()?], 1)?.contiguous()
 }
 
+/// A device op's per-(token, tile) counts `[m, n_tiles]` as a tensor outside the graph.
+#[cfg(feature = "cuda")]
+pub(crate) fn device_counts(
+    counts: candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
+    dev: candle_core::CudaDevice,
+    (m, n_tiles): (usize, usize),
+) -> Tensor {
+    Tensor::from_storage(
+        Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(counts, dev)),
+        (m, n_tiles),
+        candle_core::op::BackpropOp::none(),
+        false,
+    )
+}
+
 /// `(rows, cols)` of a rank-2 tensor with a TwELL value dtype and no empty dimension.
 /// Where an op recorded which neurons fired.
 pub(crate) enum Activity {

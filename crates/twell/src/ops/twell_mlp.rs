@@ -162,16 +162,7 @@ impl CustomOp3 for TwellMlp {
         let (storage, shape, activity) =
             crate::cuda::twell_mlp_forward(xs, xl, gs, gl, ws, wl, self.config, keep)?;
         let (m, n_tiles) = (xl.dims()[0], self.config.n_tiles(gl.dims()[0]));
-        let dev = xs.device.clone();
-        let counts = Tensor::from_storage(
-            candle_core::Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(
-                activity.counts,
-                dev,
-            )),
-            (m, n_tiles),
-            candle_core::op::BackpropOp::none(),
-            false,
-        );
+        let counts = super::device_counts(activity.counts, xs.device.clone(), (m, n_tiles));
         *self.saved.lock().expect("saved lock") = Some(Saved::Device {
             counts,
             backward: activity.backward.map(Arc::new),

@@ -64,15 +64,7 @@ impl CustomOp3 for TwellMlpProducts {
         let (storage, shape, counts) =
             crate::cuda::twell_mlp_products(xs, xl, gs, gl, ws, wl, self.config)?;
         let (m, n_tiles) = (xl.dims()[0], self.config.n_tiles(gl.dims()[0]));
-        let counts = Tensor::from_storage(
-            candle_core::Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(
-                counts,
-                xs.device.clone(),
-            )),
-            (m, n_tiles),
-            candle_core::op::BackpropOp::none(),
-            false,
-        );
+        let counts = super::device_counts(counts, xs.device.clone(), (m, n_tiles));
         *self.counts.lock().expect("counts lock") = Some(counts);
         Ok((storage, shape))
     }

@@ -93,12 +93,5 @@ impl Vars {
 
 /// A ReLU `SparseMlp` in `mode` on copies of `w`'s weights.
 pub fn relu_mlp(w: &twell::density::MlpWeights, mode: twell::FfnMode) -> twell::SparseMlp {
-    twell::SparseMlp::new(
-        w.gate.clone(),
-        w.up.clone(),
-        w.down.clone(),
-        twell::Activation::Relu,
-        mode,
-    )
-    .unwrap()
+    w.relu_mlp(mode).unwrap()
 }
