@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Module};
 use twell::density::{synthetic_input, synthetic_mlp};
-use twell::{Activation, FfnMode, SparseMlp};
+use twell::FfnMode;
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>());
@@ -17,17 +17,8 @@ fn main() -> anyhow::Result<()> {
     let (mut sparse, mut dense) = (Vec::new(), Vec::new());
     for k in 0..sets {
         let w = synthetic_mlp(2048, 5632, 0.01, DType::F32, &dev, 1000 + k as u64)?;
-        let mlp = |mode| {
-            SparseMlp::new(
-                w.gate.clone(),
-                w.up.clone(),
-                w.down.clone(),
-                Activation::Relu,
-                mode,
-            )
-        };
-        sparse.push(mlp(FfnMode::Sparse)?);
-        dense.push(mlp(FfnMode::Dense)?);
+        sparse.push(w.relu_mlp(FfnMode::Sparse)?);
+        dense.push(w.relu_mlp(FfnMode::Dense)?);
     }
     let x = synthetic_input(1, 2048, DType::F32, &dev, 7)?;
     // The first sparse call builds the int8 gate screen; keep it out of the timing.
