@@ -90,8 +90,8 @@ impl Activation {
 pub const DEFAULT_BREAK_EVEN_DENSITY: f64 = 0.15;
 
 /// The same on CUDA (H200, hidden 2048 / d_ff 5632), against `Auto`'s dense side at
-/// inference ([`crate::ops::twell_mlp_products`], 1.26–1.38x of candle's dense MLP at
-/// every density from 1.5% to 50%): at 2k / 16k / 65k tokens the TwELL kernels reach
+/// inference ([`crate::ops::twell_mlp_products`], 1.15–1.38x of candle's dense MLP at
+/// every density measured from 1.5% to 50%): at 2k / 16k / 65k tokens the TwELL kernels reach
 /// 1.64x / 1.93x / 2.05x at 0.5%, 1.23x / 1.44x / 1.50x at 1% and 0.99x / 1.12x /
 /// 1.16x at 1.5%, so the two cross at 0.95% / 1.13% / 1.18% (docs/benchmarks.md,
 /// twenty-ninth session). Against candle's dense MLP alone it was 1.5–1.8% (fifth).
@@ -870,9 +870,10 @@ impl SparseMlp {
             if self.record_stats {
                 *self.last.lock().expect("stats lock") = Some(LastForward::Products(res.detach()));
             }
-            let l1 = match want_l1 {
-                true => Some(crate::ops::reshaped(&res.l1, lead)?),
-                false => None,
+            let l1 = if want_l1 {
+                Some(crate::ops::reshaped(&res.l1, lead)?)
+            } else {
+                None
             };
             return Ok((res.out_with_lead(lead)?, l1));
         }
