@@ -841,41 +841,12 @@ impl SparseMlp {
                     )?
                 }
             };
-            // Host ops know their density for free; a device op's counts are read
-            // back (a sync) only when measuring.
-            if res.pattern.is_some() || measure {
-                *self.last_density.lock().expect("density lock") = Some(res.density()?);
-            }
-            if self.record_stats {
-                // Detached: a result that kept its graph would keep the whole forward
-                // pass (every activation saved for the backward) alive until the next
-                // recorded forward.
-                *self.last.lock().expect("stats lock") = Some(LastForward::Sparse(res.detach()));
-            }
-            // Views, so that neither costs a copy kernel.
-            let out = res.out_with_lead(lead)?;
-            let l1 = if want_l1 {
-                Some(crate::ops::reshaped(&res.l1, lead)?)
-            } else {
-                None
-            };
-            return Ok((out, l1));
+            return self.keep_op_output(res, LastForward::Sparse, measure, lead, want_l1);
         }
         if self.dense_side_runs_products(&x2, want_l1) {
             let res =
                 crate::ops::twell_mlp_products(&x2, &self.gate, &self.up_down()?, self.config)?;
-            if measure {
-                *self.last_density.lock().expect("density lock") = Some(res.density()?);
-            }
-            if self.record_stats {
-                *self.last.lock().expect("stats lock") = Some(LastForward::Products(res.detach()));
-            }
-            let l1 = if want_l1 {
-                Some(crate::ops::reshaped(&res.l1, lead)?)
-            } else {
-                None
-            };
-            return Ok((res.out_with_lead(lead)?, l1));
+            return self.keep_op_output(res, LastForward::Products, measure, lead, want_l1);
         }
         let gate = x2.matmul(&self.gate.t()?)?;
         // Views of a fused matrix are copied out (candle's matmul takes no row stride);
@@ -930,6 +901,36 @@ impl SparseMlp {
             None => None,
         };
         Ok((crate::ops::reshaped(&out, &out_dims)?, l1))
+    }
+
+    /// What a forward through one of the MLP ops leaves behind: the measured density
+    /// (host ops know it for free; a device op's counts are read back, a sync, only
+    /// when measuring), the statistics as `as_last` files them, and the output and
+    /// L1 term as views in `x`'s leading shape (neither costs a copy kernel).
+    fn keep_op_output(
+        &self,
+        res: crate::ops::MlpOutput,
+        as_last: fn(crate::ops::MlpOutput) -> LastForward,
+        measure: bool,
+        lead: &[usize],
+        want_l1: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        if res.pattern.is_some() || measure {
+            *self.last_density.lock().expect("density lock") = Some(res.density()?);
+        }
+        if self.record_stats {
+            // Detached: a result that kept its graph would keep the whole forward pass
+            // (every activation saved for the backward) alive until the next recorded
+            // forward.
+            *self.last.lock().expect("stats lock") = Some(as_last(res.detach()));
+        }
+        let out = res.out_with_lead(lead)?;
+        let l1 = if want_l1 {
+            Some(crate::ops::reshaped(&res.l1, lead)?)
+        } else {
+            None
+        };
+        Ok((out, l1))
     }
 
     /// Statistics of the last forward (needs [`SparseMlp::with_stats`]).
