@@ -5,6 +5,8 @@
 pub mod float;
 pub mod gate;
 pub mod huge_pages;
+pub mod int8;
 pub mod screen;
 pub mod simd;
 pub mod t2d;
+pub mod warm;

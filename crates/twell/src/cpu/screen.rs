@@ -2,33 +2,48 @@
 //!
 //! With one token the sparse MLP is bound by the bytes of `Wg`: it must learn which
 //! neurons fire before it can skip the rest. The screen reads an int8 copy of `Wg`
-//! (a quarter of the f32 bytes), and for each neuron a bound on how far the int8
-//! estimate can be from the f32 gate value. A neuron whose estimate plus its bound is
-//! still ≤ 0 is certified inactive; every other one (a candidate) is recomputed
-//! exactly from the f32 row. No nonzero can be lost: the bound covers the
-//! quantisation error (Cauchy–Schwarz on the exact residual norm) and the f32
-//! rounding of both dot products, whatever their summation order.
+//! (a quarter of the f32 bytes) and multiplies it by a 13-bit integer copy of the
+//! token, and for each neuron bounds how far that estimate can be from the f32 gate
+//! value. A
+//! neuron whose estimate plus its bound is still ≤ 0 is certified inactive; every
+//! other one (a candidate) is recomputed exactly from the f32 row. No nonzero can be
+//! lost: the bound covers both quantisation errors (Cauchy–Schwarz on the exact
+//! residual norms) and the f32 rounding of the exact dot product, whatever its
+//! summation order.
 //!
-//! Bound, for the row split into `k` exact outliers `o_j` and an int8 rest `s_j·q_j`, with
-//! `E_j = ‖W_j − o_j − s_j·q_j‖₂`, `γ_n = n·u/(1 − n·u)`, `u = 2⁻²⁴`, `ĝ_j` the computed
-//! `s_j·(x·q_j) + x·o_j`:
-//! `fl(x·W_j) ≤ ĝ_j + ‖x‖·(E_j + γ_d‖W_j‖ + 3γ_{d+k+2}(s_j‖q_j‖ + ‖o_j‖))`.
+//! Bound. The row is split into `k` exact outliers `o_j` and an int8 rest `s_j·q_j`
+//! with residual `e_j` (`E_j = ‖e_j‖₂`); the token into `K` exact outliers `x_O` and an
+//! integer rest `t·p` with residual `r` (`R = ‖r‖₂`). Then
+//! `x·W_j = x·o_j + s_j·(x_O·q_j + t·(p·q_j)) + s_j·(r·q_j) + x·e_j`, the first part
+//! computed (`p·q_j` exactly in integers, the rest in f64), the last two at most
+//! `R·s_j‖q_j‖ + ‖x‖·E_j`, and `fl(x·W_j)` within `γ_d‖x‖‖W_j‖` of `x·W_j`
+//! (`γ_n = n·u/(1 − n·u)`, `u = 2⁻²⁴`).
 
 use rayon::prelude::*;
 
 use super::float::Rows;
 use super::gate::token_major;
-use super::simd::{dot, dot_i8};
+use super::int8::{self, TOKEN_MAX};
+use super::simd::dot;
 
 /// Up to this many tokens the screen beats streaming the f32 rows: each token pays
-/// for an int8→f32 widening of every row, so with more tokens the GEMV, which widens
-/// nothing, wins (measured by `twell bench mlp`, docs/benchmarks.md).
+/// for widening every row's bytes and for its own candidates, so with more tokens the
+/// GEMV, which widens nothing, wins (measured by `twell bench mlp`,
+/// docs/benchmarks.md).
 pub const SCREEN_MAX_ROWS: usize = 2;
 
 /// Weights per row kept exact, outside the int8 rows: one large weight (a bias folded
 /// into a constant feature, an outlier channel) would otherwise set the row's scale
 /// and blur every other weight.
 pub const OUTLIERS_PER_ROW: usize = 4;
+
+/// Token features kept exact, outside the int8 token, for the same reason: hidden
+/// states carry a few features far larger than the rest.
+pub const OUTLIERS_PER_TOKEN: usize = 8;
+
+/// Relative slack for the f64 arithmetic of the estimate (a handful of roundings of
+/// 2⁻⁵³ each), with a wide margin.
+const F64_SLACK: f64 = 1e-12;
 
 /// Above this measured density `SparseMlp` skips the screen: most neurons would be
 /// candidates anyway (docs/benchmarks.md: at 50% the screened pass was 0.58x dense).
@@ -44,8 +59,12 @@ pub struct GateScreen {
     outlier_col: Vec<u32>,
     outlier_val: Vec<f32>,
     k: usize,
-    /// Per neuron: the margin per unit of `‖x‖`, rounded up.
+    /// Per neuron: the margin per unit of `‖x‖` (`E_j + γ_d‖W_j‖`), rounded up.
     margin: Vec<f64>,
+    /// Per neuron: `s_j‖q_j‖`, rounded up (the margin per unit of the token's residual).
+    q_norm: Vec<f64>,
+    /// Per neuron: `‖o_j‖`.
+    o_norm: Vec<f64>,
 }
 
 /// Counts from one screened gate: how much exact work the screen let through.
@@ -75,13 +94,15 @@ fn gamma(n: usize) -> f64 {
     nu / (1.0 - nu)
 }
 
-/// One quantised row: int8 values, scale, outliers, margin.
+/// One quantised row: int8 values, scale, outliers, and the norms of its bound.
 struct QuantRow {
     q: Vec<i8>,
     scale: f32,
     cols: Vec<u32>,
     vals: Vec<f32>,
     margin: f64,
+    q_norm: f64,
+    o_norm: f64,
 }
 
 fn quantise_row(w: &[f32], k: usize) -> QuantRow {
@@ -125,9 +146,7 @@ fn quantise_row(w: &[f32], k: usize) -> QuantRow {
         err2 += r * r;
         q2 += f64::from(*qi) * f64::from(*qi);
     }
-    let (g1, g2) = (gamma(d), gamma(d + k + 2));
-    let margin =
-        err2.sqrt() + g1 * w2.sqrt() + 3.0 * g2 * (f64::from(scale) * q2.sqrt() + o2.sqrt());
+    let margin = err2.sqrt() + gamma(d) * w2.sqrt();
     // A non-finite row makes the margin NaN or ∞: every token then takes the exact
     // path for it, which is what we want.
     QuantRow {
@@ -136,6 +155,71 @@ fn quantise_row(w: &[f32], k: usize) -> QuantRow {
         cols,
         vals,
         margin: margin * (1.0 + 1e-6),
+        q_norm: f64::from(scale) * q2.sqrt() * (1.0 + 1e-6),
+        o_norm: o2.sqrt() * (1.0 + 1e-6),
+    }
+}
+
+/// One token, quantised for the screen: `x = x_O + t·p + r`.
+struct ScreenToken {
+    /// `p`, zero at the outlier features.
+    p: Vec<i16>,
+    /// `x_O`: the largest features, exact.
+    outliers: Vec<(u32, f32)>,
+    /// `t`.
+    scale: f64,
+    /// `‖x‖`, rounded up.
+    norm: f64,
+    /// `R = ‖r‖`, rounded up.
+    residual: f64,
+}
+
+fn quantise_token(x: &[f32]) -> ScreenToken {
+    let d = x.len();
+    let k = OUTLIERS_PER_TOKEN.min(d);
+    let mut order: Vec<usize> = (0..d).collect();
+    if k < d {
+        order.select_nth_unstable_by(k, |&a, &b| x[b].abs().total_cmp(&x[a].abs()));
+    }
+    let mut outliers: Vec<(u32, f32)> = order[..k].iter().map(|&i| (i as u32, x[i])).collect();
+    outliers.sort_unstable_by_key(|o| o.0);
+    let rest_max = order.get(k).map_or(0.0, |&i| x[i].abs());
+    let top = f32::from(TOKEN_MAX);
+    let scale = if rest_max > 0.0 && rest_max.is_finite() {
+        rest_max / top
+    } else {
+        0.0
+    };
+    let mut p: Vec<i16> = x
+        .iter()
+        .map(|v| {
+            if scale > 0.0 {
+                (v / scale).round().clamp(-top, top) as i16
+            } else {
+                0
+            }
+        })
+        .collect();
+    for &(c, _) in &outliers {
+        p[c as usize] = 0;
+    }
+    let (mut norm2, mut residual2) = (0f64, 0f64);
+    for (i, (v, pi)) in x.iter().zip(&p).enumerate() {
+        let v = f64::from(*v);
+        norm2 += v * v;
+        if outliers.binary_search_by_key(&(i as u32), |o| o.0).is_ok() {
+            continue;
+        }
+        let r = v - f64::from(scale) * f64::from(*pi);
+        residual2 += r * r;
+    }
+    // A non-finite feature makes the norms NaN or ∞, so no bound rules anything out.
+    ScreenToken {
+        p,
+        outliers,
+        scale: f64::from(scale),
+        norm: norm2.sqrt() * (1.0 + 1e-6),
+        residual: residual2.sqrt() * (1.0 + 1e-6),
     }
 }
 
@@ -161,6 +245,8 @@ impl GateScreen {
             outlier_val: Vec::with_capacity(f * k),
             k,
             margin: Vec::with_capacity(f),
+            q_norm: Vec::with_capacity(f),
+            o_norm: Vec::with_capacity(f),
         };
         for r in rows {
             screen.q.extend_from_slice(&r.q);
@@ -168,19 +254,34 @@ impl GateScreen {
             screen.outlier_col.extend_from_slice(&r.cols);
             screen.outlier_val.extend_from_slice(&r.vals);
             screen.margin.push(r.margin);
+            screen.q_norm.push(r.q_norm);
+            screen.o_norm.push(r.o_norm);
         }
         screen
     }
 
-    /// The screen's estimate of `x · W_j`.
+    /// An upper bound on the f32 gate value `fl(x · W_j)`, in any summation order.
     #[inline]
-    fn estimate(&self, x: &[f32], j: usize) -> f64 {
+    fn upper_bound(&self, x: &[f32], token: &ScreenToken, j: usize) -> f64 {
         let d = self.d;
-        let mut outliers = 0f32;
-        for t in j * self.k..(j + 1) * self.k {
-            outliers += x[self.outlier_col[t] as usize] * self.outlier_val[t];
+        let row = &self.q[j * d..(j + 1) * d];
+        let pq = int8::dot(&token.p, row) as f64;
+        let mut outlier_features = 0f64;
+        for &(c, v) in &token.outliers {
+            outlier_features += f64::from(v) * f64::from(row[c as usize]);
         }
-        f64::from(self.scale[j] * dot_i8(x, &self.q[j * d..(j + 1) * d]) + outliers)
+        let mut outlier_weights = 0f64;
+        for t in j * self.k..(j + 1) * self.k {
+            outlier_weights +=
+                f64::from(x[self.outlier_col[t] as usize]) * f64::from(self.outlier_val[t]);
+        }
+        let scale = f64::from(self.scale[j]);
+        let estimate = scale * (token.scale * pq + outlier_features) + outlier_weights;
+        let (norm, residual) = (token.norm, token.residual);
+        let margin = norm * self.margin[j]
+            + residual * self.q_norm[j]
+            + F64_SLACK * (self.q_norm[j] * (2.0 * norm + residual) + norm * self.o_norm[j]);
+        estimate + margin
     }
 
     pub fn dims(&self) -> (usize, usize) {
@@ -193,14 +294,8 @@ impl GateScreen {
     pub fn gate(&self, x: &[f32], m: usize, wg: Rows<'_>) -> (Vec<f32>, ScreenCounts) {
         const NEURONS_PER_TASK: usize = 64;
         let (f, d) = (self.f, self.d);
-        let norms: Vec<f64> = (0..m)
-            .map(|i| {
-                let n2: f64 = x[i * d..(i + 1) * d]
-                    .iter()
-                    .map(|v| f64::from(*v) * f64::from(*v))
-                    .sum();
-                n2.sqrt() * (1.0 + 1e-6)
-            })
+        let tokens: Vec<ScreenToken> = (0..m)
+            .map(|i| quantise_token(&x[i * d..(i + 1) * d]))
             .collect();
         let mut gt = vec![0f32; f * m];
         let counts = gt
@@ -212,11 +307,10 @@ impl GateScreen {
                     let j = chunk * NEURONS_PER_TASK + jj;
                     for i in 0..m {
                         let xi = &x[i * d..(i + 1) * d];
-                        let estimate = self.estimate(xi, j);
                         c.pairs += 1;
                         // Only a bound that is a number and ≤ 0 rules a neuron out: a
                         // NaN anywhere means "recompute".
-                        let bound = estimate + norms[i] * self.margin[j];
+                        let bound = self.upper_bound(xi, &tokens[i], j);
                         let ruled_out = bound.partial_cmp(&0.0).is_some_and(|o| o.is_le());
                         if !ruled_out {
                             let g = dot(xi, wg.f32_range(j * d, d, scratch));
@@ -279,6 +373,45 @@ mod tests {
                 assert!(c.candidates >= c.active);
             }
         }
+    }
+
+    /// Gates a hair either side of zero, tokens with many large features (more than
+    /// the screen keeps exact) and a wide spread of magnitudes: every positive gate
+    /// still survives with its exact value.
+    #[test]
+    fn screen_keeps_gates_just_above_zero() {
+        let (f, d) = (256, 300);
+        let mut wg = random(f * d, 21, 0.1);
+        let mut x = random(d, 22, 1.0);
+        // Twenty features far above the rest, and a few far below.
+        for k in 0..20 {
+            x[10 + 7 * k] = 40.0 * if k % 2 == 0 { 1.0 } else { -1.0 };
+        }
+        for k in 0..5 {
+            x[200 + k] = 1e-6;
+        }
+        x[0] = 1.0;
+        // Feature 0's weight puts each neuron's gate at a chosen offset from zero.
+        let offsets = [1e-6f32, -1e-6, 1e-4, -1e-4, 1e-2, 0.0];
+        for j in 0..f {
+            wg[j * d] = 0.0;
+            let rest = dot(&x, &wg[j * d..(j + 1) * d]);
+            wg[j * d] = -rest + offsets[j % offsets.len()];
+        }
+        let screen = GateScreen::new(Rows::F32(&wg), f, d);
+        let (g, c) = screen.gate(&x, 1, Rows::F32(&wg));
+        let mut positives = 0;
+        for j in 0..f {
+            let exact = dot(&x, &wg[j * d..(j + 1) * d]);
+            if exact > 0.0 {
+                positives += 1;
+                assert_eq!(g[j], exact, "neuron {j}");
+            } else {
+                assert!(g[j] <= 0.0, "neuron {j}: {} vs {exact}", g[j]);
+            }
+        }
+        assert!(positives > f / 4, "{positives} positive gates");
+        assert_eq!(c.active, positives);
     }
 
     /// The screen must actually screen: at low density few pairs are recomputed.

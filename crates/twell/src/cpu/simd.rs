@@ -60,33 +60,6 @@ pub fn dot_2x4(w: [&[f32]; 2], x: [&[f32]; 4]) -> [f32; 8] {
     out
 }
 
-/// `Σ x[k]·q[k]` for f32 `x` and int8 `q`: the inner loop of the gate screen, which
-/// streams a quarter of the bytes an f32 weight row takes.
-#[inline]
-pub fn dot_i8(x: &[f32], q: &[i8]) -> f32 {
-    let n = x.len().min(q.len());
-    let (x, q) = (&x[..n], &q[..n]);
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked above).
-        return unsafe { avx2::dot_i8(x, q) };
-    }
-    const LANES: usize = 16;
-    let mut acc = [0f32; LANES];
-    let chunks = n / LANES;
-    for c in 0..chunks {
-        let (cx, cq) = (&x[c * LANES..][..LANES], &q[c * LANES..][..LANES]);
-        for k in 0..LANES {
-            acc[k] += cx[k] * cq[k] as f32;
-        }
-    }
-    let mut sum: f32 = acc.iter().sum();
-    for k in chunks * LANES..n {
-        sum += x[k] * q[k] as f32;
-    }
-    sum
-}
-
 /// `y[k] += x[k]`.
 #[inline]
 pub fn add_assign(y: &mut [f32], x: &[f32]) {
@@ -193,33 +166,6 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_i8(x: &[f32], q: &[i8]) -> f32 {
-        let n = x.len();
-        let (px, pq) = (x.as_ptr(), q.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut k = 0;
-        while k + 32 <= n {
-            for (u, slot) in acc.iter_mut().enumerate() {
-                // 8 int8 → 8 i32 → 8 f32 (exact), then one FMA.
-                let q8 = _mm_loadl_epi64(pq.add(k + 8 * u) as *const __m128i);
-                let qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
-                *slot = _mm256_fmadd_ps(_mm256_loadu_ps(px.add(k + 8 * u)), qf, *slot);
-            }
-            k += 32;
-        }
-        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let hi = _mm256_extractf128_ps(s, 1);
-        let s4 = _mm_add_ps(hi, _mm256_castps256_ps128(s));
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        let mut sum = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-        while k < n {
-            sum += *px.add(k) * *pq.add(k) as f32;
-            k += 1;
-        }
-        sum
-    }
-
-    #[target_feature(enable = "avx2,fma")]
     pub unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
         let n = x.len();
         let (px, py) = (x.as_ptr(), y.as_mut_ptr());
@@ -265,17 +211,6 @@ mod tests {
                     );
                 }
             }
-        }
-    }
-
-    #[test]
-    fn dot_i8_matches_a_scalar_loop() {
-        for n in [0usize, 1, 7, 31, 32, 33, 100, 2048, 2051] {
-            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-            let q: Vec<i8> = (0..n).map(|i| ((i * 37) % 255) as i32 as i8).collect();
-            let want: f64 = x.iter().zip(&q).map(|(a, b)| *a as f64 * *b as f64).sum();
-            let got = dot_i8(&x, &q) as f64;
-            assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "n={n}");
         }
     }
 

@@ -15,8 +15,9 @@ use super::{
     with_rows, MlpOutput,
 };
 use crate::cpu::float::Rows;
-use crate::cpu::screen::GateScreen;
+use crate::cpu::screen::{GateScreen, SCREEN_MAX_ROWS};
 use crate::cpu::t2d::{self, GateGrad};
+use crate::cpu::warm;
 use crate::error::{err, TwellError};
 use crate::format::{check_size, TwellConfig, TwellPattern};
 use crate::knobs;
@@ -138,6 +139,10 @@ impl CustomOp3 for TwellMlp {
         let (pattern, gate) =
             gate_and_pack::<f32>(x, wg, (m, d, f), self.config, self.screen.as_deref());
         let out = t2d::forward(&pattern, &gate, x, w_ud, d);
+        if self.screen.is_some() && m <= SCREEN_MAX_ROWS {
+            // A decode call: the next one comes soon, keep the workers from sleeping.
+            warm::keep_workers_warm(warm::warm_window()?);
+        }
         *self.saved.lock().expect("saved lock") = Some(Saved::Host {
             pattern: Arc::new(pattern),
             gate: Arc::new(gate),
