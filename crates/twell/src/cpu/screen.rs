@@ -105,35 +105,55 @@ struct QuantRow {
     o_norm: f64,
 }
 
-fn quantise_row(w: &[f32], k: usize) -> QuantRow {
-    let d = w.len();
+/// The indices (sorted) of the `k` entries of `v` largest in magnitude, which are kept
+/// exact, and the scale that puts the largest of the rest at `top` (0 when the rest is
+/// all zero or not finite): one large entry would otherwise set the scale and blur
+/// every other one.
+fn outliers_and_scale(v: &[f32], k: usize, top: f32) -> (Vec<u32>, f32) {
+    let d = v.len();
     let mut order: Vec<usize> = (0..d).collect();
     if k < d {
-        // The k largest |w| first, the (k+1)-th at index k.
-        order.select_nth_unstable_by(k, |&a, &b| w[b].abs().total_cmp(&w[a].abs()));
+        // The k largest |v| first, the (k+1)-th at index k.
+        order.select_nth_unstable_by(k, |&a, &b| v[b].abs().total_cmp(&v[a].abs()));
     }
-    let mut cols: Vec<u32> = order[..k].iter().map(|&i| i as u32).collect();
-    cols.sort_unstable();
-    let vals: Vec<f32> = cols.iter().map(|&c| w[c as usize]).collect();
-    let rest_max = order.get(k).map_or(0.0, |&i| w[i].abs());
+    let mut outliers: Vec<u32> = order[..k.min(d)].iter().map(|&i| i as u32).collect();
+    outliers.sort_unstable();
+    let rest_max = order.get(k).map_or(0.0, |&i| v[i].abs());
     let scale = if rest_max > 0.0 && rest_max.is_finite() {
-        rest_max / 127.0
+        rest_max / top
     } else {
         0.0
     };
-    let mut q: Vec<i8> = w
+    (outliers, scale)
+}
+
+/// `v / scale` rounded to whole steps within `±top`, 0 at the outliers (and everywhere
+/// when the scale is 0).
+fn round_to_steps(v: &[f32], scale: f32, top: f32, outliers: &[u32]) -> Vec<f32> {
+    let mut steps: Vec<f32> = v
         .iter()
-        .map(|v| {
+        .map(|x| {
             if scale > 0.0 {
-                (v / scale).round().clamp(-127.0, 127.0) as i8
+                (x / scale).round().clamp(-top, top)
             } else {
-                0
+                0.0
             }
         })
         .collect();
-    for &c in &cols {
-        q[c as usize] = 0;
+    for &c in outliers {
+        steps[c as usize] = 0.0;
     }
+    steps
+}
+
+fn quantise_row(w: &[f32], k: usize) -> QuantRow {
+    let d = w.len();
+    let (cols, scale) = outliers_and_scale(w, k, 127.0);
+    let vals: Vec<f32> = cols.iter().map(|&c| w[c as usize]).collect();
+    let q: Vec<i8> = round_to_steps(w, scale, 127.0, &cols)
+        .into_iter()
+        .map(|s| s as i8)
+        .collect();
     let (mut err2, mut w2, mut q2, mut o2) = (0f64, 0f64, 0f64, 0f64);
     for (i, (v, qi)) in w.iter().zip(&q).enumerate() {
         let v = f64::from(*v);
@@ -175,39 +195,18 @@ struct ScreenToken {
 }
 
 fn quantise_token(x: &[f32]) -> ScreenToken {
-    let d = x.len();
-    let k = OUTLIERS_PER_TOKEN.min(d);
-    let mut order: Vec<usize> = (0..d).collect();
-    if k < d {
-        order.select_nth_unstable_by(k, |&a, &b| x[b].abs().total_cmp(&x[a].abs()));
-    }
-    let mut outliers: Vec<(u32, f32)> = order[..k].iter().map(|&i| (i as u32, x[i])).collect();
-    outliers.sort_unstable_by_key(|o| o.0);
-    let rest_max = order.get(k).map_or(0.0, |&i| x[i].abs());
     let top = f32::from(TOKEN_MAX);
-    let scale = if rest_max > 0.0 && rest_max.is_finite() {
-        rest_max / top
-    } else {
-        0.0
-    };
-    let mut p: Vec<i16> = x
-        .iter()
-        .map(|v| {
-            if scale > 0.0 {
-                (v / scale).round().clamp(-top, top) as i16
-            } else {
-                0
-            }
-        })
+    let (cols, scale) = outliers_and_scale(x, OUTLIERS_PER_TOKEN, top);
+    let outliers: Vec<(u32, f32)> = cols.iter().map(|&c| (c, x[c as usize])).collect();
+    let p: Vec<i16> = round_to_steps(x, scale, top, &cols)
+        .into_iter()
+        .map(|s| s as i16)
         .collect();
-    for &(c, _) in &outliers {
-        p[c as usize] = 0;
-    }
     let (mut norm2, mut residual2) = (0f64, 0f64);
     for (i, (v, pi)) in x.iter().zip(&p).enumerate() {
         let v = f64::from(*v);
         norm2 += v * v;
-        if outliers.binary_search_by_key(&(i as u32), |o| o.0).is_ok() {
+        if cols.binary_search(&(i as u32)).is_ok() {
             continue;
         }
         let r = v - f64::from(scale) * f64::from(*pi);
