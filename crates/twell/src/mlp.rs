@@ -121,6 +121,18 @@ pub const CUDA_DECODE_BREAK_EVEN_DENSITY: f64 = 0.15;
 /// In `Auto` mode on a GPU, the density is re-measured every this many calls.
 pub const AUTO_RECHECK_CALLS: usize = 32;
 
+/// `Auto` decides a call of `tokens` rows by a density measured on at least
+/// `min(tokens, AUTO_EVIDENCE_TOKENS)` rows; a call with no such measurement runs sparse
+/// and measures. Why: one decode token's density is noise for the next prompt's prefill
+/// (a benchmark that timed one token before 16k tokens saw `Auto` keep a single token's
+/// 1.12% for its 1% prefill and take the slower dense side).
+pub const AUTO_EVIDENCE_TOKENS: usize = 256;
+
+/// Rows of `x` (all dimensions but the last).
+fn rows(x: &Tensor) -> usize {
+    x.dims().last().map_or(0, |&d| x.elem_count() / d.max(1))
+}
+
 /// `Auto` mode's choice for a call of `tokens` rows: sparse while the last measured
 /// density is at most the break-even (`break_even`, else the measured default for the
 /// device and size), and sparse before any measurement (which that call then takes). On
@@ -301,6 +313,8 @@ pub struct SparseMlp {
     calls: std::sync::atomic::AtomicUsize,
     last: Mutex<Option<LastForward>>,
     last_density: Mutex<Option<f64>>,
+    /// Rows the last density was measured on.
+    last_density_tokens: std::sync::atomic::AtomicUsize,
     /// After [`SparseMlp::fold_pre_norm`]: the unit weight `[d]` of the norm before the
     /// MLP, whose own weight now sits in `gate` and `up`.
     unit_pre_norm: Option<Tensor>,
@@ -360,6 +374,7 @@ impl SparseMlp {
             calls: std::sync::atomic::AtomicUsize::new(0),
             last: Mutex::new(None),
             last_density: Mutex::new(None),
+            last_density_tokens: std::sync::atomic::AtomicUsize::new(0),
             unit_pre_norm: None,
         })
     }
@@ -503,9 +518,26 @@ impl SparseMlp {
                 tokens,
                 device.is_cuda(),
                 self.break_even,
-                *self.last_density.lock().expect("density lock"),
+                self.density_for(tokens),
             ),
         }
+    }
+
+    /// The last measured density, if it was measured on enough rows to decide a call of
+    /// `tokens` rows ([`AUTO_EVIDENCE_TOKENS`]).
+    fn density_for(&self, tokens: usize) -> Option<f64> {
+        let measured_on = self
+            .last_density_tokens
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let density = *self.last_density.lock().expect("density lock");
+        density.filter(|_| measured_on >= tokens.min(AUTO_EVIDENCE_TOKENS))
+    }
+
+    /// Files a density measured on `tokens` rows.
+    fn set_density(&self, density: f64, tokens: usize) {
+        *self.last_density.lock().expect("density lock") = Some(density);
+        self.last_density_tokens
+            .store(tokens, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether a call that `Auto` sends to the dense side runs
@@ -525,14 +557,15 @@ impl SparseMlp {
     /// Whether this call should measure the density: always on the host (free), and
     /// on a GPU every `AUTO_RECHECK_CALLS` calls in Auto mode or when training (a
     /// read-back is a sync; the backward picks its weight-gradient path from it).
-    fn measure_now(&self, device: &candle_core::Device) -> bool {
+    fn measure_now(&self, device: &candle_core::Device, tokens: usize) -> bool {
         let call = self
             .calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let training = !frozen(&self.gate) || !frozen(&self.up) || !frozen(&self.down);
         let recheck = call.is_multiple_of(AUTO_RECHECK_CALLS);
+        let unmeasured = self.density_for(tokens).is_none();
         self.record_stats
-            || (self.mode == FfnMode::Auto && (device.is_cpu() || recheck))
+            || (self.mode == FfnMode::Auto && (device.is_cpu() || recheck || unmeasured))
             || (training && device.is_cuda() && recheck)
     }
 
@@ -609,7 +642,7 @@ impl SparseMlp {
         alpha: &Tensor,
         eps: f64,
     ) -> Result<(Tensor, Tensor)> {
-        let measure = self.measure_now(x.device());
+        let measure = self.measure_now(x.device(), rows(x));
         self.add_norm_measured(x, residual, (alpha, eps), measure)
     }
 
@@ -685,7 +718,7 @@ impl SparseMlp {
                     .into(),
             ));
         };
-        let measure = self.measure_now(s.device());
+        let measure = self.measure_now(s.device(), rows(s));
         if crate::ops::norm_add_norm_runs(s) && self.folds_add_norm(s, s, &[alpha], measure) {
             let d = self.hidden();
             let rows = crate::ops::reshaped(s, &[s.elem_count() / d, d])?;
@@ -720,7 +753,7 @@ impl SparseMlp {
         (pre_alpha, pre_eps): (&Tensor, f64),
         (alpha, eps): (&Tensor, f64),
     ) -> Result<(Tensor, Tensor)> {
-        let measure = self.measure_now(y.device());
+        let measure = self.measure_now(y.device(), rows(y));
         if crate::ops::pre_norm_folds()
             && y.elem_count() == self.hidden()
             && self.folds_add_norm(y, residual, &[pre_alpha, alpha], measure)
@@ -796,7 +829,7 @@ impl SparseMlp {
     /// The forward pass; the dense path computes the L1 term only when asked (the
     /// sparse path gets it for free).
     fn run(&self, x: &Tensor, want_l1: bool) -> Result<(Tensor, Option<Tensor>)> {
-        self.run_measured(x, want_l1, self.measure_now(x.device()))
+        self.run_measured(x, want_l1, self.measure_now(x.device(), rows(x)))
     }
 
     /// [`Self::run`] where the caller has asked [`Self::measure_now`] already.
@@ -889,7 +922,7 @@ impl SparseMlp {
         };
         if measure {
             let density = count_nonzero(&h.detach())? as f64 / h.elem_count().max(1) as f64;
-            *self.last_density.lock().expect("density lock") = Some(density);
+            self.set_density(density, rows);
             if self.record_stats {
                 *self.last.lock().expect("stats lock") = Some(LastForward::Dense(h.detach()));
             }
@@ -916,7 +949,7 @@ impl SparseMlp {
         want_l1: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         if res.pattern.is_some() || measure {
-            *self.last_density.lock().expect("density lock") = Some(res.density()?);
+            self.set_density(res.density()?, lead.iter().product());
         }
         if self.record_stats {
             // Detached: a result that kept its graph would keep the whole forward pass

@@ -45,6 +45,34 @@ fn sparse_and_auto_equal_dense_for_relu_and_batched_input() {
     assert_eq!(projected.unwrap().dims(), &[2, 5, 384]);
 }
 
+/// One token's density does not decide a many-token call: that call runs sparse and
+/// measures, and only a measurement on enough rows sends the next one dense.
+#[test]
+fn auto_does_not_decide_many_tokens_by_one() {
+    let dev = Device::Cpu;
+    let w = synthetic_mlp(32, 256, 0.3, DType::F32, &dev, 5).unwrap();
+    let one = synthetic_input(1, 32, DType::F32, &dev, 6).unwrap();
+    let many = synthetic_input(64, 32, DType::F32, &dev, 7).unwrap();
+    let mlp = SparseMlp::new(w.gate, w.up, w.down, Activation::Relu, FfnMode::Auto)
+        .unwrap()
+        .with_break_even(0.1)
+        .with_stats(true);
+    let sparse_after = |x: &candle_core::Tensor| {
+        mlp.forward(x).unwrap();
+        mlp.last_stats().unwrap().unwrap().sparse
+    };
+    assert!(sparse_after(&one), "the first call probes the sparse path");
+    assert!(
+        sparse_after(&many),
+        "a one-token density does not decide 64 tokens"
+    );
+    assert!(
+        !sparse_after(&many),
+        "measured on 64 tokens: above the break-even"
+    );
+    assert!(!sparse_after(&one), "a 64-token density decides one token");
+}
+
 #[test]
 fn auto_goes_dense_above_break_even_and_stats_are_reported() {
     let dev = Device::Cpu;
