@@ -312,9 +312,8 @@ pub struct SparseMlp {
     gate_l0_eps: f64,
     calls: std::sync::atomic::AtomicUsize,
     last: Mutex<Option<LastForward>>,
-    last_density: Mutex<Option<f64>>,
-    /// Rows the last density was measured on.
-    last_density_tokens: std::sync::atomic::AtomicUsize,
+    /// The last measured density, and the rows it was measured on.
+    last_density: Mutex<Option<(f64, usize)>>,
     /// After [`SparseMlp::fold_pre_norm`]: the unit weight `[d]` of the norm before the
     /// MLP, whose own weight now sits in `gate` and `up`.
     unit_pre_norm: Option<Tensor>,
@@ -374,7 +373,6 @@ impl SparseMlp {
             calls: std::sync::atomic::AtomicUsize::new(0),
             last: Mutex::new(None),
             last_density: Mutex::new(None),
-            last_density_tokens: std::sync::atomic::AtomicUsize::new(0),
             unit_pre_norm: None,
         })
     }
@@ -526,18 +524,24 @@ impl SparseMlp {
     /// The last measured density, if it was measured on enough rows to decide a call of
     /// `tokens` rows ([`AUTO_EVIDENCE_TOKENS`]).
     fn density_for(&self, tokens: usize) -> Option<f64> {
-        let measured_on = self
-            .last_density_tokens
-            .load(std::sync::atomic::Ordering::Relaxed);
-        let density = *self.last_density.lock().expect("density lock");
-        density.filter(|_| measured_on >= tokens.min(AUTO_EVIDENCE_TOKENS))
+        self.last_density
+            .lock()
+            .expect("density lock")
+            .filter(|&(_, rows)| rows >= tokens.min(AUTO_EVIDENCE_TOKENS))
+            .map(|(density, _)| density)
+    }
+
+    /// The last measured density, whatever it was measured on.
+    fn last_density(&self) -> Option<f64> {
+        self.last_density
+            .lock()
+            .expect("density lock")
+            .map(|(density, _)| density)
     }
 
     /// Files a density measured on `tokens` rows.
     fn set_density(&self, density: f64, tokens: usize) {
-        *self.last_density.lock().expect("density lock") = Some(density);
-        self.last_density_tokens
-            .store(tokens, std::sync::atomic::Ordering::Relaxed);
+        *self.last_density.lock().expect("density lock") = Some((density, tokens));
     }
 
     /// Whether a call that `Auto` sends to the dense side runs
@@ -592,11 +596,7 @@ impl SparseMlp {
     /// neuron is a candidate and the screen only adds its own bytes), and only on frozen
     /// weights, as the screen is a copy of them.
     pub fn uses_gate_screen(&self, tokens: usize) -> bool {
-        let too_dense = self
-            .last_density
-            .lock()
-            .expect("density lock")
-            .is_some_and(|d| d > SCREEN_MAX_DENSITY);
+        let too_dense = self.last_density().is_some_and(|d| d > SCREEN_MAX_DENSITY);
         self.use_gate_screen
             && !too_dense
             && tokens <= SCREEN_MAX_ROWS
@@ -864,7 +864,7 @@ impl SparseMlp {
                     twell_mlp_screened(&x2, &self.gate, &self.up_down()?, self.config, screen)?
                 }
                 None => {
-                    let last = *self.last_density.lock().expect("density lock");
+                    let last = self.last_density();
                     twell_mlp_with_backward_path(
                         &x2,
                         &self.gate,

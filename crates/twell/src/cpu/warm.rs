@@ -38,11 +38,12 @@ fn now_ns() -> u64 {
 /// naming the knob), else [`DEFAULT_WARM_WINDOW`].
 pub fn warm_window() -> candle_core::Result<Duration> {
     static CELL: knobs::Cell = knobs::Cell::new();
-    let ms = knobs::read_once(&CELL, || {
-        knobs::env_count("TWELL_HOST_WARM_MS", "whole milliseconds", |_| true)
-    })?;
+    let ms = knobs::read_once(&CELL, || knobs::env_count(KNOB, KNOB_EXPECTS, |_| true))?;
     Ok(ms.map_or(DEFAULT_WARM_WINDOW, |ms| Duration::from_millis(ms as u64)))
 }
+
+const KNOB: &str = "TWELL_HOST_WARM_MS";
+const KNOB_EXPECTS: &str = "whole milliseconds";
 
 /// Workers polling now: for tests and diagnostics.
 pub fn polling_workers() -> usize {
@@ -79,6 +80,18 @@ fn poll_until_deadline() {
 mod tests {
     use super::*;
     use rayon::prelude::*;
+
+    /// The knob takes whole milliseconds; anything else is an error that names it.
+    #[test]
+    fn the_window_knob_refuses_what_is_not_a_count() {
+        let parse = |raw| knobs::parse_count(KNOB, Some(raw), KNOB_EXPECTS, |_| true);
+        assert_eq!(parse("0"), Ok(Some(0)));
+        assert_eq!(parse(" 25 "), Ok(Some(25)));
+        for bad in ["2.5", "-1", "ten", ""] {
+            let msg = parse(bad).unwrap_err();
+            assert!(msg.contains(KNOB) && msg.contains(KNOB_EXPECTS), "{msg}");
+        }
+    }
 
     /// Work handed to the pool while its workers poll still runs (they take it), and
     /// the workers stop polling once the window has passed.
