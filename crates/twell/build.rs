@@ -22,6 +22,7 @@ fn main() {
     for name in [
         "gate_pack",
         "gated_t2d",
+        "gated_t2d_cols",
         "twell_mlp_bwd",
         "twell_mlp_decode",
         "twell_mlp_products",
