@@ -22,7 +22,6 @@ fn main() {
     for name in [
         "gate_pack",
         "gated_t2d",
-        "gated_t2d_cols",
         "twell_mlp_bwd",
         "twell_mlp_decode",
         "twell_mlp_products",

@@ -9,7 +9,6 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use serde::Serialize;
 use twell::density::{synthetic_input, synthetic_mlp, MlpWeights};
-use twell::down_kernel::{self, DownKernel};
 use twell::{twell_mlp, up_down_matrix, TwellConfig};
 
 #[derive(clap::Args, Debug)]
@@ -64,11 +63,7 @@ fn case_inputs(dev: &Device, case: Case, seed: u64) -> Result<(TwellConfig, MlpW
 #[derive(Clone, Copy, Debug, Serialize)]
 #[serde(rename_all = "lowercase")]
 enum ForwardPath {
-    /// The TwELL kernels with the row kernel's down projection.
     Pairs,
-    /// The TwELL kernels with the down projection from `Wd` in shared memory
-    /// (`gated_t2d_cols`; prefill sizes only).
-    Columns,
     Products,
 }
 
@@ -77,12 +72,7 @@ fn check_case(dev: &Device, case: Case, path: ForwardPath, seed: u64) -> Result<
     let (config, w, x) = case_inputs(dev, case, seed)?;
     let w_ud = up_down_matrix(&w.up, &w.down)?;
     let res = match path {
-        ForwardPath::Pairs => {
-            with_down(DownKernel::Rows, || twell_mlp(&x, &w.gate, &w_ud, config))?
-        }
-        ForwardPath::Columns => with_down(DownKernel::Columns, || {
-            twell_mlp(&x, &w.gate, &w_ud, config)
-        })?,
+        ForwardPath::Pairs => twell_mlp(&x, &w.gate, &w_ud, config)?,
         ForwardPath::Products => twell::twell_mlp_products(&x, &w.gate, &w_ud, config)?,
     };
     // Dense f32 reference on the same bf16 numbers.
@@ -120,51 +110,6 @@ fn check_case(dev: &Device, case: Case, path: ForwardPath, seed: u64) -> Result<
         nnz_reference,
         pass,
     })
-}
-
-/// Whether `m` rows take the prefill kernels, where the two down kernels differ.
-#[cfg(feature = "cuda")]
-fn prefill_rows(m: usize) -> bool {
-    m > twell::cuda::DECODE_MAX_TOKENS
-}
-#[cfg(not(feature = "cuda"))]
-fn prefill_rows(_: usize) -> bool {
-    false
-}
-
-/// `run` with every prefill forward's down projection fixed to `kernel`.
-fn with_down<T>(kernel: DownKernel, run: impl FnOnce() -> candle_core::Result<T>) -> Result<T> {
-    down_kernel::force(Some(kernel));
-    let out = run();
-    down_kernel::force(None);
-    Ok(out?)
-}
-
-/// The relative L2 difference between the two down kernels' results allowed where the
-/// row kernel splits a row over four warps (up to about a thousand rows): its parts'
-/// f32 sums meet in another order, a bf16 rounding apart at most.
-const DOWN_KERNELS_AGREE: f64 = 4e-3;
-
-/// The two down kernels on one case: whether their output rows and L1 terms are the
-/// same bits (they are where the row kernel takes a row per warp: both sum in the same
-/// order), and their relative L2 difference.
-fn down_kernels_agree(dev: &Device, case: Case, seed: u64) -> Result<(bool, f64)> {
-    let (config, w, x) = case_inputs(dev, case, seed)?;
-    let w_ud = up_down_matrix(&w.up, &w.down)?;
-    let rows = with_down(DownKernel::Rows, || twell_mlp(&x, &w.gate, &w_ud, config))?;
-    let cols = with_down(DownKernel::Columns, || {
-        twell_mlp(&x, &w.gate, &w_ud, config)
-    })?;
-    let bits = |t: &Tensor| -> Result<Vec<u16>> {
-        Ok(t.flatten_all()?
-            .to_vec1::<half::bf16>()?
-            .into_iter()
-            .map(|v| v.to_bits())
-            .collect())
-    };
-    let same = bits(&rows.out)? == bits(&cols.out)? && bits(&rows.l1)? == bits(&cols.l1)?;
-    let diff = rel_l2(&rows.out, &cols.out)?.max(rel_l2(&rows.l1, &cols.l1)?);
-    Ok((same, diff))
 }
 
 /// `Auto` once its measured density is past the break-even, at inference: its second
@@ -1445,17 +1390,10 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         "nnz gpu",
         "nnz ref"
     );
-    let runs = cases.iter().enumerate().flat_map(|(k, &case)| {
-        let prefill = prefill_rows(case.0);
-        [
-            ForwardPath::Pairs,
-            ForwardPath::Columns,
-            ForwardPath::Products,
-        ]
-        .into_iter()
-        .filter(move |&p| prefill || !matches!(p, ForwardPath::Columns))
-        .map(move |p| (k, case, p))
-    });
+    let runs = cases
+        .iter()
+        .enumerate()
+        .flat_map(|(k, &case)| [ForwardPath::Pairs, ForwardPath::Products].map(|p| (k, case, p)));
     for (k, case, path) in runs {
         let r = check_case(&dev, case, path, 100 + k as u64)?;
         println!(
@@ -1464,26 +1402,6 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             r.overflow_tiles, r.err_out, r.err_l1, r.nnz_gpu, r.nnz_reference, tally.record(r.pass)
         );
         results.push(r);
-    }
-    for (k, &case) in cases.iter().enumerate() {
-        if prefill_rows(case.0) {
-            let (same, diff) = down_kernels_agree(&dev, case, 100 + k as u64)?;
-            // Past a thousand rows the row kernel takes a row per warp: bits must match.
-            let pass = same || (case.0 <= 1024 && diff < DOWN_KERNELS_AGREE);
-            println!(
-                "down kernels, rows against columns (M {}, {}x{}, {:.1}%): {} {}",
-                case.0,
-                case.1,
-                case.2,
-                100.0 * case.3,
-                if same {
-                    "the same bits".to_string()
-                } else {
-                    format!("rel diff {diff:.2e}")
-                },
-                tally.record(pass)
-            );
-        }
     }
     let (auto_err, auto_sparse) = check_auto_dense_side(&dev)?;
     println!(

@@ -17,7 +17,6 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod density;
-pub mod down_kernel;
 pub mod error;
 pub mod format;
 // Its count knobs are read by the CUDA launchers only.

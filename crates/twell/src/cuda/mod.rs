@@ -27,7 +27,6 @@ mod cross_entropy;
 mod embedding;
 mod gate_gemm;
 mod gate_l0;
-mod gated_t2d_cols;
 mod kl_divergence;
 mod residual_linear;
 mod rope;
@@ -843,23 +842,7 @@ fn mlp_forward(
     // per (row, tile, slot group), bounds checked in the kernel.
     unsafe { b.launch(warp_launch(up_warps)?) }.w()?;
     mark(&mut marks)?;
-    // Enough rows, no fold: the down projection with Wd held in shared memory.
-    let cols = match (row_kernels, &fold) {
-        (Some(_), None) => gated_t2d_cols::plan(&dev, m, d, f)?,
-        _ => None,
-    };
     match row_kernels {
-        Some(_) if cols.is_some() => {
-            let plan = cols.as_ref().expect("checked");
-            let h = gated_t2d_cols::Activations {
-                counts: &counts,
-                indices: &indices,
-                values: &values,
-                gate: &gate,
-                l1: &l1,
-            };
-            gated_t2d_cols::down_cols(&dev, plan, &wudv, h, &mut out, &dims)?;
-        }
         Some(v) => {
             let kind = if fold.is_some() { "_norm" } else { "" };
             let down_name = format!("gated_t2d_down_rows{kind}_bf16_v{v}_s{split}");
