@@ -163,8 +163,8 @@ extern "C" __global__ void gated_t2d_finish_bf16(const float* __restrict__ acc, 
 // each taking a contiguous share of the row's tiles (`RowPart`): at a few thousand tokens
 // one warp per row leaves the card short of loads in flight, and the kernel's time is
 // that of its longest row. The row of x stays in registers (MAXV 16-byte vectors per
-// lane, packed bf16); `walk_tiles` reads each tile's slot list with one coalesced load,
-// and each list's h go back with one coalesced store. The token's L1 term is stored, not
+// lane, packed bf16); `walk_pairs` reads up to 32 of the row's slots at once, across
+// tiles, and their h go back with one store each. The token's L1 term is stored, not
 // added (the parts of a split row meet in shared memory first).
 // NORM (inference, the norm before the MLP folded in): x is the residual sum s, not yet
 // normalised, and the gate came from s with the norm's weight folded into the gate and up
@@ -189,12 +189,13 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
         const float g_scale = NORM ? normalize_registers<MAXV>(xr, d, eps) : 1.f;
         const long long two_d = 2LL * d;
         auto dot = [&](int j) { return registers_dot<MAXV>(xr, w_ud + j * two_d, d); };
-        walk_tiles(
+        walk_pairs(
             counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f,
             [&](int j, float g, long long slot, int n) {
                 __nv_bfloat16 mine = __float2bfloat16(0.f), mine_u = mine;
                 // One neuron at a time: interleaving two (twice the loads in flight)
-                // measured slower, the extra registers costing more than they hid.
+                // measured slower, the extra registers costing more than they hid; so did
+                // asking L1 for the next neuron's row (thirty-first session).
                 for (int q = 0; q < n; ++q) {
                     const float u = dot(__shfl_sync(FULL_MASK, j, q));
                     const __nv_bfloat16 h = __float2bfloat16(g_scale * __shfl_sync(FULL_MASK, g, q) * u);
@@ -275,8 +276,8 @@ UP_ROW_KERNELS(16)
 
 // Prefill path, down: a token row per warp, or per SPLIT consecutive warps of a block
 // (`RowPart`, as in up), the output row (or this part's share of it) in registers (MAXV
-// 16-byte vectors per lane). `walk_tiles` reads each tile's (j, h) list with one
-// coalesced load and broadcasts it; every neuron then costs MAXV independent 16-byte
+// 16-byte vectors per lane). `walk_pairs` reads up to 32 of the row's (j, h) at once,
+// across tiles, and broadcasts them; every neuron then costs MAXV independent 16-byte
 // loads per lane (its whole Wd row), with no reduction between them. The parts of a
 // split row meet in dynamic shared memory (parts 1.. leave their f32 sums there, part 0
 // adds them in order: deterministic). Stores the bf16 row and the token's L1 term.
@@ -310,7 +311,7 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
         }
     };
     if (row < M) {
-        walk_tiles(
+        walk_pairs(
             counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f,
             [&](int j, float h, long long, int n) {
                 for (int q = 0; q < n; ++q) add(__shfl_sync(FULL_MASK, j, q), __shfl_sync(FULL_MASK, h, q));

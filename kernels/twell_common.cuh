@@ -243,6 +243,62 @@ __device__ __forceinline__ void walk_tiles(const uint32_t* __restrict__ counts, 
     }
 }
 
+// `walk_tiles` with the listed slots of up to 32 tiles flattened into blocks of up to 32
+// pairs: lane k of a block holds the block's k-th pair in (tile, slot) order, whichever
+// tile it is in. The pairs and the spilled tiles come in `walk_tiles`' order (each
+// 32-tile chunk's listed slots, then its spilled tiles), so sums taken along the walk
+// round the same. At 0.5-1% density a tile lists one or two slots, so `walk_tiles` reads
+// a token's slot lists one tile after another, each read waiting on the last; here the
+// lanes read up to 32 pairs' slots at once (thirty-first session: 4-6% off the prefill
+// MLP at 0.5% and 1% from 16,384 rows, `docs/kernel-notes.md`).
+template <class Block, class Spilled>
+__device__ __forceinline__ void walk_pairs(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
+                                           const __nv_bfloat16* values, long long row, int t_begin, int t_end,
+                                           int tile, int cap, int n_tiles, int f, Block block, Spilled spilled) {
+    const int lane = threadIdx.x & 31;
+    for (int tb = t_begin; tb < t_end; tb += 32) {
+        const int t = tb + lane;
+        const int c = t < t_end ? static_cast<int>(counts[row * n_tiles + t]) : 0;
+        const int listed = c <= cap ? c : 0;
+        // Inclusive prefix sum of the listed counts over the chunk's tiles.
+        int incl = listed;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(FULL_MASK, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const int excl = incl - listed;
+        const int total = __shfl_sync(FULL_MASK, incl, 31);
+        for (int kb = 0; kb < total; kb += 32) {
+            const int k = kb + lane;
+            // The tile of pair k: how many tiles end at or before it (a binary search over
+            // the nondecreasing sums, each lane for its own k).
+            int at = 0;
+#pragma unroll
+            for (int step = 16; step > 0; step >>= 1) {
+                if (__shfl_sync(FULL_MASK, incl, at + step - 1) <= k) at += step;
+            }
+            const int first = __shfl_sync(FULL_MASK, excl, at & 31);
+            int j = 0;
+            float v = 0.f;
+            long long slot = -1;
+            if (k < total) {
+                slot = (row * n_tiles + tb + at) * static_cast<long long>(cap) + (k - first);
+                j = (tb + at) * tile + indices[slot];
+                v = __bfloat162float(values[slot]);
+            }
+            block(j, v, slot, min(32, total - kb));
+        }
+        uint32_t over = __ballot_sync(FULL_MASK, c > cap);
+        while (over) {
+            const int b = __ffs(over) - 1;
+            over &= over - 1;
+            const int c0 = (tb + b) * tile;
+            spilled(c0, min(tile, f - c0));
+        }
+    }
+}
+
 // For an overflowing tile read from the dense h (`width` columns from `src`), calls
 // `add(c, h)` for each nonzero h = src[c], in column order, with the same (c, h) on
 // every lane: the warp reads 32 columns at a time and visits what its ballot finds.
