@@ -39,6 +39,56 @@ fn tolerance(dtype: DType) -> f64 {
     }
 }
 
+/// The smallest |x_i·w_j| relative to ‖x_i‖·‖w_j‖ (a gate, or an active neuron's up
+/// value) the random-shape checks accept: f32 dot products in two summation orders
+/// differ by about 2^-24·√d of that bound.
+const GATE_MARGIN: f32 = 1e-6;
+
+/// The first of `seed`, `seed + 1000`, … whose inputs for this shape put every
+/// reference gate g = x·Wg_j, and every up value u = x·Wu_j of an active neuron, clear
+/// of zero. ReLU's gradient jumps at g = 0 (dx moves by u·Wg_j) and the L1 term |g·u|'s
+/// jumps at u = 0 (by 2·g·Wu_j). A value within rounding of zero may fall on either side
+/// in the op's summation order, and no tolerance tells that apart from a fault. The
+/// random-shape property draws its seed through this; the fixed cases were chosen clear.
+fn seed_with_clear_gates(case: &Case) -> u64 {
+    let dev = Device::Cpu;
+    // |x_i · w_j| / (‖x_i‖·‖w_j‖), [m, f].
+    let relative = |x: &Tensor, w: &Tensor| -> Tensor {
+        let norm = |t: &Tensor| t.sqr().unwrap().sum_keepdim(1).unwrap().sqrt().unwrap();
+        let bound = norm(x).matmul(&norm(w).t().unwrap()).unwrap();
+        (x.matmul(&w.t().unwrap()).unwrap().abs().unwrap() / (bound + 1e-30).unwrap()).unwrap()
+    };
+    let smallest = |t: Tensor| {
+        t.flatten_all()
+            .unwrap()
+            .min(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    (0..64)
+        .map(|k| case.seed + 1000 * k)
+        .find(|&seed| {
+            let w = synthetic_mlp(case.d, case.f, case.density, case.dtype, &dev, seed).unwrap();
+            let x = synthetic_input(case.m, case.d, case.dtype, &dev, seed + 7).unwrap();
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let x32 = f32(&x);
+            let gates_clear = smallest(relative(&x32, &f32(&w.gate))) >= GATE_MARGIN;
+            // Up values only where the gate is positive (elsewhere h is 0 either way).
+            let active = x32
+                .matmul(&f32(&w.gate).t().unwrap())
+                .unwrap()
+                .gt(0f32)
+                .unwrap();
+            let u = relative(&x32, &f32(&w.up));
+            let u_active = active
+                .where_cond(&u, &Tensor::ones_like(&u).unwrap())
+                .unwrap();
+            gates_clear && smallest(u_active) >= GATE_MARGIN
+        })
+        .unwrap_or_else(|| panic!("no seed from {} gives gates clear of zero", case.seed))
+}
+
 /// Runs forward + backward through the sparse path and through dense candle, and
 /// compares outputs, L1 terms and all four gradients.
 fn check(case: &Case, path: Path) {
@@ -75,8 +125,8 @@ fn check(case: &Case, path: Path) {
 
     let tol = tolerance(case.dtype);
     let ctx = format!(
-        "{path:?} m={} d={} f={} density={} {:?} {:?}",
-        case.m, case.d, case.f, case.density, case.dtype, case.config
+        "{path:?} m={} d={} f={} density={} {:?} {:?} seed={}",
+        case.m, case.d, case.f, case.density, case.dtype, case.config, case.seed
     );
     let e_out = rel_l2(&res.out, &out_d).unwrap();
     assert!(e_out < tol, "{ctx}: out rel err {e_out}");
@@ -288,7 +338,9 @@ proptest! {
     ) {
         let config = TwellConfig::new(tile, cf).unwrap();
         let path = if fused { Path::Fused } else { Path::Composed };
-        check(&Case { m, d, f, density, dtype, config, seed }, path);
+        let mut case = Case { m, d, f, density, dtype, config, seed };
+        case.seed = seed_with_clear_gates(&case);
+        check(&case, path);
     }
 }
 
@@ -340,4 +392,26 @@ fn products_entry_is_the_twell_mlp_on_the_host() {
     assert!(rel_l2(&got.l1, &want.l1).unwrap() < 1e-6);
     assert_eq!(got.host_counts().unwrap(), want.host_counts().unwrap());
     assert!(got.nnz().unwrap() > 0);
+}
+
+/// A draw like the one the random-shape property failed on in CI (dx off by 4e-3 in
+/// f32): seed 263 of this shape has an active neuron whose up value lies within rounding
+/// of zero, where the L1 term's gradient jumps. The seed filter must skip it, and the
+/// seed it picks instead must match the reference on both paths.
+#[test]
+fn a_seed_with_an_up_value_at_zero_is_skipped() {
+    let mut case = Case {
+        m: 53,
+        d: 49,
+        f: 519,
+        density: 0.55,
+        dtype: DType::F32,
+        config: TwellConfig::default(),
+        seed: 263,
+    };
+    case.seed = seed_with_clear_gates(&case);
+    assert_ne!(case.seed, 263);
+    for path in [Path::Fused, Path::Composed] {
+        check(&case, path);
+    }
 }

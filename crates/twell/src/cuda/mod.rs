@@ -111,11 +111,12 @@ pub fn pre_norm_folds() -> bool {
     *ON.get_or_init(|| std::env::var("TWELL_DECODE_PRE_NORM").map_or(true, |v| v != "0"))
 }
 
-/// Warps per multiprocessor that the prefill row kernels aim to fill before they split
-/// a token row over several warps.
-const ROW_SPLIT_WARPS_PER_SM: usize = 32;
-/// The warps a split row takes (the kernels' `SPLIT`; it divides the block's 8 warps).
-const ROW_SPLIT: usize = 4;
+/// Warps of the prefill row kernels one multiprocessor holds at once (two blocks of
+/// eight at their 124-128 registers): a split row's parts should fit one such wave.
+const ROW_KERNEL_WARPS_PER_SM: usize = 16;
+/// The splits the row kernels are built for, most first (the kernels' `SPLIT`; each
+/// divides the block's 8 warps).
+const ROW_SPLITS: [usize; 2] = [4, 2];
 /// Shared memory a block may take without opting in to more.
 const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
 
@@ -160,24 +161,28 @@ fn is_sm90(dev: &CudaDevice) -> Result<bool> {
     )
 }
 
-/// How many consecutive warps share a token row in the prefill row kernels: 4 while four
-/// warps per row still fit about one wave (up to about a thousand tokens), else one. With
-/// a warp per row and fewer rows than the card holds warps, the loads in flight are few
-/// and the kernel lasts as long as its longest row; measured on the H200, four warps per
-/// row took 256 to 1,024 tokens from 0.12-0.31 ms to 0.08-0.26 ms, while two at 2,048
-/// gained nothing (`docs/kernel-notes.md`). `TWELL_ROW_SPLIT` (1 or 4) fixes it, to
-/// measure both on one size.
+/// How many consecutive warps share a token row in the prefill row kernels: the most of
+/// 4 and 2 whose parts still fit one wave of the kernels (up to 528 and 1,056 tokens on
+/// the H200), else one. With a warp per row and fewer rows than the card holds warps,
+/// the loads in flight are few and the kernel lasts as long as its longest row. Measured
+/// on the H200 (`docs/kernel-notes.md`): four warps a row took 128-512 tokens to
+/// 0.06-0.14 ms from 0.10-0.25 with one, and two warps a row beat four at 768 and 1,024
+/// tokens (0.09-0.24 ms against 0.10-0.25) and tied with one at 2,048.
+/// `TWELL_ROW_SPLIT` (1, 2 or 4) fixes it, to measure them on one size.
 fn row_split(dev: &CudaDevice, m: usize, d: usize) -> Result<usize> {
     static FIXED: knobs::Cell = knobs::Cell::new();
     let fixed = knobs::read_once(&FIXED, || {
-        knobs::env_count("TWELL_ROW_SPLIT", &format!("1 or {ROW_SPLIT}"), |v| {
-            v == 1 || v == ROW_SPLIT
-        })
+        knobs::env_count("TWELL_ROW_SPLIT", "1, 2 or 4", |v| [1, 2, 4].contains(&v))
     })?;
     let split = match fixed {
         Some(split) => split,
-        None if m * ROW_SPLIT <= multiprocessors(dev)? * ROW_SPLIT_WARPS_PER_SM => ROW_SPLIT,
-        None => 1,
+        None => {
+            let wave = multiprocessors(dev)? * ROW_KERNEL_WARPS_PER_SM;
+            ROW_SPLITS
+                .into_iter()
+                .find(|&split| m * split <= wave)
+                .unwrap_or(1)
+        }
     };
     // The down kernel's parts meet in shared memory, which must fit a block.
     Ok(if down_split_bytes(split, d) <= DEFAULT_SHARED_BYTES {
