@@ -267,7 +267,7 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
         up_row<MAXV, SPLIT, true>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, cap, \
                                   n_tiles, eps);                                                    \
     }
-#define UP_ROW_KERNELS(MAXV) UP_ROW_KERNEL(MAXV, 1) UP_ROW_KERNEL(MAXV, 4)
+#define UP_ROW_KERNELS(MAXV) UP_ROW_KERNEL(MAXV, 1) UP_ROW_KERNEL(MAXV, 2) UP_ROW_KERNEL(MAXV, 4)
 UP_ROW_KERNELS(1)
 UP_ROW_KERNELS(2)
 UP_ROW_KERNELS(4)
@@ -410,7 +410,7 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
         down_row<MAXV, SPLIT, true>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap,    \
                                     n_tiles, residual, alpha, eps);                                       \
     }
-#define DOWN_ROW_KERNELS(MAXV) DOWN_ROW_KERNEL(MAXV, 1) DOWN_ROW_KERNEL(MAXV, 4)
+#define DOWN_ROW_KERNELS(MAXV) DOWN_ROW_KERNEL(MAXV, 1) DOWN_ROW_KERNEL(MAXV, 2) DOWN_ROW_KERNEL(MAXV, 4)
 DOWN_ROW_KERNELS(1)
 DOWN_ROW_KERNELS(2)
 DOWN_ROW_KERNELS(4)
