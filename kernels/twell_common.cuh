@@ -199,58 +199,16 @@ __device__ __forceinline__ long long global_warp() {
     return (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
 }
 
-// Walks tiles [t_begin, t_end) of one token row of a TwELL gate, for a whole warp. Each
-// tile's count is read by its own lane and empty tiles are skipped by a ballot. For each
-// block of up to 32 listed slots of a tile, `block(j, v, slot, n)` runs with lane s
-// holding its slot's neuron j, value v and value-array index (-1 for lanes past the
-// block's n slots); for each overflowing tile, `spilled(c0, width)` runs with the tile's
-// first column and width.
-template <class Block, class Spilled>
-__device__ __forceinline__ void walk_tiles(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
-                                           const __nv_bfloat16* values, long long row, int t_begin, int t_end,
-                                           int tile, int cap, int n_tiles, int f, Block block, Spilled spilled) {
-    const int lane = threadIdx.x & 31;
-    for (int tb = t_begin; tb < t_end; tb += 32) {
-        const int t = tb + lane;
-        const int c = t < t_end ? static_cast<int>(counts[row * n_tiles + t]) : 0;
-        uint32_t listed = __ballot_sync(FULL_MASK, c > 0 && c <= cap);
-        uint32_t over = __ballot_sync(FULL_MASK, c > cap);
-        while (listed) {
-            const int b = __ffs(listed) - 1;
-            listed &= listed - 1;
-            const int tt = tb + b;
-            const int count = __shfl_sync(FULL_MASK, c, b);
-            const long long s0 = (row * n_tiles + tt) * static_cast<long long>(cap);
-            for (int sb = 0; sb < count; sb += 32) {
-                const int s = sb + lane;
-                int j = 0;
-                float v = 0.f;
-                long long slot = -1;
-                if (s < count) {
-                    slot = s0 + s;
-                    j = tt * tile + indices[slot];
-                    v = __bfloat162float(values[slot]);
-                }
-                block(j, v, slot, min(32, count - sb));
-            }
-        }
-        while (over) {
-            const int b = __ffs(over) - 1;
-            over &= over - 1;
-            const int c0 = (tb + b) * tile;
-            spilled(c0, min(tile, f - c0));
-        }
-    }
-}
-
-// `walk_tiles` with the listed slots of up to 32 tiles flattened into blocks of up to 32
-// pairs: lane k of a block holds the block's k-th pair in (tile, slot) order, whichever
-// tile it is in. The pairs and the spilled tiles come in `walk_tiles`' order (each
-// 32-tile chunk's listed slots, then its spilled tiles), so sums taken along the walk
-// round the same. At 0.5-1% density a tile lists one or two slots, so `walk_tiles` reads
-// a token's slot lists one tile after another, each read waiting on the last; here the
-// lanes read up to 32 pairs' slots at once (thirty-first session: 4-6% off the prefill
-// MLP at 0.5% and 1% from 16,384 rows, `docs/kernel-notes.md`).
+// Walks tiles [t_begin, t_end) of one token row of a TwELL gate, for a whole warp, 32
+// tiles at a time: each tile's count is read by its own lane, the listed slots of the 32
+// tiles are flattened into blocks of up to 32 pairs in (tile, slot) order, and for each
+// block `block(j, v, slot, n)` runs with lane k holding the block's k-th pair: its neuron
+// j, value v and value-array index (-1 for lanes past the block's n pairs). Then, for
+// each overflowing tile of the 32, `spilled(c0, width)` runs with the tile's first column
+// and width. Why flattened: at 0.5-1% density a tile lists one or two slots, and a block
+// per tile read a token's slot lists one tile after another, each read waiting on the
+// last; reading up to 32 pairs' slots at once took 4-6% off the prefill MLP at 0.5% and
+// 1% from 16,384 rows (thirty-first session, `docs/kernel-notes.md`).
 template <class Block, class Spilled>
 __device__ __forceinline__ void walk_pairs(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
                                            const __nv_bfloat16* values, long long row, int t_begin, int t_end,
@@ -317,12 +275,12 @@ __device__ __forceinline__ void each_dense_nonzero(const __nv_bfloat16* __restri
     }
 }
 
-// All tiles of one token row (`walk_tiles` over [0, n_tiles)).
+// All tiles of one token row (`walk_pairs` over [0, n_tiles)).
 template <class Block, class Spilled>
 __device__ __forceinline__ void walk_row(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
                                          const __nv_bfloat16* values, long long row, int tile, int cap,
                                          int n_tiles, int f, Block block, Spilled spilled) {
-    walk_tiles(counts, indices, values, row, 0, n_tiles, tile, cap, n_tiles, f, block, spilled);
+    walk_pairs(counts, indices, values, row, 0, n_tiles, tile, cap, n_tiles, f, block, spilled);
 }
 
 // A token row split over `split` consecutive warps of one block: this warp's part and
