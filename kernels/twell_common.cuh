@@ -132,7 +132,9 @@ __device__ __forceinline__ float normalize_registers(uint4* r, int d, float eps)
 template <int MAXV>
 __device__ __forceinline__ float registers_dot(const uint4* r, const __nv_bfloat16* __restrict__ w, int d) {
     const int lane = threadIdx.x & 31;
-    float part = 0.f;
+    // Four partial sums: one would chain all 8·MAXV multiply-adds of a lane, each waiting
+    // on the last, after the loads have arrived.
+    float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < MAXV; ++i) {
         const int e = (lane + 32 * i) * VEC;
@@ -143,12 +145,12 @@ __device__ __forceinline__ float registers_dot(const uint4* r, const __nv_bfloat
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 const float2 rf = __bfloat1622float2(rh[q]);
-                part = fmaf(rf.x, b[2 * q], part);
-                part = fmaf(rf.y, b[2 * q + 1], part);
+                part[q] = fmaf(rf.x, b[2 * q], part[q]);
+                part[q] = fmaf(rf.y, b[2 * q + 1], part[q]);
             }
         }
     }
-    return warp_sum(part);
+    return warp_sum((part[0] + part[1]) + (part[2] + part[3]));
 }
 
 // Adds x to this lane's online-softmax state: m the running max, l the sum of exp(· - m).
