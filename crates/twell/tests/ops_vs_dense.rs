@@ -52,11 +52,13 @@ const GATE_MARGIN: f32 = 1e-6;
 /// random-shape property draws its seed through this; the fixed cases were chosen clear.
 fn seed_with_clear_gates(case: &Case) -> u64 {
     let dev = Device::Cpu;
-    // |x_i · w_j| / (‖x_i‖·‖w_j‖), [m, f].
-    let relative = |x: &Tensor, w: &Tensor| -> Tensor {
+    // x·wᵀ and |x_i · w_j| / (‖x_i‖·‖w_j‖), both [m, f].
+    let relative = |x: &Tensor, w: &Tensor| -> (Tensor, Tensor) {
         let norm = |t: &Tensor| t.sqr().unwrap().sum_keepdim(1).unwrap().sqrt().unwrap();
         let bound = norm(x).matmul(&norm(w).t().unwrap()).unwrap();
-        (x.matmul(&w.t().unwrap()).unwrap().abs().unwrap() / (bound + 1e-30).unwrap()).unwrap()
+        let product = x.matmul(&w.t().unwrap()).unwrap();
+        let ratio = (product.abs().unwrap() / (bound + 1e-30).unwrap()).unwrap();
+        (product, ratio)
     };
     let smallest = |t: Tensor| {
         t.flatten_all()
@@ -73,14 +75,11 @@ fn seed_with_clear_gates(case: &Case) -> u64 {
             let x = synthetic_input(case.m, case.d, case.dtype, &dev, seed + 7).unwrap();
             let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
             let x32 = f32(&x);
-            let gates_clear = smallest(relative(&x32, &f32(&w.gate))) >= GATE_MARGIN;
+            let (gate, gate_ratio) = relative(&x32, &f32(&w.gate));
+            let gates_clear = smallest(gate_ratio) >= GATE_MARGIN;
             // Up values only where the gate is positive (elsewhere h is 0 either way).
-            let active = x32
-                .matmul(&f32(&w.gate).t().unwrap())
-                .unwrap()
-                .gt(0f32)
-                .unwrap();
-            let u = relative(&x32, &f32(&w.up));
+            let active = gate.gt(0f32).unwrap();
+            let (_, u) = relative(&x32, &f32(&w.up));
             let u_active = active
                 .where_cond(&u, &Tensor::ones_like(&u).unwrap())
                 .unwrap();

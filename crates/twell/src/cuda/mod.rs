@@ -172,7 +172,9 @@ fn is_sm90(dev: &CudaDevice) -> Result<bool> {
 fn row_split(dev: &CudaDevice, m: usize, d: usize) -> Result<usize> {
     static FIXED: knobs::Cell = knobs::Cell::new();
     let fixed = knobs::read_once(&FIXED, || {
-        knobs::env_count("TWELL_ROW_SPLIT", "1, 2 or 4", |v| [1, 2, 4].contains(&v))
+        knobs::env_count("TWELL_ROW_SPLIT", "1, 2 or 4", |v| {
+            v == 1 || ROW_SPLITS.contains(&v)
+        })
     })?;
     let split = match fixed {
         Some(split) => split,
