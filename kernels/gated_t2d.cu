@@ -171,7 +171,7 @@ extern "C" __global__ void gated_t2d_finish_bf16(const float* __restrict__ acc, 
 // rows (`SparseMlp::fold_pre_norm`). The RMS norm's factor r = rsqrt(mean(s²) + eps) is
 // positive, so relu(r · g) = r · relu(g): the pack kept the right neurons, and each h is
 // r · g · u, with u the dot of the normalised row, made here in registers.
-template <int MAXV, int SPLIT, bool NORM, bool FRESH = false>
+template <int MAXV, int SPLIT, bool NORM>
 __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,
                        const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
                        __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate,
@@ -189,7 +189,7 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
         const float g_scale = NORM ? normalize_registers<MAXV>(xr, d, eps) : 1.f;
         const long long two_d = 2LL * d;
         auto dot = [&](int j) { return registers_dot<MAXV>(xr, w_ud + j * two_d, d); };
-        walk_pairs<FRESH>(
+        walk_pairs(
             counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f,
             [&](int j, float g, long long slot, int n) {
                 __nv_bfloat16 mine = __float2bfloat16(0.f), mine_u = mine;
@@ -286,7 +286,7 @@ UP_ROW_KERNELS(16)
 // + it), s · rsqrt(mean(s²) + eps) · alpha), and `out` is [2M, d]: the sums, then the
 // normalised rows; no L1 term. Only the sum of squares is reduced in another order (a
 // warp's, not a block's).
-template <int MAXV, int SPLIT, bool FOLD, bool FRESH = false>
+template <int MAXV, int SPLIT, bool FOLD>
 __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,
                          const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,
                          const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,
@@ -311,13 +311,13 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
         }
     };
     if (row < M) {
-        walk_pairs<FRESH>(
+        walk_pairs(
             counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f,
             [&](int j, float h, long long, int n) {
                 for (int q = 0; q < n; ++q) add(__shfl_sync(FULL_MASK, j, q), __shfl_sync(FULL_MASK, h, q));
             },
             [&](int c0, int width) {
-                each_dense_nonzero<FRESH>(gate + row * f + c0, width, [&](int c, float h) { add(c0 + c, h); });
+                each_dense_nonzero(gate + row * f + c0, width, [&](int c, float h) { add(c0 + c, h); });
             });
     }
     if (SPLIT > 1) {
@@ -388,7 +388,7 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
             const int e = (lane + 32 * i) * VEC;
             if (e < d) store8(out + row * d + e, acc[i]);
         }
-        if (lane == 0) out[l1_at(M, d, row)] = __float2bfloat16(load_slot<FRESH>(l1 + row));
+        if (lane == 0) out[l1_at(M, d, row)] = __float2bfloat16(l1[row]);
     }
 }
 
@@ -416,60 +416,3 @@ DOWN_ROW_KERNELS(2)
 DOWN_ROW_KERNELS(4)
 DOWN_ROW_KERNELS(8)
 DOWN_ROW_KERNELS(16)
-
-// Prefill path, fused: the pack, up and down of a token row in one kernel, for the plain
-// cuBLAS gate (below the masked gate's 4,096 rows). Each warp (or each part of a split
-// row, `RowPart`) packs its own tiles from the dense gate (`pack_row`), then runs
-// `up_row` and `down_row` over what it wrote, reading it back from L2 (`FRESH`): the
-// same slots, in the same order, as the three kernels give, without the pack kernel's
-// pass over the gate or the launches between them. The phases follow each other in one
-// warp, so the registers are those of the largest phase, not their sum (the fused
-// up-and-down of the second session held both rows at once: 175 registers).
-// DOWN = false stops after up (the down row kernel follows), to measure the two fusions
-// apart. NORM and FOLD as in `up_row` and `down_row`.
-#define FUSED_PACK_UNITS 8
-template <int MAXV, int SPLIT, bool NORM, bool FOLD, bool DOWN>
-__device__ void fused_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,
-                          __nv_bfloat16* gate, uint32_t* counts, uint8_t* indices, __nv_bfloat16* values,
-                          float* l1, __nv_bfloat16* __restrict__ u_out, __nv_bfloat16* __restrict__ g_out,
-                          __nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ residual,
-                          const __nv_bfloat16* __restrict__ alpha, int M, int d, int f, int tile, int cap,
-                          int n_tiles, float pre_eps, float eps) {
-    const RowPart rp(SPLIT, n_tiles);
-    if (rp.row < M)
-        pack_row<FUSED_PACK_UNITS>(gate, counts, indices, values, g_out, rp.row, rp.t_begin, rp.t_end, f, tile,
-                                   cap, n_tiles);
-    __syncwarp();
-    up_row<MAXV, SPLIT, NORM, true>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, cap, n_tiles,
-                                    pre_eps);
-    if constexpr (DOWN) {
-        __syncwarp();
-        down_row<MAXV, SPLIT, FOLD, true>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap, n_tiles,
-                                          residual, alpha, eps);
-    }
-}
-
-// `NAME_bf16_v{MAXV}_s{SPLIT}`, all with one parameter list (the host passes null
-// pointers and zeros for what a form does not use).
-#define FUSED_ROW_KERNEL(NAME, MAXV, SPLIT, NORM, FOLD, DOWN)                                               \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_bf16_v##MAXV##_s##SPLIT(                        \
-        const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud, __nv_bfloat16* gate,    \
-        uint32_t* counts, uint8_t* indices, __nv_bfloat16* values, float* l1,                                \
-        __nv_bfloat16* __restrict__ u_out, __nv_bfloat16* __restrict__ g_out, __nv_bfloat16* __restrict__ out, \
-        const __nv_bfloat16* __restrict__ residual, const __nv_bfloat16* __restrict__ alpha, int M, int d,   \
-        int f, int tile, int cap, int n_tiles, float pre_eps, float eps) {                                   \
-        fused_row<MAXV, SPLIT, NORM, FOLD, DOWN>(x, w_ud, gate, counts, indices, values, l1, u_out, g_out, out, \
-                                                 residual, alpha, M, d, f, tile, cap, n_tiles, pre_eps, eps);  \
-    }
-#define FUSED_ROW_FORMS(MAXV, SPLIT)                                              \
-    FUSED_ROW_KERNEL(gated_t2d_rows, MAXV, SPLIT, false, false, true)             \
-    FUSED_ROW_KERNEL(gated_t2d_rows_fold, MAXV, SPLIT, false, true, true)         \
-    FUSED_ROW_KERNEL(gated_t2d_rows_norm_fold, MAXV, SPLIT, true, true, true)     \
-    FUSED_ROW_KERNEL(gated_t2d_pack_up_rows, MAXV, SPLIT, false, false, false)    \
-    FUSED_ROW_KERNEL(gated_t2d_pack_up_rows_norm, MAXV, SPLIT, true, false, false)
-#define FUSED_ROW_KERNELS(MAXV) FUSED_ROW_FORMS(MAXV, 1) FUSED_ROW_FORMS(MAXV, 2) FUSED_ROW_FORMS(MAXV, 4)
-FUSED_ROW_KERNELS(1)
-FUSED_ROW_KERNELS(2)
-FUSED_ROW_KERNELS(4)
-FUSED_ROW_KERNELS(8)
-FUSED_ROW_KERNELS(16)

@@ -201,100 +201,6 @@ __device__ __forceinline__ long long global_warp() {
     return (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
 }
 
-// The bits of the 8 bf16 in `raw` that compare > 0 as floats: the patterns 0x0001 up to
-// 0x7F80 (+inf), found two at a time on the integer pipes (h - 1 wraps 0 to 0xFFFF),
-// instead of eight conversions and compares.
-__device__ __forceinline__ uint32_t positive_bits(const uint4& raw) {
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-    uint32_t bits = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const uint32_t lt = __vcmpltu2(__vsub2(words[i], 0x00010001u), 0x7F807F80u);
-        bits |= ((lt & 1u) | ((lt >> 15) & 2u)) << (2 * i);
-    }
-    return bits;
-}
-
-// The q-th bf16 of `raw` (q not known at compile time: selects, not an indexed array,
-// which would go to local memory).
-__device__ __forceinline__ __nv_bfloat16 bf16_at(const uint4& raw, int q) {
-    const uint32_t word = q < 2 ? raw.x : q < 4 ? raw.y : q < 6 ? raw.z : raw.w;
-    const unsigned short h = static_cast<unsigned short>((q & 1) ? word >> 16 : word & 0xFFFFu);
-    return __ushort_as_bfloat16(h);
-}
-
-// Lane l's 8 columns [8l, 8l + 8) of tile t of a gate row, zeros past the tile (f % 8 == 0
-// and a tile of at most 256 columns: every tile start is 16-byte aligned).
-__device__ __forceinline__ uint4 tile_vector(const __nv_bfloat16* __restrict__ gate, long long row, int t, int f,
-                                             int tile) {
-    const int c = (threadIdx.x & 31) * VEC;
-    const int c0 = t * tile;
-    if (c >= min(tile, f - c0)) return make_uint4(0u, 0u, 0u, 0u);
-    return *reinterpret_cast<const uint4*>(gate + row * f + c0 + c);
-}
-
-// Packs one (row, tile) unit whose columns the warp holds as `tile_vector` leaves them:
-// a warp prefix sum ranks the lanes' positives, and each lane writes its slots, visiting
-// only its set bits (an eight-step loop per lane before: 13% of the pack at 3% density
-// on the H200); the compares run two at a time on the integer pipes. Past the capacity
-// no slot is written and the count stays true (the tile is read from the dense gate).
-// With `g_out`, each slot's g is written there too (the backward's copy).
-__device__ __forceinline__ void pack_unit(const uint4& raw, long long unit, int cap, uint32_t* __restrict__ counts,
-                                          uint8_t* __restrict__ indices, __nv_bfloat16* __restrict__ values,
-                                          __nv_bfloat16* __restrict__ g_out) {
-    const int lane = threadIdx.x & 31;
-    uint32_t bits = positive_bits(raw);
-    const int mine = __popc(bits);
-    // Inclusive prefix sum of the lanes' counts.
-    int incl = mine;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int up = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += up;
-    }
-    const long long slot0 = unit * cap;
-    for (int pos = incl - mine; bits != 0 && pos < cap; ++pos) {
-        const int q = __ffs(bits) - 1;
-        bits &= bits - 1;
-        const __nv_bfloat16 v = bf16_at(raw, q);
-        indices[slot0 + pos] = static_cast<uint8_t>(lane * VEC + q);
-        values[slot0 + pos] = v;
-        if (g_out) g_out[slot0 + pos] = v;
-    }
-    if (lane == 31) counts[unit] = static_cast<uint32_t>(incl);
-}
-
-// Tiles [t_begin, t_end) of one gate row packed by one warp, UNITS tiles' loads in
-// flight before any is ranked (the fused row kernels' first step).
-template <int UNITS>
-__device__ __forceinline__ void pack_row(const __nv_bfloat16* __restrict__ gate, uint32_t* __restrict__ counts,
-                                         uint8_t* __restrict__ indices, __nv_bfloat16* __restrict__ values,
-                                         __nv_bfloat16* __restrict__ g_out, long long row, int t_begin, int t_end,
-                                         int f, int tile, int cap, int n_tiles) {
-    for (int t0 = t_begin; t0 < t_end; t0 += UNITS) {
-        uint4 raw[UNITS];
-#pragma unroll
-        for (int u = 0; u < UNITS; ++u)
-            raw[u] = t0 + u < t_end ? tile_vector(gate, row, t0 + u, f, tile) : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-        for (int u = 0; u < UNITS; ++u) {
-            if (t0 + u >= t_end) break;  // the same in every lane
-            pack_unit(raw[u], row * n_tiles + t0 + u, cap, counts, indices, values, g_out);
-        }
-    }
-}
-
-// A load of what this kernel itself may have written before (FRESH: the fused row
-// kernels read back the slots, counts and h their own warp wrote): from L2, never from a
-// read-only or L1 copy that could predate the write.
-template <bool FRESH, class T>
-__device__ __forceinline__ T load_slot(const T* p) {
-    if constexpr (FRESH)
-        return __ldcg(p);
-    else
-        return *p;
-}
-
 // Walks tiles [t_begin, t_end) of one token row of a TwELL gate, for a whole warp, 32
 // tiles at a time: each tile's count is read by its own lane, the listed slots of the 32
 // tiles are flattened into blocks of up to 32 pairs in (tile, slot) order, and for each
@@ -305,14 +211,14 @@ __device__ __forceinline__ T load_slot(const T* p) {
 // per tile read a token's slot lists one tile after another, each read waiting on the
 // last; reading up to 32 pairs' slots at once took 4-6% off the prefill MLP at 0.5% and
 // 1% from 16,384 rows (thirty-first session, `docs/kernel-notes.md`).
-template <bool FRESH = false, class Block, class Spilled>
+template <class Block, class Spilled>
 __device__ __forceinline__ void walk_pairs(const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
                                            const __nv_bfloat16* values, long long row, int t_begin, int t_end,
                                            int tile, int cap, int n_tiles, int f, Block block, Spilled spilled) {
     const int lane = threadIdx.x & 31;
     for (int tb = t_begin; tb < t_end; tb += 32) {
         const int t = tb + lane;
-        const int c = t < t_end ? static_cast<int>(load_slot<FRESH>(counts + row * n_tiles + t)) : 0;
+        const int c = t < t_end ? static_cast<int>(counts[row * n_tiles + t]) : 0;
         const int listed = c <= cap ? c : 0;
         // Inclusive prefix sum of the listed counts over the chunk's tiles.
         int incl = listed;
@@ -338,8 +244,8 @@ __device__ __forceinline__ void walk_pairs(const uint32_t* __restrict__ counts, 
             long long slot = -1;
             if (k < total) {
                 slot = (row * n_tiles + tb + at) * static_cast<long long>(cap) + (k - first);
-                j = (tb + at) * tile + load_slot<FRESH>(indices + slot);
-                v = __bfloat162float(load_slot<FRESH>(values + slot));
+                j = (tb + at) * tile + indices[slot];
+                v = __bfloat162float(values[slot]);
             }
             block(j, v, slot, min(32, total - kb));
         }
@@ -356,12 +262,12 @@ __device__ __forceinline__ void walk_pairs(const uint32_t* __restrict__ counts, 
 // For an overflowing tile read from the dense h (`width` columns from `src`), calls
 // `add(c, h)` for each nonzero h = src[c], in column order, with the same (c, h) on
 // every lane: the warp reads 32 columns at a time and visits what its ballot finds.
-template <bool FRESH = false, class Add>
+template <class Add>
 __device__ __forceinline__ void each_dense_nonzero(const __nv_bfloat16* __restrict__ src, int width, Add add) {
     const int lane = threadIdx.x & 31;
     for (int k = 0; k < width; k += 32) {
         const int col = k + lane;
-        const float hv = col < width ? __bfloat162float(load_slot<FRESH>(src + col)) : 0.f;
+        const float hv = col < width ? __bfloat162float(src[col]) : 0.f;
         uint32_t mask = __ballot_sync(FULL_MASK, hv != 0.f);
         while (mask) {
             const int q = __ffs(mask) - 1;

@@ -119,9 +119,6 @@ const ROW_KERNEL_WARPS_PER_SM: usize = 16;
 const ROW_SPLITS: [usize; 2] = [4, 2];
 /// Shared memory a block may take without opting in to more.
 const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
-/// The static shared memory of the fused row kernels (`up_row`'s f32 sum per warp of a
-/// block), beside the down half's dynamic shared memory.
-const FUSED_ROW_STATIC_SHARED_BYTES: usize = 8 * std::mem::size_of::<f32>();
 
 /// A device attribute, read from the driver once per context and attribute (keyed by
 /// the context, so two cards never share a value): every prefill forward asks.
@@ -194,30 +191,6 @@ fn row_split(dev: &CudaDevice, m: usize, d: usize) -> Result<usize> {
         split
     } else {
         1
-    })
-}
-
-/// How the plain gate's prefill row kernels are launched. `All` (the default): one
-/// kernel per row packs its tiles, then runs up and down over them (`fused_row` in
-/// `gated_t2d.cu`); `PackUp`: the pack inside the up kernel, then the down kernel;
-/// `Separate`: the pack, up and down kernels. `TWELL_ROW_FUSION` (`all`, `pack-up`,
-/// `off`) picks one, to measure them on one build.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum RowFusion {
-    All,
-    PackUp,
-    Separate,
-}
-
-fn row_fusion() -> Result<RowFusion> {
-    static CHOICE: knobs::Cell = knobs::Cell::new();
-    let choice = knobs::read_once(&CHOICE, || {
-        knobs::env_choice("TWELL_ROW_FUSION", &["all", "pack-up", "off"])
-    })?;
-    Ok(match choice {
-        None | Some(0) => RowFusion::All,
-        Some(1) => RowFusion::PackUp,
-        _ => RowFusion::Separate,
     })
 }
 
@@ -761,15 +734,6 @@ fn mlp_forward(
     let mut indices = unsafe { dev.alloc::<u8>(m * n_tiles * cap)? };
     let mut values = unsafe { dev.alloc::<bf16>(m * n_tiles * cap)? };
 
-    let decode = m <= decode_max_tokens()?;
-    let row_kernels = if decode { None } else { row_vectors(d) };
-    // The plain gate's pack runs inside the row kernels (see `RowFusion`); the mask's
-    // pack, and the other paths', is its own kernel.
-    let fusion = if mask.is_none() && row_kernels.is_some() && f % 8 == 0 {
-        row_fusion()?
-    } else {
-        RowFusion::Separate
-    };
     let (pack, pack_warps) = match &mask {
         // A lane per mask word: a warp takes MASK_UNITS (row, 32-word) units.
         Some(_) => ("twell_gate_pack_mask_bf16", mask_units.div_ceil(MASK_UNITS)),
@@ -788,32 +752,24 @@ fn mlp_forward(
             }
         }
     };
-    if fusion == RowFusion::Separate {
-        let pack = dev.get_or_load_custom_func(pack, "twell_gate_pack", GATE_PACK_PTX)?;
-        let mut b = pack.builder();
-        b.arg(&gate);
-        if let Some((bits, _)) = &mask {
-            b.arg(bits);
-        }
-        b.arg(&mut counts).arg(&mut indices).arg(&mut values);
-        dims.push_pattern(&mut b);
-        let words_per_row = mask.as_ref().map(|(_, words)| *words as i32);
-        if let Some(words) = &words_per_row {
-            b.arg(words);
-        }
-        // SAFETY: bounds checked in the kernel.
-        unsafe { b.launch(warp_launch(pack_warps)?) }.w()?;
+    let pack = dev.get_or_load_custom_func(pack, "twell_gate_pack", GATE_PACK_PTX)?;
+    let mut b = pack.builder();
+    b.arg(&gate);
+    if let Some((bits, _)) = &mask {
+        b.arg(bits);
     }
+    b.arg(&mut counts).arg(&mut indices).arg(&mut values);
+    dims.push_pattern(&mut b);
+    let words_per_row = mask.as_ref().map(|(_, words)| *words as i32);
+    if let Some(words) = &words_per_row {
+        b.arg(words);
+    }
+    // SAFETY: bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(pack_warps)?) }.w()?;
     // For a backward pass: the slots' g before `up` writes h over them, and a buffer
-    // where `up` leaves each slot's u. A null pointer tells `up` not to. The fused
-    // kernels write the g of each slot they pack.
+    // where `up` leaves each slot's u. A null pointer tells `up` not to.
     let mut kept = if keep_for_backward {
-        let g_slots = if fusion == RowFusion::Separate {
-            stream.clone_dtod(&values).w()?
-        } else {
-            // SAFETY: the fused kernel writes the g of every listed slot, the only ones read.
-            unsafe { dev.alloc::<bf16>(values.len())? }
-        };
+        let g_slots = stream.clone_dtod(&values).w()?;
         // SAFETY: `up` writes the u of every listed slot, the only ones read.
         let u_slots = unsafe { dev.alloc::<bf16>(values.len())? };
         Some((g_slots, u_slots))
@@ -830,11 +786,13 @@ fn mlp_forward(
     // SAFETY: the last kernel writes every element; `poison` lets the tests check that.
     let mut out = unsafe { dev.alloc::<bf16>(len)? };
     poison(&dev, &mut out)?;
+    let decode = m <= decode_max_tokens()?;
     // Prefill rows that fit a warp's registers take the row kernels: a warp per row
     // computes h (x in registers), then a warp per row accumulates the down projection
     // (the output row in registers). Decode (or rows too wide for registers) spreads h
     // over a warp per slot (decode) or per tile, then the down projection, whose partial
     // sums meet in f32 atomics when rows are few.
+    let row_kernels = if decode { None } else { row_vectors(d) };
     if fold.is_some() && row_kernels.is_none() {
         return err(TwellError::Invalid(format!(
             "the residual add and norm fold into the prefill row kernels only: more than \
@@ -849,16 +807,11 @@ fn mlp_forward(
     let pre_norm_eps = fold.as_ref().and_then(|f| f.pre_norm_eps);
     let (up_name, up_warps) = match row_kernels {
         Some(v) => {
-            let norm = if pre_norm_eps.is_some() { "_norm" } else { "" };
-            let name = match fusion {
-                RowFusion::Separate => format!("gated_t2d_up_rows{norm}"),
-                RowFusion::PackUp => format!("gated_t2d_pack_up_rows{norm}"),
-                RowFusion::All => {
-                    let fold = if fold.is_some() { "_fold" } else { "" };
-                    format!("gated_t2d_rows{norm}{fold}")
-                }
-            };
-            (format!("{name}_bf16_v{v}_s{split}"), m * split)
+            let kind = if pre_norm_eps.is_some() { "_norm" } else { "" };
+            (
+                format!("gated_t2d_up_rows{kind}_bf16_v{v}_s{split}"),
+                m * split,
+            )
         }
         None => (
             "gated_t2d_up_bf16".to_string(),
@@ -873,79 +826,30 @@ fn mlp_forward(
     };
     let up = dev.get_or_load_custom_func(&up_name, "gated_t2d", GATED_T2D_PTX)?;
     let spw_i = slots_per_warp as i32;
-    let (no_eps, pre_eps_arg) = (0f32, pre_norm_eps.unwrap_or(0.0));
     let mut b = up.builder();
-    if fusion == RowFusion::Separate {
-        b.arg(&xv)
-            .arg(&wudv)
-            .arg(&counts)
-            .arg(&indices)
-            .arg(&mut values)
-            .arg(&mut gate)
-            .arg(&mut l1);
-        match kept.as_mut() {
-            Some((_, u_slots)) => b.arg(u_slots),
-            None => b.arg(&no_u),
-        };
-        dims.push(&mut b);
-        if row_kernels.is_none() {
-            b.arg(&spw_i);
-        }
-        if let Some(pre_eps) = &pre_norm_eps {
-            b.arg(pre_eps);
-        }
-    } else {
-        // The fused kernels' one parameter list: null pointers and zeros for what this
-        // form does not use.
-        b.arg(&xv)
-            .arg(&wudv)
-            .arg(&mut gate)
-            .arg(&mut counts)
-            .arg(&mut indices)
-            .arg(&mut values)
-            .arg(&mut l1);
-        match kept.as_mut() {
-            Some((g_slots, u_slots)) => b.arg(u_slots).arg(g_slots),
-            None => b.arg(&no_u).arg(&no_u),
-        };
-        if fusion == RowFusion::All {
-            b.arg(&mut out);
-        } else {
-            b.arg(&no_u);
-        }
-        match (&fold, fusion) {
-            (Some(fold), RowFusion::All) => b.arg(&fold.residual).arg(&fold.alpha),
-            _ => b.arg(&no_u).arg(&no_u),
-        };
-        dims.push(&mut b);
-        b.arg(&pre_eps_arg);
-        match (&fold, fusion) {
-            (Some(fold), RowFusion::All) => b.arg(&fold.eps),
-            _ => b.arg(&no_eps),
-        };
+    b.arg(&xv)
+        .arg(&wudv)
+        .arg(&counts)
+        .arg(&indices)
+        .arg(&mut values)
+        .arg(&mut gate)
+        .arg(&mut l1);
+    match kept.as_mut() {
+        Some((_, u_slots)) => b.arg(u_slots),
+        None => b.arg(&no_u),
+    };
+    dims.push(&mut b);
+    if row_kernels.is_none() {
+        b.arg(&spw_i);
     }
-    let mut up_cfg = warp_launch(up_warps)?;
-    if fusion == RowFusion::All {
-        let bytes = down_split_bytes(split, d);
-        // The up half's own shared sums of a split row come on top: past the default
-        // 48 KB (four warps a row of hidden 2048) the kernel must opt in.
-        if bytes + FUSED_ROW_STATIC_SHARED_BYTES > DEFAULT_SHARED_BYTES {
-            use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-            up.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .w()?;
-        }
-        up_cfg.shared_mem_bytes = bytes as u32;
+    if let Some(pre_eps) = &pre_norm_eps {
+        b.arg(pre_eps);
     }
-    // SAFETY: `split` warps per row (row kernel; a divisor of the block's warps, the
-    // fused down's shared memory sized above) or one per (row, tile, slot group), bounds
-    // checked in the kernel.
-    unsafe { b.launch(up_cfg) }.w()?;
+    // SAFETY: `split` warps per row (row kernel; a divisor of the block's warps) or one
+    // per (row, tile, slot group), bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(up_warps)?) }.w()?;
     mark(&mut marks)?;
     match row_kernels {
-        Some(_) if fusion == RowFusion::All => {}
         Some(v) => {
             let kind = if fold.is_some() { "_norm" } else { "" };
             let down_name = format!("gated_t2d_down_rows{kind}_bf16_v{v}_s{split}");
