@@ -238,7 +238,7 @@ __device__ __forceinline__ void walk_pairs(const uint32_t* __restrict__ counts, 
             for (int step = 16; step > 0; step >>= 1) {
                 if (__shfl_sync(FULL_MASK, incl, at + step - 1) <= k) at += step;
             }
-            const int first = __shfl_sync(FULL_MASK, excl, at & 31);
+            const int first = __shfl_sync(FULL_MASK, excl, at);  // at <= 31
             int j = 0;
             float v = 0.f;
             long long slot = -1;

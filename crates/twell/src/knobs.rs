@@ -70,6 +70,18 @@ pub(crate) fn env_choice(name: &str, choices: &[&str]) -> Result<Option<usize>, 
     parse_choice(name, text.as_deref(), choices)
 }
 
+/// The splits the prefill row kernels are built for besides one warp a row, most first
+/// (their `SPLIT`: `_s4`, `_s2`; each divides a block's 8 warps). Kept here rather than
+/// in the CUDA module so that `TWELL_ROW_SPLIT`'s rule is tested on any machine.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const ROW_SPLITS: [usize; 2] = [4, 2];
+
+/// Whether the row kernels are built for `split` warps a row (`TWELL_ROW_SPLIT`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn is_row_split(split: usize) -> bool {
+    split == 1 || ROW_SPLITS.contains(&split)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -87,6 +99,12 @@ mod tests {
                 "{msg}"
             );
         }
+        let taken: Vec<usize> = (0..=16).filter(|&v| is_row_split(v)).collect();
+        assert_eq!(taken, vec![1, 2, 4]);
+        assert!(taken.iter().all(|split| 8 % split == 0), "{taken:?}");
+        let built = |raw| parse_count("TWELL_ROW_SPLIT", raw, "1, 2 or 4", is_row_split);
+        assert_eq!(built(Some("2")), Ok(Some(2)));
+        assert!(built(Some("8")).unwrap_err().contains("1, 2 or 4"));
         let tokens = |raw| parse_count("TWELL_DECODE_MAX_TOKENS", raw, "a token count", |_| true);
         assert_eq!(tokens(Some("128")), Ok(Some(128)));
         assert!(tokens(Some("1e3")).unwrap_err().contains("a token count"));

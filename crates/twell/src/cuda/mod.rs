@@ -111,12 +111,6 @@ pub fn pre_norm_folds() -> bool {
     *ON.get_or_init(|| std::env::var("TWELL_DECODE_PRE_NORM").map_or(true, |v| v != "0"))
 }
 
-/// Warps of the prefill row kernels one multiprocessor holds at once (two blocks of
-/// eight at their 124-128 registers): a split row's parts should fit one such wave.
-const ROW_KERNEL_WARPS_PER_SM: usize = 16;
-/// The splits the row kernels are built for, most first (the kernels' `SPLIT`; each
-/// divides the block's 8 warps).
-const ROW_SPLITS: [usize; 2] = [4, 2];
 /// Shared memory a block may take without opting in to more.
 const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
 
@@ -172,15 +166,13 @@ fn is_sm90(dev: &CudaDevice) -> Result<bool> {
 fn row_split(dev: &CudaDevice, m: usize, d: usize) -> Result<usize> {
     static FIXED: knobs::Cell = knobs::Cell::new();
     let fixed = knobs::read_once(&FIXED, || {
-        knobs::env_count("TWELL_ROW_SPLIT", "1, 2 or 4", |v| {
-            v == 1 || ROW_SPLITS.contains(&v)
-        })
+        knobs::env_count("TWELL_ROW_SPLIT", "1, 2 or 4", knobs::is_row_split)
     })?;
     let split = match fixed {
         Some(split) => split,
         None => {
-            let wave = multiprocessors(dev)? * ROW_KERNEL_WARPS_PER_SM;
-            ROW_SPLITS
+            let wave = multiprocessors(dev)? * row_kernel_warps_per_sm(dev, d)?;
+            knobs::ROW_SPLITS
                 .into_iter()
                 .find(|&split| m * split <= wave)
                 .unwrap_or(1)
@@ -192,6 +184,31 @@ fn row_split(dev: &CudaDevice, m: usize, d: usize) -> Result<usize> {
     } else {
         1
     })
+}
+
+/// Warps of the one-warp-a-row up kernel for hidden `d` that one multiprocessor holds at
+/// once, as the driver's occupancy calculator gives it (two blocks of eight at the
+/// kernels' 124-128 registers on the H200): a split row's parts should fit one such
+/// wave. Asked once per context and row width.
+fn row_kernel_warps_per_sm(dev: &CudaDevice, d: usize) -> Result<usize> {
+    use std::collections::HashMap;
+    static VALUES: std::sync::Mutex<Option<HashMap<(usize, usize), usize>>> =
+        std::sync::Mutex::new(None);
+    let v = row_vectors(d).unwrap_or(1);
+    let key = (dev.cuda_stream().context().cu_ctx() as usize, v);
+    let mut guard = VALUES.lock().expect("occupancy lock");
+    let values = guard.get_or_insert_with(HashMap::new);
+    if let Some(&warps) = values.get(&key) {
+        return Ok(warps);
+    }
+    let name = format!("gated_t2d_up_rows_bf16_v{v}_s1");
+    let up = dev.get_or_load_custom_func(&name, "gated_t2d", GATED_T2D_PTX)?;
+    let blocks = up
+        .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)
+        .w()? as usize;
+    let warps = (blocks * (BLOCK_THREADS / 32) as usize).max(1);
+    values.insert(key, warps);
+    Ok(warps)
 }
 
 /// The dynamic shared memory the down row kernel needs for a row split `split` ways:
