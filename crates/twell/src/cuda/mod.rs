@@ -114,25 +114,37 @@ pub fn pre_norm_folds() -> bool {
 /// Shared memory a block may take without opting in to more.
 const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
 
-/// A device attribute, read from the driver once per context and attribute (keyed by
-/// the context, so two cards never share a value): every prefill forward asks.
+/// Values asked of the driver once per context and key (keyed by the context, so two
+/// cards never share a value): every prefill forward asks for some of them.
+type PerContext = std::sync::Mutex<Option<std::collections::HashMap<(usize, usize), usize>>>;
+
+/// The value `cache` holds for `dev`'s context and `key`, from `ask` the first time.
+fn per_context(
+    cache: &PerContext,
+    dev: &CudaDevice,
+    key: usize,
+    ask: impl FnOnce() -> Result<usize>,
+) -> Result<usize> {
+    let key = (dev.cuda_stream().context().cu_ctx() as usize, key);
+    let mut guard = cache.lock().expect("per-context cache lock");
+    let values = guard.get_or_insert_with(Default::default);
+    if let Some(&value) = values.get(&key) {
+        return Ok(value);
+    }
+    let value = ask()?;
+    values.insert(key, value);
+    Ok(value)
+}
+
+/// A device attribute, read from the driver once per context and attribute.
 fn device_attribute(
     dev: &CudaDevice,
     attribute: candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute,
 ) -> Result<usize> {
-    use std::collections::HashMap;
-    type Values = HashMap<(usize, u32), usize>;
-    static VALUES: std::sync::Mutex<Option<Values>> = std::sync::Mutex::new(None);
-    let context = dev.cuda_stream().context().clone();
-    let key = (context.cu_ctx() as usize, attribute as u32);
-    let mut guard = VALUES.lock().expect("device attribute lock");
-    let values = guard.get_or_insert_with(HashMap::new);
-    if let Some(&value) = values.get(&key) {
-        return Ok(value);
-    }
-    let value = context.attribute(attribute).w()?.max(0) as usize;
-    values.insert(key, value);
-    Ok(value)
+    static VALUES: PerContext = std::sync::Mutex::new(None);
+    per_context(&VALUES, dev, attribute as usize, || {
+        Ok(dev.cuda_stream().context().attribute(attribute).w()?.max(0) as usize)
+    })
 }
 
 /// The device's multiprocessor count.
@@ -162,8 +174,9 @@ fn is_sm90(dev: &CudaDevice) -> Result<bool> {
 /// on the H200 (`docs/kernel-notes.md`): four warps a row took 128-512 tokens to
 /// 0.06-0.14 ms from 0.10-0.25 with one, and two warps a row beat four at 768 and 1,024
 /// tokens (0.09-0.24 ms against 0.10-0.25) and tied with one at 2,048.
-/// `TWELL_ROW_SPLIT` (1, 2 or 4) fixes it, to measure them on one size.
-fn row_split(dev: &CudaDevice, m: usize, d: usize) -> Result<usize> {
+/// `TWELL_ROW_SPLIT` (1, 2 or 4) fixes it, to measure them on one size. `v`: the row
+/// kernels' vectors a lane for hidden `d` (`row_vectors`).
+fn row_split(dev: &CudaDevice, m: usize, d: usize, v: usize) -> Result<usize> {
     static FIXED: knobs::Cell = knobs::Cell::new();
     let fixed = knobs::read_once(&FIXED, || {
         knobs::env_count("TWELL_ROW_SPLIT", "1, 2 or 4", knobs::is_row_split)
@@ -171,7 +184,7 @@ fn row_split(dev: &CudaDevice, m: usize, d: usize) -> Result<usize> {
     let split = match fixed {
         Some(split) => split,
         None => {
-            let wave = multiprocessors(dev)? * row_kernel_warps_per_sm(dev, d)?;
+            let wave = multiprocessors(dev)? * row_kernel_warps_per_sm(dev, v)?;
             knobs::ROW_SPLITS
                 .into_iter()
                 .find(|&split| m * split <= wave)
@@ -186,29 +199,20 @@ fn row_split(dev: &CudaDevice, m: usize, d: usize) -> Result<usize> {
     })
 }
 
-/// Warps of the one-warp-a-row up kernel for hidden `d` that one multiprocessor holds at
-/// once, as the driver's occupancy calculator gives it (two blocks of eight at the
-/// kernels' 124-128 registers on the H200): a split row's parts should fit one such
-/// wave. Asked once per context and row width.
-fn row_kernel_warps_per_sm(dev: &CudaDevice, d: usize) -> Result<usize> {
-    use std::collections::HashMap;
-    static VALUES: std::sync::Mutex<Option<HashMap<(usize, usize), usize>>> =
-        std::sync::Mutex::new(None);
-    let v = row_vectors(d).unwrap_or(1);
-    let key = (dev.cuda_stream().context().cu_ctx() as usize, v);
-    let mut guard = VALUES.lock().expect("occupancy lock");
-    let values = guard.get_or_insert_with(HashMap::new);
-    if let Some(&warps) = values.get(&key) {
-        return Ok(warps);
-    }
-    let name = format!("gated_t2d_up_rows_bf16_v{v}_s1");
-    let up = dev.get_or_load_custom_func(&name, "gated_t2d", GATED_T2D_PTX)?;
-    let blocks = up
-        .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)
-        .w()? as usize;
-    let warps = (blocks * (BLOCK_THREADS / 32) as usize).max(1);
-    values.insert(key, warps);
-    Ok(warps)
+/// Warps of the one-warp-a-row up kernel for rows of `v` vectors a lane (`row_vectors`)
+/// that one multiprocessor holds at once, as the driver's occupancy calculator gives it
+/// (two blocks of eight at the kernels' 124-128 registers on the H200): a split row's
+/// parts should fit one such wave. Asked once per context and row width.
+fn row_kernel_warps_per_sm(dev: &CudaDevice, v: usize) -> Result<usize> {
+    static VALUES: PerContext = std::sync::Mutex::new(None);
+    per_context(&VALUES, dev, v, || {
+        let name = format!("gated_t2d_up_rows_bf16_v{v}_s1");
+        let up = dev.get_or_load_custom_func(&name, "gated_t2d", GATED_T2D_PTX)?;
+        let blocks = up
+            .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)
+            .w()? as usize;
+        Ok((blocks * (BLOCK_THREADS / 32) as usize).max(1))
+    })
 }
 
 /// The dynamic shared memory the down row kernel needs for a row split `split` ways:
@@ -818,7 +822,7 @@ fn mlp_forward(
     }
     let slots_per_warp: usize = if decode { 1 } else { cap };
     let split = match row_kernels {
-        Some(_) => row_split(&dev, m, d)?,
+        Some(v) => row_split(&dev, m, d, v)?,
         None => 1,
     };
     let pre_norm_eps = fold.as_ref().and_then(|f| f.pre_norm_eps);
