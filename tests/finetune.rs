@@ -665,3 +665,82 @@ fn a_target_read_on_validation_text_steers_by_the_calibrated_density() {
     let err = bad.validate().unwrap_err().to_string();
     assert!(err.contains("validation text"), "{err}");
 }
+
+/// `mlp_bias`: the trainer adds zero biases, trains them (the gate bias with the
+/// `gate-l0` term as it will on the GPU, without weight decay), lowers L0, and saves
+/// an HF checkpoint with `mlp_bias: true` that loads with equal logits, runs the dense
+/// FFN under `auto`, refuses `--ffn sparse` with a clear error, and resumes.
+#[test]
+fn mlp_biases_train_save_and_load() {
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let with_bias = |l1: f64| {
+        let base = trainer_with(l1, 25, FfnMode::Dense, L1Penalty::GateL0);
+        let tc = TrainConfig {
+            mlp_bias: true,
+            weight_decay: 0.5,
+            ..base.cfg.clone()
+        };
+        Trainer::new(
+            base.model_config().clone(),
+            base.weights().unwrap(),
+            tc,
+            &Device::Cpu,
+        )
+        .unwrap()
+    };
+    let mut off = with_bias(0.0);
+    let mut on = with_bias(0.5);
+    assert!(on.model_config().mlp_bias);
+    let (mut l0_off, mut l0_on) = (0.0, 0.0);
+    for _ in 0..25 {
+        l0_off = off.train_step(&data).unwrap().mean_l0;
+        l0_on = on.train_step(&data).unwrap().mean_l0;
+    }
+    assert!(
+        l0_on < 0.8 * l0_off,
+        "L0 {l0_on} with λ vs {l0_off} without"
+    );
+    let weights = on.weights().unwrap();
+    let gate_bias = &weights["model.layers.0.mlp.gate_proj.bias"];
+    assert_eq!(gate_bias.dims(), [on.model_config().intermediate_size]);
+    assert_eq!(
+        weights["model.layers.1.mlp.down_proj.bias"].dims(),
+        [on.model_config().hidden_size]
+    );
+    // Trained away from zero, and, as the term pulls the gates down, mostly downwards.
+    let mean_gate_bias = gate_bias.mean_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(mean_gate_bias < 0.0, "mean gate bias {mean_gate_bias}");
+
+    on.save(dir.path(), &tiny_tokenizer(), None, DType::F32)
+        .unwrap();
+    let ck = Checkpoint::open(dir.path().to_str().unwrap()).unwrap();
+    assert_eq!(ck.config.mlp_bias, Some(true));
+    let auto = LoadOptions {
+        activation: None,
+        ffn_mode: Some(FfnMode::Auto),
+    };
+    assert_eq!(ck.runtime_config(&auto).unwrap().ffn_mode, FfnMode::Dense);
+    let loaded = ck.load_model(DType::F32, &Device::Cpu, &auto).unwrap();
+    let x = Tensor::new(&[[3u32, 1, 4, 1, 5, 9, 2, 6]], &Device::Cpu).unwrap();
+    let logits = |m: &sparse_llama::Llama| {
+        let mut c = Cache::new(false, DType::F32, m.config(), &Device::Cpu).unwrap();
+        m.forward_all(&x, 0, &mut c).unwrap()
+    };
+    let e = rel_l2(&logits(&loaded), &logits(on.model()));
+    assert!(e < 1e-6, "logits differ by {e}");
+    let sparse = LoadOptions {
+        activation: None,
+        ffn_mode: Some(FfnMode::Sparse),
+    };
+    let msg = ck.runtime_config(&sparse).unwrap_err().to_string();
+    assert!(msg.contains("mlp_bias"), "{msg}");
+
+    // Resumed from its own checkpoint: the biases come from the file, not zeros.
+    let resumed = resume_from(&ck, dir.path(), &on.cfg, None);
+    let e = rel_l2(
+        &resumed.weights().unwrap()["model.layers.0.mlp.gate_proj.bias"],
+        gate_bias,
+    );
+    assert!(e < 1e-6, "resumed gate bias differs by {e}");
+}

@@ -155,7 +155,14 @@ impl Checkpoint {
                 "--ffn sparse needs a ReLU model (hidden_act \"relu\"): SiLU activations are never exactly zero".into(),
             ));
         }
-        if cfg.activation == Activation::Silu {
+        if cfg.mlp_bias && cfg.ffn_mode == FfnMode::Sparse {
+            return err(LlamaError::Invalid(
+                "--ffn sparse: this checkpoint has MLP biases (mlp_bias), which the TwELL \
+                 kernels do not apply yet: use --ffn dense or auto"
+                    .into(),
+            ));
+        }
+        if cfg.activation == Activation::Silu || cfg.mlp_bias {
             cfg.ffn_mode = FfnMode::Dense;
         }
         Ok(cfg)

@@ -139,6 +139,9 @@ pub struct Config {
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     pub attention_bias: bool,
+    /// HF `mlp_bias`: the MLP's three projections have biases (such a model runs the
+    /// dense FFN: the TwELL kernels do not apply biases).
+    pub mlp_bias: bool,
     /// The gate activation the weights were trained with.
     pub activation: Activation,
     /// Dense, TwELL-sparse, or chosen per call from the measured density.
@@ -194,11 +197,6 @@ impl LlamaConfig {
                 "rope_scaling is not supported yet".into(),
             ));
         }
-        if self.mlp_bias == Some(true) {
-            return err(LlamaError::Unsupported(
-                "mlp_bias: the sparse MLP has no biases".into(),
-            ));
-        }
         let heads = self.num_attention_heads;
         let kv = self.num_key_value_heads();
         if self.hidden_size == 0
@@ -248,6 +246,7 @@ impl LlamaConfig {
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             attention_bias: self.attention_bias.unwrap_or(false),
+            mlp_bias: self.mlp_bias.unwrap_or(false),
             activation,
             ffn_mode,
             twell,
@@ -282,7 +281,7 @@ impl Config {
             tie_word_embeddings: Some(self.tie_word_embeddings),
             hidden_act: self.activation.hf_name().into(),
             attention_bias: Some(self.attention_bias),
-            mlp_bias: Some(false),
+            mlp_bias: Some(self.mlp_bias),
             torch_dtype: Some(torch_dtype.into()),
             twell: Some(SparseSettings {
                 ffn_mode: match self.ffn_mode {

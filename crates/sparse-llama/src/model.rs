@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear_b, Embedding, Linear, RmsNorm, VarBuilder};
 use twell::ops::{PrefillRope, QkvPart, RopeTable};
-use twell::{FfnMode, MlpStats, SparseMlp};
+use twell::{FfnMode, MlpBias, MlpStats, SparseMlp};
 
 pub use crate::config::{Config, LlamaConfig, LlamaEosToks};
 
@@ -487,7 +487,7 @@ struct Block {
 
 impl Block {
     fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
-        let mlp = SparseMlp::load(
+        let mut mlp = SparseMlp::load(
             vb.pp("mlp"),
             cfg.hidden_size,
             cfg.intermediate_size,
@@ -495,6 +495,10 @@ impl Block {
             cfg.ffn_mode,
         )?
         .with_twell_config(cfg.twell);
+        if cfg.mlp_bias {
+            let bias = MlpBias::load(&vb.pp("mlp"), cfg.hidden_size, cfg.intermediate_size)?;
+            mlp = mlp.with_bias(bias)?;
+        }
         Ok(Self {
             input_layernorm: Norm::load(
                 cfg.hidden_size,

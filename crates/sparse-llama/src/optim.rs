@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
+use twell::ops::AdamwStep;
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct AdamWConfig {
@@ -23,6 +24,16 @@ impl Default for AdamWConfig {
             eps: 1e-8,
             weight_decay: 0.0,
         }
+    }
+}
+
+/// The weight decay of parameter `name`: none for biases, whose decay would pull the
+/// MLP's gate thresholds back to zero, against the sparsity they are there for.
+fn decay_for(name: &str, weight_decay: f64) -> f64 {
+    if name.ends_with(".bias") {
+        0.0
+    } else {
+        weight_decay
     }
 }
 
@@ -155,7 +166,7 @@ impl AdamW {
             );
         }
         self.step += 1;
-        let hp = twell::ops::AdamwStep {
+        let hp = AdamwStep {
             lr,
             beta1: self.cfg.beta1,
             beta2: self.cfg.beta2,
@@ -164,7 +175,11 @@ impl AdamW {
             step: self.step,
             grad_scale,
         };
-        for (k, ((_, p), g)) in self.params.iter().zip(grads).enumerate() {
+        for (k, ((name, p), g)) in self.params.iter().zip(grads).enumerate() {
+            let hp = AdamwStep {
+                weight_decay: decay_for(name, hp.weight_decay),
+                ..hp
+            };
             match &self.state {
                 State::F32 { m, v } => twell::ops::adamw_step(p.as_tensor(), g, &m[k], &v[k], hp)?,
                 State::Mixed(state) => {
@@ -361,6 +376,30 @@ mod tests {
         }
         // A gradient list of the wrong length is refused.
         assert!(opt.step(&[], 0.01).is_err());
+    }
+
+    /// With no gradient, a step is the decay alone: weights shrink, biases do not.
+    #[test]
+    fn biases_take_no_weight_decay() {
+        let cfg = AdamWConfig {
+            weight_decay: 0.5,
+            ..Default::default()
+        };
+        let init = Tensor::new(&[1f32, -2.0], &Device::Cpu).unwrap();
+        let (w, b) = (
+            Var::from_tensor(&init).unwrap(),
+            Var::from_tensor(&init).unwrap(),
+        );
+        let params = vec![
+            ("mlp.gate_proj.weight".into(), w.clone()),
+            ("mlp.gate_proj.bias".into(), b.clone()),
+        ];
+        let mut opt = AdamW::new(params, cfg).unwrap();
+        let zero = init.zeros_like().unwrap();
+        opt.step(&[zero.clone(), zero], 0.1).unwrap();
+        let values = |v: &Var| v.as_tensor().to_vec1::<f32>().unwrap();
+        assert_eq!(values(&w), [0.95, -1.9]);
+        assert_eq!(values(&b), [1.0, -2.0]);
     }
 
     #[test]

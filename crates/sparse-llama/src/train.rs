@@ -154,6 +154,11 @@ pub struct TrainConfig {
     /// a teacher ([`Trainer::set_teacher`]).
     #[serde(default)]
     pub distill: f64,
+    /// Give the MLP projections biases (HF `mlp_bias`), starting at zero, when the
+    /// checkpoint has none: the gate bias is a per-neuron threshold the sparsity term
+    /// can lower directly. Biases take no weight decay.
+    #[serde(default)]
+    pub mlp_bias: bool,
 }
 
 fn default_gate_l0_eps() -> f64 {
@@ -185,6 +190,7 @@ impl Default for TrainConfig {
             l1_target_anneal_steps: 0,
             l1_target_text: DensityText::Training,
             distill: 0.0,
+            mlp_bias: false,
         }
     }
 }
@@ -533,6 +539,26 @@ pub struct TrainerState {
     pub last_fired: Vec<Vec<Option<usize>>>,
 }
 
+/// Zero biases for every layer's three MLP projections (HF names), beside the weights.
+fn add_zero_mlp_biases(
+    weights: &mut std::collections::HashMap<String, Tensor>,
+    model_cfg: &Config,
+) -> Result<()> {
+    let (d, f) = (model_cfg.hidden_size, model_cfg.intermediate_size);
+    for layer in 0..model_cfg.num_hidden_layers {
+        let mlp = format!("model.layers.{layer}.mlp");
+        let Some(gate) = weights.get(&format!("{mlp}.gate_proj.weight")) else {
+            candle_core::bail!("--mlp-bias: no {mlp}.gate_proj.weight in the checkpoint");
+        };
+        let (dtype, device) = (gate.dtype(), gate.device().clone());
+        for (name, n) in [("gate_proj", f), ("up_proj", f), ("down_proj", d)] {
+            let zeros = Tensor::zeros(n, dtype, &device)?;
+            weights.insert(format!("{mlp}.{name}.bias"), zeros);
+        }
+    }
+    Ok(())
+}
+
 /// A fine-tuning run: the trainable weights, the model built on them, the optimizer.
 pub struct Trainer {
     pub cfg: TrainConfig,
@@ -582,6 +608,10 @@ impl Trainer {
         // The TwELL path reads up and down as one neuron-major matrix: training that
         // matrix itself spares a copy and a split of it per layer and step. The dense
         // path keeps the HF weights (it would copy them out of the matrix instead).
+        if cfg.mlp_bias && !model_cfg.mlp_bias {
+            add_zero_mlp_biases(&mut masters, &model_cfg)?;
+            model_cfg.mlp_bias = true;
+        }
         let fused_up_down = model_cfg.ffn_mode == twell::FfnMode::Sparse;
         if fused_up_down {
             masters = crate::fused_mlp::fuse_map(masters)?;

@@ -90,6 +90,11 @@ pub struct FinetuneArgs {
     /// must share the tokenizer's vocabulary.
     #[arg(long)]
     pub teacher: Option<String>,
+    /// Give the MLP projections biases starting at zero (HF `mlp_bias`; no weight
+    /// decay): a per-neuron gate threshold the sparsity term can lower directly. Such a
+    /// model runs the dense FFN (the TwELL kernels apply no biases yet).
+    #[arg(long)]
+    pub mlp_bias: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Validate every N steps (0: only at the end).
@@ -168,6 +173,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
             .parse()
             .map_err(|e| anyhow::anyhow!("--l1-target-text {e}"))?,
         distill: args.distill,
+        mlp_bias: args.mlp_bias,
     };
     cfg.validate()?;
     if cfg.l1_target_text == DensityText::Validation && args.eval_every == 0 {

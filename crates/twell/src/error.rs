@@ -43,6 +43,11 @@ pub enum TwellError {
     },
     #[error("sparse FFN needs a ReLU gate: SiLU activations are never exactly zero")]
     SparseNeedsRelu,
+    #[error(
+        "sparse FFN: the TwELL kernels do not apply MLP biases (mlp_bias) yet; \
+         run this model with the dense FFN (--ffn dense or auto)"
+    )]
+    SparseBias,
     #[error("{0}")]
     Invalid(String),
 }

@@ -28,7 +28,7 @@ pub mod ops;
 pub use cpu::screen::GateScreen;
 pub use error::TwellError;
 pub use format::{Twell, TwellConfig, TwellPattern, TwellStats};
-pub use mlp::{Activation, FfnMode, L1Term, MlpStats, SparseMlp, GATE_L0_EPS};
+pub use mlp::{Activation, FfnMode, L1Term, MlpBias, MlpStats, SparseMlp, GATE_L0_EPS};
 pub use ops::{
     gate_pack, gated_t2d, mlp_result_len, twell_mlp, twell_mlp_products, twell_mlp_screened,
     twell_mlp_with_backward_path, up_down_matrix, BackwardPath, MlpOutput,

@@ -317,6 +317,30 @@ pub struct SparseMlp {
     /// After [`SparseMlp::fold_pre_norm`]: the unit weight `[d]` of the norm before the
     /// MLP, whose own weight now sits in `gate` and `up`.
     unit_pre_norm: Option<Tensor>,
+    /// HF `mlp_bias` (see [`SparseMlp::with_bias`]).
+    bias: Option<MlpBias>,
+}
+
+/// The biases of the three projections (HF Llama's `mlp_bias`): `gate [f]`, `up [f]`,
+/// `down [d]`. Why a model would want them: a gate bias is a per-neuron threshold the
+/// optimizer can lower directly to switch a neuron off, instead of turning the gate's
+/// weights away from the inputs.
+#[derive(Clone, Debug)]
+pub struct MlpBias {
+    pub gate: Tensor,
+    pub up: Tensor,
+    pub down: Tensor,
+}
+
+impl MlpBias {
+    /// Loads `gate_proj.bias`, `up_proj.bias` and `down_proj.bias` (HF names).
+    pub fn load(vb: &VarBuilder, hidden: usize, ffn: usize) -> Result<Self> {
+        Ok(Self {
+            gate: vb.pp("gate_proj").get(ffn, "bias")?,
+            up: vb.pp("up_proj").get(ffn, "bias")?,
+            down: vb.pp("down_proj").get(hidden, "bias")?,
+        })
+    }
 }
 
 impl std::fmt::Debug for SparseMlp {
@@ -374,7 +398,38 @@ impl SparseMlp {
             last: Mutex::new(None),
             last_density: Mutex::new(None),
             unit_pre_norm: None,
+            bias: None,
         })
+    }
+
+    /// Adds the projections' biases. The TwELL kernels do not apply biases: a biased
+    /// MLP runs dense (`Auto` decides dense every call; `Sparse` is refused here and in
+    /// [`SparseMlp::set_mode`]).
+    pub fn with_bias(mut self, bias: MlpBias) -> Result<Self> {
+        let (f, d) = (self.ffn(), self.hidden());
+        for (name, t, want) in [
+            ("gate_proj.bias", &bias.gate, f),
+            ("up_proj.bias", &bias.up, f),
+            ("down_proj.bias", &bias.down, d),
+        ] {
+            if t.dims() != [want] {
+                return err(TwellError::ShapeMismatch {
+                    what: "SparseMlp::with_bias",
+                    detail: format!("{name} is {:?}, expected [{want}]", t.dims()),
+                });
+            }
+            crate::ops::same_dtype_and_device("SparseMlp::with_bias", &self.gate, t)?;
+        }
+        if self.mode == FfnMode::Sparse {
+            return err(TwellError::SparseBias);
+        }
+        self.bias = Some(bias);
+        Ok(self)
+    }
+
+    /// The biases, if the MLP has them.
+    pub fn bias(&self) -> Option<&MlpBias> {
+        self.bias.as_ref()
     }
 
     /// Loads `gate_proj`, `up_proj`, `down_proj` from a VarBuilder (HF names).
@@ -481,6 +536,9 @@ impl SparseMlp {
         if mode == FfnMode::Sparse && self.activation == Activation::Silu {
             return err(TwellError::SparseNeedsRelu);
         }
+        if mode == FfnMode::Sparse && self.bias.is_some() {
+            return err(TwellError::SparseBias);
+        }
         self.mode = mode;
         Ok(())
     }
@@ -509,6 +567,9 @@ impl SparseMlp {
 
     /// Whether this call takes the sparse path.
     fn use_sparse(&self, tokens: usize, device: &candle_core::Device) -> bool {
+        if self.bias.is_some() {
+            return false;
+        }
         match (self.activation, self.mode) {
             (Activation::Silu, _) | (_, FfnMode::Dense) => false,
             (_, FfnMode::Sparse) => true,
@@ -551,6 +612,7 @@ impl SparseMlp {
     /// stays candle's own MLP, the reference the benchmarks compare against.
     fn dense_side_runs_products(&self, x2: &Tensor, want_l1: bool) -> bool {
         self.mode == FfnMode::Auto
+            && self.bias.is_none()
             && self.activation == Activation::Relu
             && (!want_l1 || self.l1_term == L1Term::Plain)
             && !x2.track_op()
@@ -881,12 +943,17 @@ impl SparseMlp {
                 crate::ops::twell_mlp_products(&x2, &self.gate, &self.up_down()?, self.config)?;
             return self.keep_op_output(res, LastForward::Products, measure, lead, want_l1);
         }
-        let gate = x2.matmul(&self.gate.t()?)?;
+        let add_bias = |t: Tensor, pick: fn(&MlpBias) -> &Tensor| match &self.bias {
+            Some(b) => t.broadcast_add(pick(b)),
+            None => Ok(t),
+        };
+        let gate = add_bias(x2.matmul(&self.gate.t()?)?, |b| &b.gate)?;
         // Views of a fused matrix are copied out (candle's matmul takes no row stride);
         // separate weights are contiguous already and not copied.
         let (up, down) = (self.up.contiguous()?, self.down.contiguous()?);
-        let h = (self.activation.apply(&gate)? * x2.matmul(&up.t()?)?)?;
-        let out = h.matmul(&down.t()?)?;
+        let up = add_bias(x2.matmul(&up.t()?)?, |b| &b.up)?;
+        let h = (self.activation.apply(&gate)? * up)?;
+        let out = add_bias(h.matmul(&down.t()?)?, |b| &b.down)?;
         let l1 = match (want_l1, self.l1_term) {
             (false, _) => None,
             (true, L1Term::Plain) => Some(h.abs()?.sum(D::Minus1)?),

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 use common::{rel_l2, relu_mlp};
 use twell::density::{synthetic_input, synthetic_mlp};
-use twell::{Activation, FfnMode, L1Term, SparseMlp};
+use twell::{Activation, FfnMode, L1Term, MlpBias, SparseMlp};
 
 #[test]
 fn sparse_and_auto_equal_dense_for_relu_and_batched_input() {
@@ -139,6 +139,81 @@ fn loads_hf_names_from_a_var_builder() {
     assert_eq!((mlp.hidden(), mlp.ffn()), (16, 40));
     let vb_bad = VarBuilder::from_tensors(HashMap::new(), DType::F32, &dev);
     assert!(SparseMlp::load(vb_bad.pp("mlp"), 16, 40, Activation::Relu, FfnMode::Sparse).is_err());
+}
+
+/// HF `mlp_bias`: `relu(x·Wgᵀ + bg)·(x·Wuᵀ + bu)·Wdᵀ + bd`, on the dense path under
+/// `Auto` too (the TwELL kernels apply no biases, and `Sparse` is refused with a clear
+/// error); the gate bias gets its gradient; bad shapes are refused.
+#[test]
+fn biased_mlp_matches_the_formula_and_stays_dense() {
+    let dev = Device::Cpu;
+    let (d, f) = (16, 48);
+    let w = synthetic_mlp(d, f, 0.1, DType::F32, &dev, 9).unwrap();
+    let x = synthetic_input(5, d, DType::F32, &dev, 10).unwrap();
+    let ramp = |n: usize, scale: f32| {
+        let v: Vec<f32> = (0..n)
+            .map(|i| scale * (i as f32 - n as f32 / 2.0))
+            .collect();
+        Tensor::from_vec(v, n, &dev).unwrap()
+    };
+    let gate_bias = candle_core::Var::from_tensor(&ramp(f, 0.05)).unwrap();
+    let bias = MlpBias {
+        gate: gate_bias.as_tensor().clone(),
+        up: ramp(f, -0.02),
+        down: ramp(d, 0.1),
+    };
+    let want = (x
+        .matmul(&w.gate.t().unwrap())
+        .unwrap()
+        .broadcast_add(&bias.gate)
+        .unwrap()
+        .relu()
+        .unwrap()
+        * x.matmul(&w.up.t().unwrap())
+            .unwrap()
+            .broadcast_add(&bias.up)
+            .unwrap())
+    .unwrap()
+    .matmul(&w.down.t().unwrap())
+    .unwrap()
+    .broadcast_add(&bias.down)
+    .unwrap();
+    for mode in [FfnMode::Dense, FfnMode::Auto] {
+        let mlp = relu_mlp(&w, mode).with_bias(bias.clone()).unwrap();
+        let (out, l1) = mlp.forward_with_l1(&x).unwrap();
+        assert!(rel_l2(&out, &want).unwrap() < 1e-6, "{mode:?}");
+        assert_eq!(l1.dims(), [5]);
+        let grads = out.sum_all().unwrap().backward().unwrap();
+        let g = grads
+            .get(gate_bias.as_tensor())
+            .expect("gate bias gradient");
+        assert!(
+            g.abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                > 0.0
+        );
+    }
+    let mut auto = relu_mlp(&w, FfnMode::Auto).with_bias(bias.clone()).unwrap();
+    let msg = auto.set_mode(FfnMode::Sparse).unwrap_err().to_string();
+    assert!(msg.contains("mlp_bias"), "{msg}");
+    let msg = relu_mlp(&w, FfnMode::Sparse)
+        .with_bias(bias.clone())
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("mlp_bias"), "{msg}");
+    let short = MlpBias {
+        down: ramp(d - 1, 0.1),
+        ..bias
+    };
+    let msg = relu_mlp(&w, FfnMode::Dense)
+        .with_bias(short)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("down_proj.bias"), "{msg}");
 }
 
 /// Decoding on the host goes through the int8 gate screen; the answer must not change,
