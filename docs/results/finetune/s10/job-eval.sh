@@ -11,7 +11,7 @@ for d in $out/*/; do
   cp $d/train_log.jsonl $p/$n.jsonl
   $T eval --device cuda --model $ck --last 10 --json $p/eval-$n.json --svg $p/eval-$n.svg > $p/eval-$n.log 2>&1
   tail -n 5 $p/eval-$n.log
-  $T generate --device cuda --model $ck --ffn sparse --max-tokens 80 \
+  $T generate --device cuda --model $ck --ffn ${GEN_FFN:-sparse} --max-tokens 80 \
     -p "Mr. Speaker, Mr. Vice President, members of Congress, my fellow Americans:" > $p/generate-$n.txt 2>&1
   tail -c 700 $p/generate-$n.txt; echo
 done
