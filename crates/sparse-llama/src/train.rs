@@ -605,13 +605,13 @@ impl Trainer {
             }
             masters.insert(name, t.to_dtype(DType::F32)?.to_device(device)?);
         }
-        // The TwELL path reads up and down as one neuron-major matrix: training that
-        // matrix itself spares a copy and a split of it per layer and step. The dense
-        // path keeps the HF weights (it would copy them out of the matrix instead).
         if cfg.mlp_bias && !model_cfg.mlp_bias {
             add_zero_mlp_biases(&mut masters, &model_cfg)?;
             model_cfg.mlp_bias = true;
         }
+        // The TwELL path reads up and down as one neuron-major matrix: training that
+        // matrix itself spares a copy and a split of it per layer and step. The dense
+        // path keeps the HF weights (it would copy them out of the matrix instead).
         let fused_up_down = model_cfg.ffn_mode == twell::FfnMode::Sparse;
         if fused_up_down {
             masters = crate::fused_mlp::fuse_map(masters)?;

@@ -198,6 +198,9 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         ffn_mode: Some(ffn),
     })?;
     model_cfg.ffn_mode = ffn;
+    if args.mlp_bias && ffn == FfnMode::Sparse {
+        bail!("--mlp-bias: the TwELL kernels apply no MLP biases; train with --ffn dense or auto");
+    }
     if cfg.l1_penalty != L1Penalty::Plain && ffn != FfnMode::Dense {
         bail!(
             "--l1-penalty {:?} is computed on the dense FFN: add --ffn dense",

@@ -727,6 +727,10 @@ fn bad_finetune_flags_are_rejected() {
             "ε must be a positive number",
         ),
         (&["--l1-gate-eps", "sharp"], "--l1-gate-eps"),
+        (
+            &["--mlp-bias", "--ffn", "sparse"],
+            "TwELL kernels apply no MLP biases",
+        ),
         // One document cannot be split into training and held-out text.
         (&["--holdout", "1"], "cannot hold out"),
         (&["--resume", "/no/such/run"], "neither a directory"),
