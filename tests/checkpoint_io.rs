@@ -239,6 +239,9 @@ fn bad_configs_are_rejected_with_the_reason() {
         })
     });
     assert!(load_err(d.path()).contains("rope_scaling"));
+    // A config that promises MLP biases the weights do not hold names the missing one.
+    let d = broken(|d| edit_config(d, |v| v["mlp_bias"] = true.into()));
+    assert!(load_err(d.path()).contains("mlp.gate_proj.bias"));
     let d = broken(|d| edit_config(d, |v| v["twell"] = serde_json::json!({"ffn_mode": "turbo"})));
     assert!(load_err(d.path()).contains("turbo"));
     let d = broken(|d| edit_config(d, |v| v["twell"] = serde_json::json!({"tile": 100})));

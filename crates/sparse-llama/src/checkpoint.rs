@@ -156,11 +156,7 @@ impl Checkpoint {
             ));
         }
         if cfg.mlp_bias && cfg.ffn_mode == FfnMode::Sparse {
-            return err(LlamaError::Invalid(
-                "--ffn sparse: this checkpoint has MLP biases (mlp_bias), which the TwELL \
-                 kernels do not apply yet: use --ffn dense or auto"
-                    .into(),
-            ));
+            return Err(twell::TwellError::SparseBias.into());
         }
         if cfg.activation == Activation::Silu || cfg.mlp_bias {
             cfg.ffn_mode = FfnMode::Dense;

@@ -427,11 +427,6 @@ impl SparseMlp {
         Ok(self)
     }
 
-    /// The biases, if the MLP has them.
-    pub fn bias(&self) -> Option<&MlpBias> {
-        self.bias.as_ref()
-    }
-
     /// Loads `gate_proj`, `up_proj`, `down_proj` from a VarBuilder (HF names).
     pub fn load(
         vb: VarBuilder,
