@@ -11,6 +11,7 @@ use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape};
 use half::bf16;
 
 use super::twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm, PreNorm};
+use super::twell_mlp_union;
 use super::{
     bf16_view, decode_max_tokens, gate_gemm, grid_1d, multiprocessors, per_context, poison,
     row_vectors, warp_launch, KernelDims, PerContext, ADD_RMS_NORM_MAX_HIDDEN, BLOCK_THREADS,
@@ -124,6 +125,24 @@ static PROFILE: std::sync::Mutex<([f64; 4], usize)> = std::sync::Mutex::new(([0.
 fn profiling() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("TWELL_PROFILE").is_some())
+}
+
+/// Adds the times between the five events of one forward (`TWELL_PROFILE=1`; none
+/// otherwise) to the stages' sums.
+fn record_profile(
+    stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
+    marks: &[candle_core::cuda_backend::cudarc::driver::CudaEvent],
+) -> Result<()> {
+    if !profiling() {
+        return Ok(());
+    }
+    stream.synchronize().w()?;
+    let mut p = PROFILE.lock().expect("profile lock");
+    for k in 0..4 {
+        p.0[k] += marks[k].elapsed_ms(&marks[k + 1]).w()? as f64;
+    }
+    p.1 += 1;
+    Ok(())
 }
 
 /// Mean milliseconds per call of each stage since the last reset (`TWELL_PROFILE=1`
@@ -352,12 +371,34 @@ fn mlp_forward(
     // The mask kernels number their units in 32 bits: past that the plain GEMM and
     // pack take the gate.
     let mask_units = m * f.div_ceil(32).div_ceil(32);
-    let mask_packs = mask_units <= u32::MAX as usize;
+    // The union kernels read the plain gate, not a mask.
+    let union = fold.is_none() && twell_mlp_union::takes(m, d, f, keep_for_backward)?;
+    let mask_packs = mask_units <= u32::MAX as usize && !union;
     let gate_gemm::Gate {
         values: mut gate,
         mask,
     } = gate_gemm::gate_gemm(&dev, &xv, &wgv, (m, d, f), mask_packs)?;
     mark(&mut marks)?;
+    if union {
+        let len = mlp_result_len(m, d);
+        // SAFETY: the down kernel writes every element; `poison` lets the tests check that.
+        let mut out = unsafe { dev.alloc::<bf16>(len)? };
+        poison(&dev, &mut out)?;
+        let mut plan = twell_mlp_union::Union::new(&dev, m, d, f, config)?;
+        let counts = plan.list(&dev, &gate)?;
+        mark(&mut marks)?;
+        plan.up(&dev, &xv, &wudv, &gate)?;
+        mark(&mut marks)?;
+        plan.down(&dev, &wudv, &mut out)?;
+        mark(&mut marks)?;
+        record_profile(&stream, &marks)?;
+        let storage = CudaStorage::wrap_cuda_slice(out, dev);
+        let activity = Activity {
+            counts,
+            backward: None,
+        };
+        return Ok((storage, Shape::from(len), activity));
+    }
     // SAFETY: gate_pack writes every count, and every slot the consumers read.
     let mut counts = unsafe { dev.alloc::<u32>(m * n_tiles)? };
     let mut indices = unsafe { dev.alloc::<u8>(m * n_tiles * cap)? };
@@ -543,14 +584,7 @@ fn mlp_forward(
         }
     }
     mark(&mut marks)?;
-    if profiling() {
-        stream.synchronize().w()?;
-        let mut p = PROFILE.lock().expect("profile lock");
-        for k in 0..4 {
-            p.0[k] += marks[k].elapsed_ms(&marks[k + 1]).w()? as f64;
-        }
-        p.1 += 1;
-    }
+    record_profile(&stream, &marks)?;
     let storage = CudaStorage::wrap_cuda_slice(out, dev);
     let backward = kept.map(|(g_slots, u_slots)| BackwardState {
         indices,
