@@ -14,7 +14,7 @@
 //   list : the token tile's union, in column order, and its length;
 //   up   : h[i, k] = relu(g[i, j]) · (x_i · Wu_j) for the tile's union member k = neuron j,
 //          as bf16(g · u) like the row kernels, zero where g <= 0; and each token's
-//          Σ|h| over each UP_NEURONS block of the union;
+//          Σ|h| over each block of the union;
 //   down : out_i = Σ_k h[i, k] · Wd_j over the union, and the token's L1 term.
 //
 // No TwELL slots are written or read: the dense gate holds every value, so a tile past
@@ -28,9 +28,9 @@
 // Threads of the up and down blocks: eight warps, two along the tokens and four along
 // the neurons (up) or the output columns (down), 32 x 32 each.
 #define UNION_THREADS 256
-// Union members an up block multiplies, and output columns a down block writes.
-#define UP_NEURONS 128
-#define DOWN_COLS 128
+// Union members an up block multiplies, and output columns a down block writes, are
+// the kernels' template parameter NB: 128 or 256 (`_n128`, `_n256`). Wider blocks read x
+// (up) and h (down) again fewer times, at twice the registers and shared memory.
 // The k-dimension a pipeline stage holds, and the stages in flight (cp.async).
 #define K_STEP 32
 #define STAGES 3
@@ -150,57 +150,81 @@ extern "C" __global__ void __launch_bounds__(256) twell_union_list(
     if (threadIdx.x == 0) list_len[tt] = offset;
 }
 
+// Shared memory of a pipeline stage's tiles, padded rows (`PAD`).
+template <int ROWS, int COLS>
+struct StageTile {
+    __nv_bfloat16 (*at)[ROWS][COLS + PAD];
+    __device__ __forceinline__ __nv_bfloat16* operator()(int buf, int r, int c) const { return &at[buf][r][c]; }
+};
+
+// Dynamic shared memory bytes of the up and down kernels for blocks of NB (the launcher
+// asks for the same: `shared_bytes` in twell_mlp_union.rs).
+template <int NB>
+__host__ __device__ constexpr int up_shared_bytes() {
+    return STAGES * (UNION_TOKENS + NB) * (K_STEP + PAD) * 2;
+}
+template <int NB>
+__host__ __device__ constexpr int down_shared_bytes() {
+    return STAGES * (UNION_TOKENS * (K_STEP + PAD) + K_STEP * (NB + PAD)) * 2;
+}
+
 // The up projection over a token tile's union: block (tile, b) multiplies the tile's
-// tokens by union members b·UP_NEURONS .. + UP_NEURONS (rows of Wu gathered by the
-// list), K_STEP of d at a time through a STAGES-deep cp.async pipeline. Writes h as
-// [M, f] rows whose column k is union member k (zeros from the union's length to the
-// block's end, so the down kernel's last k-step reads zeros), and the block's Σ|h| of
-// each token to l1_parts[token, b] (summed over the warps in order: deterministic).
-extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_up_bf16(
-    const __nv_bfloat16* __restrict__ x,     // [M, d]
-    const __nv_bfloat16* __restrict__ w_ud,  // [f, 2d]: row j is [Wu_j | Wd_j]
-    const __nv_bfloat16* __restrict__ gate,  // [M, f]
-    const int* __restrict__ list,            // [n_token_tiles, f]
-    const int* __restrict__ list_len,        // [n_token_tiles]
-    __nv_bfloat16* __restrict__ h,           // [M, f]
-    float* __restrict__ l1_parts,            // [M, ceil(f / UP_NEURONS)]
-    int M, int d, int f) {
-    __shared__ __align__(16) __nv_bfloat16 xs[STAGES][UNION_TOKENS][K_STEP + PAD];
-    __shared__ __align__(16) __nv_bfloat16 ws[STAGES][UP_NEURONS][K_STEP + PAD];
-    __shared__ int neuron[UP_NEURONS];
+// tokens by union members b·NB .. + NB (rows of Wu gathered by the list), K_STEP of d at
+// a time through a STAGES-deep cp.async pipeline; eight warps, two along the tokens and
+// four along the members, 32 x NB/4 each. Writes h as [M, f] rows whose column k is union
+// member k (zeros from the union's length to the block's end, so the down kernel's last
+// k-step reads zeros), and the block's Σ|h| of each token to l1_parts[token, b] (summed
+// over the warps in order: deterministic).
+template <int NB>
+__device__ void union_up(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,
+                         const __nv_bfloat16* __restrict__ gate, const int* __restrict__ list,
+                         const int* __restrict__ list_len, __nv_bfloat16* __restrict__ h,
+                         float* __restrict__ l1_parts, int M, int d, int f) {
+    constexpr int NT = NB / 4 / 8;  // a warp's n-tiles of 8 members
+    extern __shared__ __align__(16) unsigned char union_smem[];
+    const StageTile<UNION_TOKENS, K_STEP> xs{reinterpret_cast<__nv_bfloat16(*)[UNION_TOKENS][K_STEP + PAD]>(union_smem)};
+    const StageTile<NB, K_STEP> ws{reinterpret_cast<__nv_bfloat16(*)[NB][K_STEP + PAD]>(
+        union_smem + STAGES * UNION_TOKENS * (K_STEP + PAD) * 2)};
+    __shared__ int neuron[NB];
     __shared__ float l1_warps[4][UNION_TOKENS];
     const int tt = blockIdx.x, nb = blockIdx.y;
     const int len = list_len[tt];
-    const int n0 = nb * UP_NEURONS;
+    const int n0 = nb * NB;
     if (n0 >= len) return;  // the whole block: nothing of the union here
     const long long r0 = static_cast<long long>(tt) * UNION_TOKENS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, c = lane & 3;  // the fragment row and column pair of this lane
     const int wm = warp >> 2, wn = warp & 3;
-    for (int i = threadIdx.x; i < UP_NEURONS; i += UNION_THREADS)
+    for (int i = threadIdx.x; i < NB; i += UNION_THREADS)
         neuron[i] = n0 + i < len ? list[static_cast<long long>(tt) * f + n0 + i] : -1;
     __syncthreads();
 
-    // Copies of a stage: x's 64 rows x 4 pieces of 16 bytes, a piece a thread; Wu's 128
-    // rows x 4 pieces, two a thread (rows a_row and a_row + 64). Rows past M or the
-    // union are zeros.
+    // Copies of a stage: x's 64 rows x 4 pieces of 16 bytes, a piece a thread; Wu's NB
+    // rows x 4 pieces, NB / 64 a thread (rows a_row + 64i). Rows past M or the union are
+    // zeros.
+    constexpr int W_PIECES = NB / 64;
     const int a_row = threadIdx.x >> 2, piece = (threadIdx.x & 3) * VEC;
     const bool x_ok = r0 + a_row < M;
     const __nv_bfloat16* x_src = x + (x_ok ? (r0 + a_row) * d : 0) + piece;
-    const int j0 = neuron[a_row], j1 = neuron[a_row + 64];
-    const __nv_bfloat16* w_src0 = w_ud + (j0 >= 0 ? static_cast<long long>(j0) * 2 * d : 0) + piece;
-    const __nv_bfloat16* w_src1 = w_ud + (j1 >= 0 ? static_cast<long long>(j1) * 2 * d : 0) + piece;
+    const __nv_bfloat16* w_src[W_PIECES];
+    bool w_ok[W_PIECES];
+#pragma unroll
+    for (int i = 0; i < W_PIECES; ++i) {
+        const int j = neuron[a_row + 64 * i];
+        w_ok[i] = j >= 0;
+        w_src[i] = w_ud + (j >= 0 ? static_cast<long long>(j) * 2 * d : 0) + piece;
+    }
     auto stage = [&](int buf, int k0) {
-        copy16_async(&xs[buf][a_row][piece], x_src + k0, x_ok);
-        copy16_async(&ws[buf][a_row][piece], w_src0 + k0, j0 >= 0);
-        copy16_async(&ws[buf][a_row + 64][piece], w_src1 + k0, j1 >= 0);
+        copy16_async(xs(buf, a_row, piece), x_src + k0, x_ok);
+#pragma unroll
+        for (int i = 0; i < W_PIECES; ++i) copy16_async(ws(buf, a_row + 64 * i, piece), w_src[i] + k0, w_ok[i]);
     };
 
-    float acc[2][4][4];
+    float acc[2][NT][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+        for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
     const int steps = d / K_STEP;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -219,12 +243,12 @@ extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_up_bf16(
             uint32_t a[2][4];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
-                ldmatrix_x4(a[mt], &xs[buf][wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][kk * 16 + (lane >> 4) * 8]);
+                ldmatrix_x4(a[mt], xs(buf, wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 16 + (lane >> 4) * 8));
 #pragma unroll
-            for (int np = 0; np < 2; ++np) {
-                // Matrices: neurons of n-tiles 2np and 2np + 1, k kk·16 and kk·16 + 8.
+            for (int np = 0; np < NT / 2; ++np) {
+                // Matrices: members of n-tiles 2np and 2np + 1, k kk·16 and kk·16 + 8.
                 uint32_t b[4];
-                ldmatrix_x4(b, &ws[buf][wn * 32 + (2 * np + (lane >> 4)) * 8 + (lane & 7)][kk * 16 + ((lane >> 3) & 1) * 8]);
+                ldmatrix_x4(b, ws(buf, wn * (NB / 4) + (2 * np + (lane >> 4)) * 8 + (lane & 7), kk * 16 + ((lane >> 3) & 1) * 8));
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
                     mma_16816(acc[mt][2 * np], a[mt], b[0], b[1]);
@@ -236,18 +260,17 @@ extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_up_bf16(
     async_wait<0>();
 
     // h for each accumulator: element e of tile (mt, nt) is token wm·32 + mt·16 + g + 8·(e >> 1),
-    // union member wn·32 + nt·8 + 2c + (e & 1) of the block.
+    // member wn·NB/4 + nt·8 + 2c + (e & 1) of the block.
     float l1[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int r_local = wm * 32 + mt * 16 + g + 8 * half;
-            const long long row = r0 + r_local;
+            const long long row = r0 + wm * 32 + mt * 16 + g + 8 * half;
             if (row >= M) continue;
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const int k_local = wn * 32 + nt * 8 + 2 * c;
+            for (int nt = 0; nt < NT; ++nt) {
+                const int k_local = wn * (NB / 4) + nt * 8 + 2 * c;
                 if (n0 + k_local >= f) continue;  // f % 8 == 0: the pair is inside or past f
                 float hv[2];
 #pragma unroll
@@ -265,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_up_bf16(
         }
     }
     // The four lanes of a fragment row hold its columns: sum them, then the four warps
-    // along the neurons in order.
+    // along the members in order.
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -277,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_up_bf16(
         }
     __syncthreads();
     if (threadIdx.x < UNION_TOKENS && r0 + threadIdx.x < M) {
-        const int n_blocks = (f + UP_NEURONS - 1) / UP_NEURONS;
+        const int n_blocks = (f + NB - 1) / NB;
         const float sum = ((l1_warps[0][threadIdx.x] + l1_warps[1][threadIdx.x]) + l1_warps[2][threadIdx.x]) +
                           l1_warps[3][threadIdx.x];
         l1_parts[(r0 + threadIdx.x) * n_blocks + nb] = sum;
@@ -285,55 +308,59 @@ extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_up_bf16(
 }
 
 // The down projection over a token tile's union: block (tile, b) writes output columns
-// b·DOWN_COLS .. + DOWN_COLS of the tile's tokens, summing over the union K_STEP members
-// at a time (h's columns, and the gathered rows of Wd), then, in the blocks of the first
-// columns, each token's L1 term from the up blocks' sums in order.
-extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_down_bf16(
-    const __nv_bfloat16* __restrict__ w_ud,  // [f, 2d]
-    const int* __restrict__ list,            // [n_token_tiles, f]
-    const int* __restrict__ list_len,        // [n_token_tiles]
-    const __nv_bfloat16* __restrict__ h,     // [M, f]
-    const float* __restrict__ l1_parts,      // [M, ceil(f / UP_NEURONS)]
-    __nv_bfloat16* __restrict__ out,         // [M, d] rows, then the M L1 terms
-    int M, int d, int f) {
-    __shared__ __align__(16) __nv_bfloat16 hs[STAGES][UNION_TOKENS][K_STEP + PAD];
-    __shared__ __align__(16) __nv_bfloat16 ws[STAGES][K_STEP][DOWN_COLS + PAD];
+// b·NB .. + NB of the tile's tokens, summing over the union K_STEP members at a time (h's
+// columns, and the gathered rows of Wd), eight warps of 32 x NB/4; then, in the blocks of
+// the first columns, each token's L1 term from the up blocks' sums (blocks of UP_NB) in
+// order.
+template <int NB>
+__device__ void union_down(const __nv_bfloat16* __restrict__ w_ud, const int* __restrict__ list,
+                           const int* __restrict__ list_len, const __nv_bfloat16* __restrict__ h,
+                           const float* __restrict__ l1_parts, __nv_bfloat16* __restrict__ out, int M, int d,
+                           int f, int up_nb) {
+    constexpr int NT = NB / 4 / 8;
+    extern __shared__ __align__(16) unsigned char union_smem[];
+    const StageTile<UNION_TOKENS, K_STEP> hs{reinterpret_cast<__nv_bfloat16(*)[UNION_TOKENS][K_STEP + PAD]>(union_smem)};
+    const StageTile<K_STEP, NB> ws{reinterpret_cast<__nv_bfloat16(*)[K_STEP][NB + PAD]>(
+        union_smem + STAGES * UNION_TOKENS * (K_STEP + PAD) * 2)};
     const int tt = blockIdx.x, cb = blockIdx.y;
     const int len = list_len[tt];
     // h holds zeros from the union's length up to its up block's end (a multiple of 8).
     const int len8 = (len + VEC - 1) / VEC * VEC;
-    const int c0 = cb * DOWN_COLS;
+    const int c0 = cb * NB;
     const long long r0 = static_cast<long long>(tt) * UNION_TOKENS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, c = lane & 3;
     const int wm = warp >> 2, wn = warp & 3;
     const int* tile_list = list + static_cast<long long>(tt) * f;
 
-    // Copies of a stage: h's 64 rows x 4 pieces, a piece a thread; Wd's K_STEP rows x 16
-    // pieces (128 columns), two a thread (rows b_row and b_row + 16).
+    // Copies of a stage: h's 64 rows x 4 pieces, a piece a thread; Wd's K_STEP rows x
+    // NB / 8 pieces, W_PIECES a thread (rows b_row + ROW_STEP·i).
+    constexpr int ROW_PIECES = NB / VEC;
+    constexpr int ROW_STEP = UNION_THREADS / ROW_PIECES;
+    constexpr int W_PIECES = K_STEP / ROW_STEP;
     const int a_row = threadIdx.x >> 2, a_piece = (threadIdx.x & 3) * VEC;
     const bool h_row_ok = r0 + a_row < M;
     const __nv_bfloat16* h_src = h + (h_row_ok ? (r0 + a_row) * f : 0) + a_piece;
-    const int b_row = threadIdx.x >> 4, b_piece = (threadIdx.x & 15) * VEC;
+    const int b_row = threadIdx.x / ROW_PIECES, b_piece = (threadIdx.x % ROW_PIECES) * VEC;
     const bool col_ok = c0 + b_piece < d;
     const __nv_bfloat16* wd = w_ud + d + c0 + (col_ok ? b_piece : 0);
     auto stage = [&](int buf, int k0) {
         const bool h_ok = h_row_ok && k0 + a_piece < len8;
-        copy16_async(&hs[buf][a_row][a_piece], h_ok ? h_src + k0 : h, h_ok);
+        copy16_async(hs(buf, a_row, a_piece), h_ok ? h_src + k0 : h, h_ok);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int k = k0 + b_row + 16 * i;
+        for (int i = 0; i < W_PIECES; ++i) {
+            const int k = k0 + b_row + ROW_STEP * i;
             const bool ok = col_ok && k < len;
             const __nv_bfloat16* src = ok ? wd + static_cast<long long>(tile_list[k]) * 2 * d : w_ud;
-            copy16_async(&ws[buf][b_row + 16 * i][b_piece], src, ok);
+            copy16_async(ws(buf, b_row + ROW_STEP * i, b_piece), src, ok);
         }
     };
 
-    float acc[2][4][4];
+    float acc[2][NT][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+        for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
     const int steps = (len + K_STEP - 1) / K_STEP;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -352,12 +379,12 @@ extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_down_bf1
             uint32_t a[2][4];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
-                ldmatrix_x4(a[mt], &hs[buf][wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][kk * 16 + (lane >> 4) * 8]);
+                ldmatrix_x4(a[mt], hs(buf, wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 16 + (lane >> 4) * 8));
 #pragma unroll
-            for (int np = 0; np < 2; ++np) {
-                // Matrices: union members kk·16 + 0-7 and + 8-15, at columns np·16 and np·16 + 8.
+            for (int np = 0; np < NT / 2; ++np) {
+                // Matrices: members kk·16 + 0-7 and + 8-15, at columns np·16 and np·16 + 8.
                 uint32_t b[4];
-                ldmatrix_x4_trans(b, &ws[buf][kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][wn * 32 + np * 16 + (lane >> 4) * 8]);
+                ldmatrix_x4_trans(b, ws(buf, kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, wn * (NB / 4) + np * 16 + (lane >> 4) * 8));
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
                     mma_16816(acc[mt][2 * np], a[mt], b[0], b[1]);
@@ -375,8 +402,8 @@ extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_down_bf1
             const long long row = r0 + wm * 32 + mt * 16 + g + 8 * half;
             if (row >= M) continue;
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const int col = c0 + wn * 32 + nt * 8 + 2 * c;
+            for (int nt = 0; nt < NT; ++nt) {
+                const int col = c0 + wn * (NB / 4) + nt * 8 + 2 * c;
                 if (col < d)  // d % 8 == 0: the pair is inside or past d
                     *reinterpret_cast<__nv_bfloat162*>(out + row * d + col) =
                         __floats2bfloat162_rn(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
@@ -384,10 +411,29 @@ extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_down_bf1
         }
     if (cb == 0 && threadIdx.x < UNION_TOKENS && r0 + threadIdx.x < M) {
         const long long row = r0 + threadIdx.x;
-        const int n_blocks = (f + UP_NEURONS - 1) / UP_NEURONS;
-        const int used = (len + UP_NEURONS - 1) / UP_NEURONS;  // the up blocks that ran
+        const int n_blocks = (f + up_nb - 1) / up_nb;
+        const int used = (len + up_nb - 1) / up_nb;  // the up blocks that ran
         float sum = 0.f;
         for (int b = 0; b < used; ++b) sum += l1_parts[row * n_blocks + b];
         out[l1_at(M, d, row)] = __float2bfloat16(sum);
     }
 }
+
+// One entry point per block width: `twell_union_up_bf16_n{NB}`, `twell_union_down_bf16_n{NB}`.
+#define UNION_KERNELS(NB)                                                                               \
+    extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_up_bf16_n##NB(              \
+        const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                   \
+        const __nv_bfloat16* __restrict__ gate, const int* __restrict__ list,                          \
+        const int* __restrict__ list_len, __nv_bfloat16* __restrict__ h, float* __restrict__ l1_parts, \
+        int M, int d, int f) {                                                                          \
+        union_up<NB>(x, w_ud, gate, list, list_len, h, l1_parts, M, d, f);                              \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_down_bf16_n##NB(            \
+        const __nv_bfloat16* __restrict__ w_ud, const int* __restrict__ list,                          \
+        const int* __restrict__ list_len, const __nv_bfloat16* __restrict__ h,                         \
+        const float* __restrict__ l1_parts, __nv_bfloat16* __restrict__ out, int M, int d, int f,      \
+        int up_nb) {                                                                                    \
+        union_down<NB>(w_ud, list, list_len, h, l1_parts, out, M, d, f, up_nb);                         \
+    }
+UNION_KERNELS(128)
+UNION_KERNELS(256)
