@@ -260,30 +260,40 @@ __device__ void union_up(const __nv_bfloat16* __restrict__ x, const __nv_bfloat1
     async_wait<0>();
 
     // h for each accumulator: element e of tile (mt, nt) is token wm·32 + mt·16 + g + 8·(e >> 1),
-    // member wn·NB/4 + nt·8 + 2c + (e & 1) of the block.
+    // member wn·NB/4 + nt·8 + 2c + (e & 1) of the block. A row's 2·NT gate values are
+    // loaded first, unconditionally (a row past M reads row r0, a member past the union
+    // neuron 0, both discarded): loads behind their own branches would wait for L2 one
+    // at a time.
     float l1[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const long long row = r0 + wm * 32 + mt * 16 + g + 8 * half;
-            if (row >= M) continue;
+            const bool row_ok = row < M;
+            const __nv_bfloat16* gate_row = gate + (row_ok ? row : r0) * f;
+            int j[NT][2];
+            __nv_bfloat16 gq[NT][2];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    j[nt][e] = neuron[wn * (NB / 4) + nt * 8 + 2 * c + e];
+                    gq[nt][e] = gate_row[max(j[nt][e], 0)];
+                }
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const int k_local = wn * (NB / 4) + nt * 8 + 2 * c;
-                if (n0 + k_local >= f) continue;  // f % 8 == 0: the pair is inside or past f
                 float hv[2];
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int j = neuron[k_local + e];
-                    hv[e] = 0.f;
-                    if (j >= 0) {
-                        const float gv = __bfloat162float(gate[row * f + j]);
-                        if (gv > 0.f) hv[e] = round_bf16(gv * acc[mt][nt][2 * half + e]);
-                    }
+                    const float gv = __bfloat162float(gq[nt][e]);
+                    hv[e] = j[nt][e] >= 0 && gv > 0.f ? round_bf16(gv * acc[mt][nt][2 * half + e]) : 0.f;
                     l1[mt][half] += fabsf(hv[e]);
                 }
-                *reinterpret_cast<__nv_bfloat162*>(h + row * f + n0 + k_local) = __floats2bfloat162_rn(hv[0], hv[1]);
+                // f % 8 == 0: the pair is inside or past f.
+                if (row_ok && n0 + k_local < f)
+                    *reinterpret_cast<__nv_bfloat162*>(h + row * f + n0 + k_local) = __floats2bfloat162_rn(hv[0], hv[1]);
             }
         }
     }
@@ -344,14 +354,23 @@ __device__ void union_down(const __nv_bfloat16* __restrict__ w_ud, const int* __
     const int b_row = threadIdx.x / ROW_PIECES, b_piece = (threadIdx.x % ROW_PIECES) * VEC;
     const bool col_ok = c0 + b_piece < d;
     const __nv_bfloat16* wd = w_ud + d + c0 + (col_ok ? b_piece : 0);
-    auto stage = [&](int buf, int k0) {
+    // The neurons of this thread's Wd rows of a stage, read a stage ahead of their
+    // copies: a copy whose address waited on its neuron's load would hold the warp for
+    // an L2 round trip before its products.
+    auto neurons_of = [&](int k0, int (&j)[W_PIECES]) {
+#pragma unroll
+        for (int i = 0; i < W_PIECES; ++i) {
+            const int k = k0 + b_row + ROW_STEP * i;
+            j[i] = col_ok && k < len ? tile_list[k] : -1;
+        }
+    };
+    auto stage = [&](int buf, int k0, const int (&j)[W_PIECES]) {
         const bool h_ok = h_row_ok && k0 + a_piece < len8;
         copy16_async(hs(buf, a_row, a_piece), h_ok ? h_src + k0 : h, h_ok);
 #pragma unroll
         for (int i = 0; i < W_PIECES; ++i) {
-            const int k = k0 + b_row + ROW_STEP * i;
-            const bool ok = col_ok && k < len;
-            const __nv_bfloat16* src = ok ? wd + static_cast<long long>(tile_list[k]) * 2 * d : w_ud;
+            const bool ok = j[i] >= 0;
+            const __nv_bfloat16* src = ok ? wd + static_cast<long long>(j[i]) * 2 * d : w_ud;
             copy16_async(ws(buf, b_row + ROW_STEP * i, b_piece), src, ok);
         }
     };
@@ -362,17 +381,21 @@ __device__ void union_down(const __nv_bfloat16* __restrict__ w_ud, const int* __
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
     const int steps = (len + K_STEP - 1) / K_STEP;
+    int j_next[W_PIECES];  // the neurons of step `next`'s rows, loaded a step ahead
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) stage(s, s * K_STEP);
+        neurons_of(s * K_STEP, j_next);
+        if (s < steps) stage(s, s * K_STEP, j_next);
         async_commit();
     }
+    neurons_of((STAGES - 1) * K_STEP, j_next);
     for (int ks = 0; ks < steps; ++ks) {
         async_wait<STAGES - 2>();
         __syncthreads();
         const int next = ks + STAGES - 1;
-        if (next < steps) stage(next % STAGES, next * K_STEP);
+        if (next < steps) stage(next % STAGES, next * K_STEP, j_next);
         async_commit();
+        neurons_of((next + 1) * K_STEP, j_next);
         const int buf = ks % STAGES;
 #pragma unroll
         for (int kk = 0; kk < K_STEP / 16; ++kk) {
@@ -420,20 +443,22 @@ __device__ void union_down(const __nv_bfloat16* __restrict__ w_ud, const int* __
 }
 
 // One entry point per block width: `twell_union_up_bf16_n{NB}`, `twell_union_down_bf16_n{NB}`.
-#define UNION_KERNELS(NB)                                                                               \
-    extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_up_bf16_n##NB(              \
+// MIN_BLOCKS: blocks an SM must hold (NB 256: two, at most 128 registers; unbounded the
+// up kernel's epilogue took 156, one block an SM).
+#define UNION_KERNELS(NB, MIN_BLOCKS)                                                                             \
+    extern "C" __global__ void __launch_bounds__(UNION_THREADS, MIN_BLOCKS) twell_union_up_bf16_n##NB(  \
         const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                   \
         const __nv_bfloat16* __restrict__ gate, const int* __restrict__ list,                          \
         const int* __restrict__ list_len, __nv_bfloat16* __restrict__ h, float* __restrict__ l1_parts, \
         int M, int d, int f) {                                                                          \
         union_up<NB>(x, w_ud, gate, list, list_len, h, l1_parts, M, d, f);                              \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(UNION_THREADS) twell_union_down_bf16_n##NB(            \
+    extern "C" __global__ void __launch_bounds__(UNION_THREADS, MIN_BLOCKS) twell_union_down_bf16_n##NB(\
         const __nv_bfloat16* __restrict__ w_ud, const int* __restrict__ list,                          \
         const int* __restrict__ list_len, const __nv_bfloat16* __restrict__ h,                         \
         const float* __restrict__ l1_parts, __nv_bfloat16* __restrict__ out, int M, int d, int f,      \
         int up_nb) {                                                                                    \
         union_down<NB>(w_ud, list, list_len, h, l1_parts, out, M, d, f, up_nb);                         \
     }
-UNION_KERNELS(128)
-UNION_KERNELS(256)
+UNION_KERNELS(128, 1)
+UNION_KERNELS(256, 2)
