@@ -320,7 +320,7 @@ __device__ void union_up(const __nv_bfloat16* __restrict__ x, const __nv_bfloat1
 // The down projection over a token tile's union: block (tile, b) writes output columns
 // b·NB .. + NB of the tile's tokens, summing over the union K_STEP members at a time (h's
 // columns, and the gathered rows of Wd), eight warps of 32 x NB/4; then, in the blocks of
-// the first columns, each token's L1 term from the up blocks' sums (blocks of UP_NB) in
+// the first columns, each token's L1 term from the up blocks' sums (blocks of `up_nb`) in
 // order.
 template <int NB>
 __device__ void union_down(const __nv_bfloat16* __restrict__ w_ud, const int* __restrict__ list,
