@@ -168,6 +168,41 @@ __host__ __device__ constexpr int down_shared_bytes() {
     return STAGES * (UNION_TOKENS * (K_STEP + PAD) + K_STEP * (NB + PAD)) * 2;
 }
 
+// acc = 0 for a warp's 2 x NT tiles of m16n8.
+template <int NT>
+__device__ __forceinline__ void zero_tiles(float (&acc)[2][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+}
+
+// One K_STEP of a warp's products: acc += A · B for its 32 tokens (wm·32 ..) of the stage's
+// A tile `as` (row-major fragments by ldmatrix) and its NT n-tiles, whose fragments
+// `b_pair(kk, np, b)` loads for n-tiles 2np and 2np + 1 at k-step kk (b[0], b[1] and b[2],
+// b[3]). Up and down differ only in how B is laid out.
+template <int NT, class BPair>
+__device__ __forceinline__ void mma_stage(float (&acc)[2][NT][4], const StageTile<UNION_TOKENS, K_STEP>& as, int buf,
+                                          int wm, int lane, BPair b_pair) {
+#pragma unroll
+    for (int kk = 0; kk < K_STEP / 16; ++kk) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+            ldmatrix_x4(a[mt], as(buf, wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 16 + (lane >> 4) * 8));
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            uint32_t b[4];
+            b_pair(kk, np, b);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                mma_16816(acc[mt][2 * np], a[mt], b[0], b[1]);
+                mma_16816(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // The up projection over a token tile's union: block (tile, b) multiplies the tile's
 // tokens by union members b·NB .. + NB (rows of Wu gathered by the list), K_STEP of d at
 // a time through a STAGES-deep cp.async pipeline; eight warps, two along the tokens and
@@ -221,10 +256,7 @@ __device__ void union_up(const __nv_bfloat16* __restrict__ x, const __nv_bfloat1
     };
 
     float acc[2][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+    zero_tiles(acc);
     const int steps = d / K_STEP;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -238,24 +270,10 @@ __device__ void union_up(const __nv_bfloat16* __restrict__ x, const __nv_bfloat1
         if (next < steps) stage(next % STAGES, next * K_STEP);
         async_commit();
         const int buf = ks % STAGES;
-#pragma unroll
-        for (int kk = 0; kk < K_STEP / 16; ++kk) {
-            uint32_t a[2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-                ldmatrix_x4(a[mt], xs(buf, wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 16 + (lane >> 4) * 8));
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                // Matrices: members of n-tiles 2np and 2np + 1, k kk·16 and kk·16 + 8.
-                uint32_t b[4];
-                ldmatrix_x4(b, ws(buf, wn * (NB / 4) + (2 * np + (lane >> 4)) * 8 + (lane & 7), kk * 16 + ((lane >> 3) & 1) * 8));
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    mma_16816(acc[mt][2 * np], a[mt], b[0], b[1]);
-                    mma_16816(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-                }
-            }
-        }
+        mma_stage(acc, xs, buf, wm, lane, [&](int kk, int np, uint32_t(&b)[4]) {
+            // Matrices: members of n-tiles 2np and 2np + 1, k kk·16 and kk·16 + 8.
+            ldmatrix_x4(b, ws(buf, wn * (NB / 4) + (2 * np + (lane >> 4)) * 8 + (lane & 7), kk * 16 + ((lane >> 3) & 1) * 8));
+        });
     }
     async_wait<0>();
 
@@ -376,10 +394,7 @@ __device__ void union_down(const __nv_bfloat16* __restrict__ w_ud, const int* __
     };
 
     float acc[2][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+    zero_tiles(acc);
     const int steps = (len + K_STEP - 1) / K_STEP;
     int j_next[W_PIECES];  // the neurons of step `next`'s rows, loaded a step ahead
 #pragma unroll
@@ -397,24 +412,10 @@ __device__ void union_down(const __nv_bfloat16* __restrict__ w_ud, const int* __
         async_commit();
         neurons_of((next + 1) * K_STEP, j_next);
         const int buf = ks % STAGES;
-#pragma unroll
-        for (int kk = 0; kk < K_STEP / 16; ++kk) {
-            uint32_t a[2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-                ldmatrix_x4(a[mt], hs(buf, wm * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 16 + (lane >> 4) * 8));
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                // Matrices: members kk·16 + 0-7 and + 8-15, at columns np·16 and np·16 + 8.
-                uint32_t b[4];
-                ldmatrix_x4_trans(b, ws(buf, kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, wn * (NB / 4) + np * 16 + (lane >> 4) * 8));
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    mma_16816(acc[mt][2 * np], a[mt], b[0], b[1]);
-                    mma_16816(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-                }
-            }
-        }
+        mma_stage(acc, hs, buf, wm, lane, [&](int kk, int np, uint32_t(&b)[4]) {
+            // Matrices: members kk·16 + 0-7 and + 8-15, at columns np·16 and np·16 + 8.
+            ldmatrix_x4_trans(b, ws(buf, kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, wn * (NB / 4) + np * 16 + (lane >> 4) * 8));
+        });
     }
     async_wait<0>();
 
