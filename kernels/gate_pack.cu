@@ -102,12 +102,7 @@ extern "C" __global__ void twell_gate_pack_vec_bf16(
         uint32_t bits = positive_bits(raw[u]);
         const int mine = __popc(bits);
         // Inclusive prefix sum of the lanes' counts.
-        int incl = mine;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int up = __shfl_up_sync(FULL_MASK, incl, o);
-            if (lane >= o) incl += up;
-        }
+        const int incl = warp_inclusive_sum(mine);
         const long long slot0 = wl * cap;
         for (int pos = incl - mine; bits != 0 && pos < cap; ++pos) {
             const int q = __ffs(bits) - 1;

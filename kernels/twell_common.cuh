@@ -26,6 +26,19 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Inclusive prefix sum of v over the warp's lanes: lane i gets the sum of lanes 0 ..= i.
+// Every lane of the warp must call it.
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_sum(T v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T up = __shfl_up_sync(FULL_MASK, v, o);
+        if (lane >= o) v += up;
+    }
+    return v;
+}
+
 // 8 bf16 <-> 8 floats through one 16-byte access.
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, float* out) {
     uint4 raw = *reinterpret_cast<const uint4*>(p);
@@ -221,12 +234,7 @@ __device__ __forceinline__ void walk_pairs(const uint32_t* __restrict__ counts, 
         const int c = t < t_end ? static_cast<int>(counts[row * n_tiles + t]) : 0;
         const int listed = c <= cap ? c : 0;
         // Inclusive prefix sum of the listed counts over the chunk's tiles.
-        int incl = listed;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(FULL_MASK, incl, o);
-            if (lane >= o) incl += v;
-        }
+        const int incl = warp_inclusive_sum(listed);
         const int excl = incl - listed;
         const int total = __shfl_sync(FULL_MASK, incl, 31);
         for (int kb = 0; kb < total; kb += 32) {

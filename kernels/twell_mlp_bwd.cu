@@ -322,22 +322,11 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS) twell_wgrad_scan_colu
     uint32_t mine = 0;
     for (int c = lo; c < hi; ++c) mine += totals[c];
     // Inclusive scan of the threads' sums: within each warp, then across warps.
-    uint32_t incl = mine;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t v = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += v;
-    }
+    const uint32_t incl = warp_inclusive_sum(mine);
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
     if (warp == 0) {
-        uint32_t w = warp_sums[lane];
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const uint32_t v = __shfl_up_sync(FULL_MASK, w, o);
-            if (lane >= o) w += v;
-        }
-        warp_sums[lane] = w;
+        warp_sums[lane] = warp_inclusive_sum(warp_sums[lane]);
     }
     __syncthreads();
     uint32_t running = incl - mine + (warp > 0 ? warp_sums[warp - 1] : 0);

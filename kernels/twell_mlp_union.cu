@@ -124,12 +124,7 @@ extern "C" __global__ void __launch_bounds__(256) twell_union_list(
         const uint32_t word = w < n_words ? words[static_cast<long long>(tt) * n_words + w] : 0u;
         const int n = __popc(word);
         // Inclusive sum within the warp, then across the warps.
-        int incl = n;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(FULL_MASK, incl, o);
-            if (lane >= o) incl += v;
-        }
+        const int incl = warp_inclusive_sum(n);
         if (lane == 31) warp_sums[warp] = incl;
         __syncthreads();
         int before = 0, total = 0;
@@ -156,17 +151,6 @@ struct StageTile {
     __nv_bfloat16 (*at)[ROWS][COLS + PAD];
     __device__ __forceinline__ __nv_bfloat16* operator()(int buf, int r, int c) const { return &at[buf][r][c]; }
 };
-
-// Dynamic shared memory bytes of the up and down kernels for blocks of NB (the launcher
-// asks for the same: `shared_bytes` in twell_mlp_union.rs).
-template <int NB>
-__host__ __device__ constexpr int up_shared_bytes() {
-    return STAGES * (UNION_TOKENS + NB) * (K_STEP + PAD) * 2;
-}
-template <int NB>
-__host__ __device__ constexpr int down_shared_bytes() {
-    return STAGES * (UNION_TOKENS * (K_STEP + PAD) + K_STEP * (NB + PAD)) * 2;
-}
 
 // acc = 0 for a warp's 2 x NT tiles of m16n8.
 template <int NT>

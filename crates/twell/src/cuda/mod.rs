@@ -259,21 +259,26 @@ fn strided_bf16_view<'a>(
         .slice(l.start_offset()..l.start_offset() + last + 1))
 }
 
-/// Fills a bf16 buffer with a NaN pattern when `TWELL_POISON` is set, so tests can
-/// see any output element a kernel failed to write.
-fn poison(dev: &CudaDevice, buf: &mut CudaSlice<bf16>) -> Result<()> {
+/// A bf16 output buffer of `len` elements, filled with a NaN pattern when `TWELL_POISON`
+/// is set, so tests can see any element a kernel failed to write.
+///
+/// # Safety
+/// The buffer is uninitialised otherwise: the caller's kernels must write every element
+/// before it is read.
+unsafe fn output_buffer(dev: &CudaDevice, len: usize) -> Result<CudaSlice<bf16>> {
+    let mut buf = dev.alloc::<bf16>(len)?;
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if !*ON.get_or_init(|| std::env::var_os("TWELL_POISON").is_some()) {
-        return Ok(());
+        return Ok(buf);
     }
     let func = dev.get_or_load_custom_func("twell_fill_u16", "twell_gate_pack", GATE_PACK_PTX)?;
     let n = buf.len() as i64;
     let bits: u16 = 0x7fc1;
     let mut b = func.builder();
-    b.arg(buf);
+    b.arg(&mut buf);
     b.arg(&n);
     b.arg(&bits);
     // SAFETY: the kernel writes n u16 words of `buf`.
-    unsafe { b.launch(warp_launch(1024 * 8)?) }.w()?;
-    Ok(())
+    b.launch(warp_launch(1024 * 8)?).w()?;
+    Ok(buf)
 }

@@ -13,7 +13,7 @@ use half::bf16;
 use super::twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm, PreNorm};
 use super::twell_mlp_union;
 use super::{
-    bf16_view, decode_max_tokens, gate_gemm, grid_1d, multiprocessors, per_context, poison,
+    bf16_view, decode_max_tokens, gate_gemm, grid_1d, multiprocessors, output_buffer, per_context,
     row_vectors, warp_launch, KernelDims, PerContext, ADD_RMS_NORM_MAX_HIDDEN, BLOCK_THREADS,
     DECODE_MAX_TOKENS, DEFAULT_SHARED_BYTES, GATE_PACK_PTX, WARP_CHUNK,
 };
@@ -215,8 +215,7 @@ pub fn twell_mlp_add_norm(
     let dev = x.device().clone();
     let dims = KernelDims::new(1, d, f, config);
     // SAFETY: the kernel's last block writes every element.
-    let mut sum_normed = unsafe { dev.alloc::<bf16>(2 * d)? };
-    poison(&dev, &mut sum_normed)?;
+    let mut sum_normed = unsafe { output_buffer(&dev, 2 * d)? };
     let pre = match pre {
         Some(((s, l), eps)) => Some(PreNorm {
             alpha: bf16_view("pre_alpha", s, l)?,
@@ -340,10 +339,8 @@ fn mlp_forward(
 
     if fold.is_none() && use_fused_decode(m, d, keep_for_backward) {
         let len = mlp_result_len(m, d);
-        // SAFETY: the kernel's last block writes every element; `poison` lets the
-        // tests check that.
-        let mut out = unsafe { dev.alloc::<bf16>(len)? };
-        poison(&dev, &mut out)?;
+        // SAFETY: the kernel's last block writes every element.
+        let mut out = unsafe { output_buffer(&dev, len)? };
         let counts = twell_mlp_decode(&dev, &xv, &wgv, &wudv, Some(&mut out), true, &dims, None)?
             .expect("counts asked for");
         let storage = CudaStorage::wrap_cuda_slice(out, dev);
@@ -381,9 +378,8 @@ fn mlp_forward(
     mark(&mut marks)?;
     if union {
         let len = mlp_result_len(m, d);
-        // SAFETY: the down kernel writes every element; `poison` lets the tests check that.
-        let mut out = unsafe { dev.alloc::<bf16>(len)? };
-        poison(&dev, &mut out)?;
+        // SAFETY: the down kernel writes every element.
+        let mut out = unsafe { output_buffer(&dev, len)? };
         let mut plan = twell_mlp_union::Union::new(&dev, m, d, f, config)?;
         let counts = plan.list(&dev, &gate)?;
         mark(&mut marks)?;
@@ -453,9 +449,8 @@ fn mlp_forward(
         Some(_) => 2 * m * d,
         None => mlp_result_len(m, d),
     };
-    // SAFETY: the last kernel writes every element; `poison` lets the tests check that.
-    let mut out = unsafe { dev.alloc::<bf16>(len)? };
-    poison(&dev, &mut out)?;
+    // SAFETY: the last kernel writes every element.
+    let mut out = unsafe { output_buffer(&dev, len)? };
     let decode = m <= decode_max_tokens()?;
     // Prefill rows that fit a warp's registers take the row kernels: a warp per row
     // computes h (x in registers), then a warp per row accumulates the down projection

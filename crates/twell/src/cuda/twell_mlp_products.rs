@@ -13,7 +13,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Layout, Result, Shape};
 use half::bf16;
 
-use super::{bf16_view, gate_gemm, poison, warp_launch};
+use super::{bf16_view, gate_gemm, output_buffer, warp_launch};
 use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
 use crate::ops::mlp_result_len;
@@ -60,11 +60,9 @@ pub fn twell_mlp_products(
 
     let n_tiles = config.n_tiles(f);
     let len = mlp_result_len(m, d);
-    // SAFETY: the kernel writes every count and the L1 terms, cuBLAS the rows; `poison`
-    // lets the tests check that.
+    // SAFETY: the kernel writes every count and the L1 terms, cuBLAS the rows.
     let mut counts = unsafe { dev.alloc::<u32>(m * n_tiles)? };
-    let mut out = unsafe { dev.alloc::<bf16>(len)? };
-    poison(&dev, &mut out)?;
+    let mut out = unsafe { output_buffer(&dev, len)? };
     let func = dev.get_or_load_custom_func(
         "twell_mlp_products_bf16",
         "twell_mlp_products",

@@ -15,7 +15,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
 use half::bf16;
 
-use super::decode_max_tokens;
+use super::{decode_max_tokens, per_context, PerContext};
 use crate::format::TwellConfig;
 use crate::knobs;
 
@@ -65,9 +65,9 @@ fn block_width() -> Result<usize> {
     Ok(set.unwrap_or(256))
 }
 
-/// Dynamic shared memory of the up (`up`) or down kernel for blocks of `nb`: the
-/// pipeline's stages of padded rows (`up_shared_bytes` and `down_shared_bytes` in the
-/// .cu).
+/// Dynamic shared memory of the up (`up`) or down kernel for blocks of `nb`: STAGES
+/// stages of the x (up) or h (down) tile's padded rows, then the weight tile's, as the
+/// kernels lay them out.
 fn shared_bytes(up: bool, nb: usize) -> usize {
     let x_or_h = UNION_TOKENS * (K_STEP + PAD);
     let w = if up {
@@ -78,15 +78,26 @@ fn shared_bytes(up: bool, nb: usize) -> usize {
     STAGES * (x_or_h + w) * std::mem::size_of::<bf16>()
 }
 
-/// Lets `func` take `bytes` of dynamic shared memory (past the 48 KB a block gets
-/// without asking).
-fn allow_shared(func: &CudaFunction, bytes: usize) -> Result<()> {
+/// Lets `func` (the up kernel when `up`, else down, of width `nb`) take `bytes` of
+/// dynamic shared memory, past the 48 KB a block gets without asking: once per context
+/// and kernel, not per call.
+fn allow_shared(
+    dev: &CudaDevice,
+    func: &CudaFunction,
+    (up, nb): (bool, usize),
+    bytes: usize,
+) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-    func.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        bytes as i32,
-    )
-    .w()
+    static DONE: PerContext = std::sync::Mutex::new(None);
+    per_context(&DONE, dev, 2 * nb + usize::from(up), || {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .w()?;
+        Ok(bytes)
+    })?;
+    Ok(())
 }
 
 /// The scratch of one forward through the union kernels.
@@ -201,7 +212,7 @@ impl Union {
             MODULE,
             TWELL_MLP_UNION_PTX,
         )?;
-        allow_shared(&up, bytes)?;
+        allow_shared(dev, &up, (true, self.nb), bytes)?;
         let mut b = up.builder();
         b.arg(x)
             .arg(w_ud)
@@ -235,7 +246,7 @@ impl Union {
             MODULE,
             TWELL_MLP_UNION_PTX,
         )?;
-        allow_shared(&down, bytes)?;
+        allow_shared(dev, &down, (false, self.nb), bytes)?;
         let mut b = down.builder();
         b.arg(w_ud)
             .arg(&self.list)
