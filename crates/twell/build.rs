@@ -25,7 +25,6 @@ fn main() {
         "twell_mlp_bwd",
         "twell_mlp_decode",
         "twell_mlp_products",
-        "twell_mlp_union",
         "causal_attention",
         "attention_softmax_grad",
         "cross_entropy",

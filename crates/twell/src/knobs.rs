@@ -108,16 +108,6 @@ mod tests {
         let tokens = |raw| parse_count("TWELL_DECODE_MAX_TOKENS", raw, "a token count", |_| true);
         assert_eq!(tokens(Some("128")), Ok(Some(128)));
         assert!(tokens(Some("1e3")).unwrap_err().contains("a token count"));
-        let prefill = |raw| parse_choice("TWELL_PREFILL", raw, &["rows", "union"]);
-        assert_eq!(prefill(Some("union")), Ok(Some(1)));
-        assert!(prefill(Some("tiles")).unwrap_err().contains("rows, union"));
-        let width = |raw| {
-            parse_count("TWELL_UNION_BLOCK", raw, "128 or 256", |w| {
-                [128, 256].contains(&w)
-            })
-        };
-        assert_eq!(width(Some("128")), Ok(Some(128)));
-        assert!(width(Some("64")).unwrap_err().contains("TWELL_UNION_BLOCK"));
         let path = |raw| parse_choice("TWELL_BACKWARD", raw, &["sparse", "dense-dx", "dense"]);
         assert_eq!(path(None), Ok(None));
         assert_eq!(path(Some("dense-dx")), Ok(Some(1)));

@@ -33,7 +33,6 @@ mod twell_mlp;
 mod twell_mlp_bwd;
 mod twell_mlp_decode;
 mod twell_mlp_products;
-mod twell_mlp_union;
 pub use adamw::{adamw_mixed, adamw_moment, adamw_update, bf16_from_master, sum_squares};
 pub use add_rms_norm::{add_rms_norm, rms_norm_bwd, MAX_HIDDEN as ADD_RMS_NORM_MAX_HIDDEN};
 pub use attention_softmax_grad::{attention_row_dot, attention_softmax_grad};

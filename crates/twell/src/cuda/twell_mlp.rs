@@ -11,7 +11,6 @@ use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape};
 use half::bf16;
 
 use super::twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm, PreNorm};
-use super::twell_mlp_union;
 use super::{
     bf16_view, decode_max_tokens, gate_gemm, grid_1d, multiprocessors, output_buffer, per_context,
     row_vectors, warp_launch, KernelDims, PerContext, ADD_RMS_NORM_MAX_HIDDEN, BLOCK_THREADS,
@@ -368,33 +367,12 @@ fn mlp_forward(
     // The mask kernels number their units in 32 bits: past that the plain GEMM and
     // pack take the gate.
     let mask_units = m * f.div_ceil(32).div_ceil(32);
-    // The union kernels read the plain gate, not a mask.
-    let union = fold.is_none() && twell_mlp_union::takes(m, d, f, keep_for_backward)?;
-    let mask_packs = mask_units <= u32::MAX as usize && !union;
+    let mask_packs = mask_units <= u32::MAX as usize;
     let gate_gemm::Gate {
         values: mut gate,
         mask,
     } = gate_gemm::gate_gemm(&dev, &xv, &wgv, (m, d, f), mask_packs)?;
     mark(&mut marks)?;
-    if union {
-        let len = mlp_result_len(m, d);
-        // SAFETY: the down kernel writes every element.
-        let mut out = unsafe { output_buffer(&dev, len)? };
-        let mut plan = twell_mlp_union::Union::new(&dev, m, d, f, config)?;
-        let counts = plan.list(&dev, &gate)?;
-        mark(&mut marks)?;
-        plan.up(&dev, &xv, &wudv, &gate)?;
-        mark(&mut marks)?;
-        plan.down(&dev, &wudv, &mut out)?;
-        mark(&mut marks)?;
-        record_profile(&stream, &marks)?;
-        let storage = CudaStorage::wrap_cuda_slice(out, dev);
-        let activity = Activity {
-            counts,
-            backward: None,
-        };
-        return Ok((storage, Shape::from(len), activity));
-    }
     // SAFETY: gate_pack writes every count, and every slot the consumers read.
     let mut counts = unsafe { dev.alloc::<u32>(m * n_tiles)? };
     let mut indices = unsafe { dev.alloc::<u8>(m * n_tiles * cap)? };
