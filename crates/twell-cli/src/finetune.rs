@@ -199,7 +199,8 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     })?;
     model_cfg.ffn_mode = ffn;
     if args.mlp_bias && ffn == FfnMode::Sparse {
-        bail!("--mlp-bias: the TwELL kernels apply no MLP biases; train with --ffn dense or auto");
+        // One wording with the library's, which a sparse load of a biased checkpoint gives.
+        bail!("--mlp-bias: {}", twell::TwellError::SparseBias);
     }
     if cfg.l1_penalty != L1Penalty::Plain && ffn != FfnMode::Dense {
         bail!(

@@ -729,7 +729,7 @@ fn bad_finetune_flags_are_rejected() {
         (&["--l1-gate-eps", "sharp"], "--l1-gate-eps"),
         (
             &["--mlp-bias", "--ffn", "sparse"],
-            "TwELL kernels apply no MLP biases",
+            "--mlp-bias: sparse FFN: the TwELL kernels do not apply MLP biases",
         ),
         // One document cannot be split into training and held-out text.
         (&["--holdout", "1"], "cannot hold out"),
