@@ -10,6 +10,13 @@ pack takes its measured time. Printed: the speed-up over candle's dense MLP at t
 tile, and at T = 1: the floor of a per-pair design (each active pair's weight rows read
 from L2, no reuse), which is what the row kernels are.
 
+Measured against it (thirty-fifth session, docs/kernel-notes.md): the union kernels at
+T = 64 on mma.sync ran 1.7-2.7x slower than this model's time for them, and slower than
+the row kernels. What the model leaves out: the tensor cores reach about a third of
+their peak there, x is read again for every block of members, and h = g * u needs each
+(token, member)'s gate value gathered, each its own L2 sector; at 0.5% and T = 64 the
+union saves only 16% of the weight rows that would carry those costs.
+
 usage: python3 docs/results/union_bound.py
 """
 F, D = 5632, 2048
