@@ -38,18 +38,25 @@ extern "C" __global__ void twell_gate_pack_bf16(
     if (lane == 0) counts[w] = static_cast<uint32_t>(count);
 }
 
-// The bits of the 8 bf16 in `raw` that compare > 0 as floats: the patterns 0x0001 up to
-// 0x7F80 (+inf), found two at a time on the integer pipes (h - 1 wraps 0 to 0xFFFF),
-// instead of eight conversions and compares.
+// The bits of the 8 bf16 in `raw` that compare > 0 as floats (bit q: column q), two at a
+// time on the integer pipes instead of eight conversions and compares. A 16-bit pattern h
+// is 0x0001 up to 0x7F80 (+inf) exactly when its top bit is clear, h + 0x7FFF sets it
+// (h >= 1) and h + 0x007F does not (h <= 0x7F80); the halves add without carries between
+// them. The eight flags (bit 15 or 31 of a word) are then gathered byte-wise (`prmt`) and
+// packed by one multiply each four. About half the instructions of compares through
+// `__vcmpltu2` (the pack is bound by instruction issue at a few thousand rows).
 __device__ __forceinline__ uint32_t positive_bits(const uint4& raw) {
     const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-    uint32_t bits = 0;
+    uint32_t flags[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const uint32_t lt = __vcmpltu2(__vsub2(words[i], 0x00010001u), 0x7F807F80u);
-        bits |= ((lt & 1u) | ((lt >> 15) & 2u)) << (2 * i);
-    }
-    return bits;
+    for (int i = 0; i < 4; ++i)
+        flags[i] = __vadd2(words[i], 0x7FFF7FFFu) & ~__vadd2(words[i], 0x007F007Fu) & ~words[i] & 0x80008000u;
+    // Bytes 1 and 3 of two words, in column order: the flags at bits 7, 15, 23, 31.
+    const uint32_t lo = __byte_perm(flags[0], flags[1], 0x7531);
+    const uint32_t hi = __byte_perm(flags[2], flags[3], 0x7531);
+    // Bits 0, 8, 16, 24 times 0x01020408 land on bits 24-27 with no carries.
+    auto four = [](uint32_t g) { return (((g >> 7) & 0x01010101u) * 0x01020408u) >> 24; };
+    return four(lo) | (four(hi) << 4);
 }
 
 // The q-th bf16 of `raw` (q not known at compile time: selects, not an indexed array,
@@ -82,27 +89,37 @@ extern "C" __global__ void twell_gate_pack_vec_bf16(
     const int lane = threadIdx.x & 31;
     if (first >= total) return;
     const int c = lane * VEC;  // this lane's first column in every tile
+    // The first unit's (row, tile) by one division; the next units step along the row.
+    // Every load is issued before any unit is ranked, unconditionally, from a clamped
+    // address (a unit past the end, or a lane past its tile, reads the gate's first 16
+    // bytes), then zeroed: loads behind branches, or the first unit's ranking scheduled
+    // between them, would wait for L2 once a unit.
+    unsigned row = static_cast<unsigned>(first) / static_cast<unsigned>(n_tiles);
+    int t = static_cast<int>(static_cast<unsigned>(first) - row * static_cast<unsigned>(n_tiles));
     uint4 raw[PACK_UNITS];
+    bool ok[PACK_UNITS];
 #pragma unroll
     for (int u = 0; u < PACK_UNITS; ++u) {
-        raw[u] = make_uint4(0u, 0u, 0u, 0u);
-        const long long wl = first + u;
-        if (wl < total) {
-            const unsigned w = static_cast<unsigned>(wl);
-            const unsigned row = w / static_cast<unsigned>(n_tiles);
-            const int c0 = static_cast<int>(w - row * static_cast<unsigned>(n_tiles)) * tile;
-            if (c < min(tile, f - c0))
-                raw[u] = *reinterpret_cast<const uint4*>(gate + static_cast<long long>(row) * f + c0 + c);
+        const int c0 = t * tile;
+        ok[u] = first + u < total && c < min(tile, f - c0);
+        const long long at = ok[u] ? static_cast<long long>(row) * f + c0 + c : 0;
+        raw[u] = *reinterpret_cast<const uint4*>(gate + at);
+        if (++t == n_tiles) {
+            t = 0;
+            ++row;
         }
     }
 #pragma unroll
     for (int u = 0; u < PACK_UNITS; ++u) {
         const long long wl = first + u;
         if (wl >= total) break;  // the same in every lane
-        uint32_t bits = positive_bits(raw[u]);
+        uint32_t bits = ok[u] ? positive_bits(raw[u]) : 0u;
         const int mine = __popc(bits);
-        // Inclusive prefix sum of the lanes' counts.
-        const int incl = warp_inclusive_sum(mine);
+        // Inclusive prefix sum of the lanes' counts: at low density no lane holds two
+        // positives, and the rank is a count of the lanes below with one.
+        const uint32_t holding = __ballot_sync(FULL_MASK, mine != 0);
+        const int incl = __all_sync(FULL_MASK, mine <= 1) ? __popc(holding & (FULL_MASK >> (31 - lane)))
+                                                          : warp_inclusive_sum(mine);
         const long long slot0 = wl * cap;
         for (int pos = incl - mine; bits != 0 && pos < cap; ++pos) {
             const int q = __ffs(bits) - 1;
