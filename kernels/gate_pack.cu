@@ -43,8 +43,9 @@ extern "C" __global__ void twell_gate_pack_bf16(
 // is 0x0001 up to 0x7F80 (+inf) exactly when its top bit is clear, h + 0x7FFF sets it
 // (h >= 1) and h + 0x007F does not (h <= 0x7F80); the halves add without carries between
 // them. The eight flags (bit 15 or 31 of a word) are then gathered byte-wise (`prmt`) and
-// packed by one multiply each four. About half the instructions of compares through
-// `__vcmpltu2` (the pack is bound by instruction issue at a few thousand rows).
+// packed by one multiply each four: 27 instructions a lane on sm_90 against about 40 for
+// compares through `__vcmpltu2` (the pack is bound by instruction issue at a few thousand
+// rows).
 __device__ __forceinline__ uint32_t positive_bits(const uint4& raw) {
     const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
     uint32_t flags[4];
