@@ -1,5 +1,6 @@
 #!/bin/bash
-# Session 35, the final build (the union kernels removed again; the thirty-fourth
+# Session 35 (run4: after the union kernels were removed; run11: the final build, with the
+# leaner vector pack too; the thirty-fourth
 # session's refactors of the CUDA launchers in): check-gpu, then the CUDA issue's bar sizes,
 # dense and sparse side by side in one process each: the MLP forward (M = 1, 2048, 16384,
 # 65536) and the training step (M = 2048, 16384, 65536), at 0.5% / 1% / 3%.
