@@ -1,6 +1,6 @@
 //! Development knobs read from the environment: switches that measure two variants of
-//! one build (`TWELL_ROW_SPLIT`, `TWELL_PREFILL`, `TWELL_DECODE_MAX_TOKENS`,
-//! `TWELL_BACKWARD`, `TWELL_HOST_WARM_MS`). A value a knob cannot take is an error that names the knob, so a
+//! one build (`TWELL_ROW_SPLIT`, `TWELL_DECODE_MAX_TOKENS`, `TWELL_BACKWARD`,
+//! `TWELL_HOST_WARM_MS`). A value a knob cannot take is an error that names the knob, so a
 //! mistyped A/B run fails instead of quietly measuring the default.
 
 use crate::error::{err, TwellError};
