@@ -69,11 +69,21 @@ pub struct GenerationStats {
 
 impl GenerationStats {
     pub fn prefill_tokens_per_sec(&self) -> f64 {
-        self.prompt_tokens as f64 / self.prefill_secs.max(1e-12)
+        rate(self.prompt_tokens, self.prefill_secs)
     }
     pub fn decode_tokens_per_sec(&self) -> f64 {
         // The first generated token comes from the prefill; the rest from decode steps.
-        self.generated_tokens.saturating_sub(1) as f64 / self.decode_secs.max(1e-12)
+        rate(self.generated_tokens.saturating_sub(1), self.decode_secs)
+    }
+}
+
+/// Tokens per second, 0 where nothing was timed (no prefill or no decode step ran), not
+/// a count divided by a clock's zero.
+fn rate(tokens: usize, secs: f64) -> f64 {
+    if secs > 0.0 {
+        tokens as f64 / secs
+    } else {
+        0.0
     }
 }
 
@@ -212,4 +222,30 @@ fn mean_density(model: &Llama) -> Result<Option<f64>> {
     } else {
         Some(d.iter().sum::<f64>() / d.len() as f64)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GenerationStats;
+
+    #[test]
+    fn rates_are_zero_where_nothing_was_timed() {
+        let none = GenerationStats {
+            prompt_tokens: 3,
+            generated_tokens: 1,
+            ..Default::default()
+        };
+        assert_eq!(none.prefill_tokens_per_sec(), 0.0);
+        assert_eq!(none.decode_tokens_per_sec(), 0.0);
+        let timed = GenerationStats {
+            prompt_tokens: 4,
+            generated_tokens: 5,
+            prefill_secs: 0.5,
+            decode_secs: 2.0,
+            ..Default::default()
+        };
+        assert_eq!(timed.prefill_tokens_per_sec(), 8.0);
+        // Four decode steps: the first generated token came from the prefill.
+        assert_eq!(timed.decode_tokens_per_sec(), 2.0);
+    }
 }

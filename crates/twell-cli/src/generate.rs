@@ -54,6 +54,9 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if args.top_k == Some(0) {
         bail!("--top-k must be at least 1");
     }
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1: 0 would run nothing");
+    }
     if args.repeat_penalty <= 0.0 || !args.repeat_penalty.is_finite() {
         bail!("--repeat-penalty must be > 0");
     }

@@ -71,6 +71,10 @@ fn bad_generate_flags_are_rejected() {
     fails_with(&["generate", "--prompt", "x", "--top-p", "1.5"], "--top-p");
     fails_with(&["generate", "--prompt", "x", "--top-k", "0"], "--top-k");
     fails_with(
+        &["generate", "--prompt", "x", "--max-tokens", "0"],
+        "--max-tokens must be at least 1",
+    );
+    fails_with(
         &["generate", "--prompt", "x", "--repeat-penalty", "0"],
         "--repeat-penalty",
     );
