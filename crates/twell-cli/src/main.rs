@@ -65,6 +65,9 @@ enum BenchCommand {
 }
 
 fn main() -> Result<()> {
+    // Before any tensor exists: candle's host temporaries are then reused, not faulted
+    // in and zeroed again each step (`twell::cpu::host_memory`).
+    twell::cpu::host_memory::keep_freed_host_memory();
     let cli = Cli::parse();
     match cli.command {
         Command::Generate(args) => generate::run(&args)?,

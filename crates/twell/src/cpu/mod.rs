@@ -4,6 +4,7 @@
 
 pub mod float;
 pub mod gate;
+pub mod host_memory;
 pub mod huge_pages;
 pub mod int8;
 pub mod screen;
