@@ -175,6 +175,25 @@ fn tiny_mlp_train_bench_runs_and_writes_json() {
         // No GPU here: the backward ran on the host, and says so.
         assert_eq!(row["sparse_backward_on_device"], false);
     }
+    // Peak memory is not measured on the host: the table says so, not NaN.
+    let (ok, text) = twell(&[
+        "bench",
+        "mlp-train",
+        "--shape",
+        "64x256",
+        "--tokens",
+        "8",
+        "--density",
+        "0.05",
+        "--dtype",
+        "f32",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    assert!(ok, "{text}");
+    assert!(!text.contains("NaN") && text.contains(" - "), "{text}");
 }
 
 #[test]

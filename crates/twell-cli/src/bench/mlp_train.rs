@@ -244,11 +244,19 @@ pub fn print(report: &MlpTrainReport) {
         "sparse MiB",
         "mem"
     );
-    let mib = |b: Option<u64>| b.map_or(f64::NAN, |b| b as f64 / (1 << 20) as f64);
+    // Peak memory is read on a GPU only: elsewhere the columns say "-", not NaN.
+    let mib = |b: Option<u64>| {
+        b.map_or("-".to_string(), |b| {
+            format!("{:.1}", b as f64 / (1 << 20) as f64)
+        })
+    };
+    let ratio = |d: Option<u64>, s: Option<u64>| match (d, s) {
+        (Some(d), Some(s)) => format!("{:.2}x", s as f64 / d.max(1) as f64),
+        _ => "-".to_string(),
+    };
     for r in &report.rows {
-        let (dm, sm) = (mib(r.dense_peak_bytes), mib(r.sparse_peak_bytes));
         println!(
-            "{:>6} {:>6} {:>7} {:>7.2}% {:>7.2}% {:>10.3} {:>10.3} {:>7.2}x {:>8.1} {:>10.1} {:>10.1} {:>6.2}x{}",
+            "{:>6} {:>6} {:>7} {:>7.2}% {:>7.2}% {:>10.3} {:>10.3} {:>7.2}x {:>8.1} {:>10} {:>10} {:>7}{}",
             r.hidden,
             r.ffn,
             r.tokens,
@@ -258,9 +266,9 @@ pub fn print(report: &MlpTrainReport) {
             r.sparse_ms,
             r.speedup,
             r.dense_tflops,
-            dm,
-            sm,
-            sm / dm,
+            mib(r.dense_peak_bytes),
+            mib(r.sparse_peak_bytes),
+            ratio(r.dense_peak_bytes, r.sparse_peak_bytes),
             if r.sparse_backward_on_device { "" } else { "  (host backward)" }
         );
     }
