@@ -8,7 +8,7 @@
 # gate-l0 with ε 0.3, the target read on the validation speeches at 2.9%, annealed over
 # ANNEAL steps, default 1,000). Both get the same 3,000 steps in all and the same learning
 # rate restart, so the twin is the same recipe with λ = 0.
-# Device flow: upload.sh a (with the build), upload.sh b, then
+# Device flow: upload.sh a, upload.sh b, upload.sh d (the build), then
 #   STAGE=1 bash job.sh 400           # samples, then stage 1 (about 100 s alone)
 #   bash job.sh 430; TWIN=1 bash job.sh 430   # each resumes itself until `final` exists
 #   EVAL=1 ... on the last call evaluates every finished run (../s10/job-eval.sh).
