@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 36: the two-stage recipe (run; results in docs/results.md, "Thirty-sixth session"). Every run so far sparsified while it was still recovering from the ReLU
+# Session 36: the two-stage recipe (run; results in docs/results.md, "Thirty-sixth
+# session"). Every run so far sparsified while it was still recovering from the ReLU
 # conversion (held-out perplexity 4,044 at step 0). Here the sparse run and its λ = 0 twin
 # both start from one plain ReLU fine-tune (stage 1, λ = 0, STAGE1 steps, default 1,000),
 # then train STAGE2 more steps (default 2,000) from it with the thirtieth session's better
