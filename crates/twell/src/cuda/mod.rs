@@ -27,6 +27,7 @@ mod embedding;
 mod gate_gemm;
 mod gate_l0;
 mod kl_divergence;
+mod per_stream;
 mod residual_linear;
 mod rope;
 mod twell_mlp;

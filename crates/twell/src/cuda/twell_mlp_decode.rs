@@ -4,13 +4,13 @@
 //! costs one launch and two output allocations.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
 use half::bf16;
 
+use super::per_stream::PerStream;
 use super::KernelDims;
 use crate::ops::mlp_result_len;
 
@@ -92,8 +92,7 @@ fn one_wave(dev: &CudaDevice, func: &CudaFunction) -> Result<u32> {
     Ok(super::multiprocessors(dev)? as u32 * per_sm.max(1))
 }
 
-/// Keyed by the stream, so two candle devices never share one.
-static SCRATCH: Mutex<Option<HashMap<usize, Scratch>>> = Mutex::new(None);
+static SCRATCH: PerStream<Scratch> = PerStream::new();
 
 /// The residual add and RMS norm that a launch may fold into its epilogue: `residual
 /// [1, d]`, the norm's weight `alpha [d]` and `eps`, into `sum_normed [2, d]` (the sum,
@@ -171,77 +170,78 @@ pub fn twell_mlp_decode(
         true => Some(unsafe { dev.alloc::<u32>(n_tiles)? }),
         false => None,
     };
-    let key = dev.cuda_stream().cu_stream() as usize;
-    let mut guard = SCRATCH.lock().expect("decode scratch lock");
-    let map = guard.get_or_insert_with(HashMap::new);
-    if !map.get(&key).is_some_and(|s| s.fits(d, n_tiles)) {
-        // A replaced buffer is freed in stream order, after the launches that use it.
-        map.insert(key, Scratch::new(dev, d, n_tiles)?);
-    }
-    let s = map.get_mut(&key).expect("inserted above");
-    // The norm before the MLP has entry points of its own (`_norm`).
-    let folds_pre = add_norm.as_ref().is_some_and(|a| a.pre.is_some());
-    let name = kernel_name(folds_pre, v);
-    let func = dev.get_or_load_custom_func(name, "twell_mlp_decode", TWELL_MLP_DECODE_PTX)?;
-    let wave = match s.grids.get(name) {
-        Some(&g) => g,
-        None => {
-            let g = one_wave(dev, &func)?;
-            s.grids.insert(name, g);
-            g
-        }
-    };
-    // Null pointers tell the kernel there is no row, counts or add + norm to write.
-    let null: u64 = 0;
-    let no_eps = 0f32;
-    let mut b = func.builder();
-    b.arg(x)
-        .arg(wg)
-        .arg(w_ud)
-        .arg(&mut s.acc)
-        .arg(&mut s.l1)
-        .arg(&mut s.tile_counts)
-        .arg(&mut s.ticket);
-    match out {
-        Some(o) => b.arg(o),
-        None => b.arg(&null),
-    };
-    match counts.as_mut() {
-        Some(c) => b.arg(c),
-        None => b.arg(&null),
-    };
-    b.arg(&dims.d)
-        .arg(&dims.f)
-        .arg(&dims.tile)
-        .arg(&dims.n_tiles);
-    match add_norm.as_mut() {
-        Some(a) => {
-            b.arg(&a.residual)
-                .arg(&a.alpha)
-                .arg(&mut *a.sum_normed)
-                .arg(&a.eps);
-            match &a.pre {
-                Some(p) => b.arg(&p.alpha).arg(&p.eps),
-                None => b.arg(&null).arg(&no_eps),
+    SCRATCH.with(
+        dev,
+        |s| s.fits(d, n_tiles),
+        || Scratch::new(dev, d, n_tiles),
+        |s| {
+            // The norm before the MLP has entry points of its own (`_norm`).
+            let folds_pre = add_norm.as_ref().is_some_and(|a| a.pre.is_some());
+            let name = kernel_name(folds_pre, v);
+            let func =
+                dev.get_or_load_custom_func(name, "twell_mlp_decode", TWELL_MLP_DECODE_PTX)?;
+            let wave = match s.grids.get(name) {
+                Some(&g) => g,
+                None => {
+                    let g = one_wave(dev, &func)?;
+                    s.grids.insert(name, g);
+                    g
+                }
             };
-        }
-        None => {
-            b.arg(&null)
-                .arg(&null)
-                .arg(&null)
-                .arg(&no_eps)
-                .arg(&null)
-                .arg(&no_eps);
-        }
-    }
-    let warps_per_block = (BLOCK_THREADS / 32) as usize;
-    let cfg = super::grid_1d(
-        f.div_ceil(warps_per_block).min(wave as usize),
-        BLOCK_THREADS,
-    );
-    // SAFETY: a warp per neuron (grid-stride), every index bounded by d, f and n_tiles;
-    // the scratch is at least as large as they need; a block's neuron list is bounded
-    // by DECODE_LIST in the kernel.
-    unsafe { b.launch(cfg) }.w()?;
+            // Null pointers tell the kernel there is no row, counts or add + norm to write.
+            let null: u64 = 0;
+            let no_eps = 0f32;
+            let mut b = func.builder();
+            b.arg(x)
+                .arg(wg)
+                .arg(w_ud)
+                .arg(&mut s.acc)
+                .arg(&mut s.l1)
+                .arg(&mut s.tile_counts)
+                .arg(&mut s.ticket);
+            match out {
+                Some(o) => b.arg(o),
+                None => b.arg(&null),
+            };
+            match counts.as_mut() {
+                Some(c) => b.arg(c),
+                None => b.arg(&null),
+            };
+            b.arg(&dims.d)
+                .arg(&dims.f)
+                .arg(&dims.tile)
+                .arg(&dims.n_tiles);
+            match add_norm.as_mut() {
+                Some(a) => {
+                    b.arg(&a.residual)
+                        .arg(&a.alpha)
+                        .arg(&mut *a.sum_normed)
+                        .arg(&a.eps);
+                    match &a.pre {
+                        Some(p) => b.arg(&p.alpha).arg(&p.eps),
+                        None => b.arg(&null).arg(&no_eps),
+                    };
+                }
+                None => {
+                    b.arg(&null)
+                        .arg(&null)
+                        .arg(&null)
+                        .arg(&no_eps)
+                        .arg(&null)
+                        .arg(&no_eps);
+                }
+            }
+            let warps_per_block = (BLOCK_THREADS / 32) as usize;
+            let cfg = super::grid_1d(
+                f.div_ceil(warps_per_block).min(wave as usize),
+                BLOCK_THREADS,
+            );
+            // SAFETY: a warp per neuron (grid-stride), every index bounded by d, f and n_tiles;
+            // the scratch is at least as large as they need; a block's neuron list is bounded
+            // by DECODE_LIST in the kernel.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(())
+        },
+    )?;
     Ok(counts)
 }
