@@ -68,6 +68,26 @@ __device__ __forceinline__ __nv_bfloat16 bf16_at(const uint4& raw, int q) {
     return __ushort_as_bfloat16(h);
 }
 
+// The rows and the places within their rows of UNITS consecutive work units from unit
+// `first`, `per_row` units a row: one 32-bit division for the first, then steps along the
+// row (a division per unit was most of a pack's instructions). Both packs split their
+// work this way: (row, tile) units in the vector pack, (row, 32-word group) in the mask
+// pack.
+template <int UNITS>
+__device__ __forceinline__ void unit_places(unsigned first, unsigned per_row, unsigned* rows, int* within) {
+    unsigned row = first / per_row;
+    int k = static_cast<int>(first - row * per_row);
+#pragma unroll
+    for (int u = 0; u < UNITS; ++u) {
+        rows[u] = row;
+        within[u] = k;
+        if (++k == static_cast<int>(per_row)) {
+            k = 0;
+            ++row;
+        }
+    }
+}
+
 // The same with 16-byte loads, for d_ff % 8 == 0 (then every row and tile start is
 // 16-byte aligned) and tiles of at most 256 columns (u8 indices): a lane reads its 8
 // columns of a tile at once, ranks its positives with a warp prefix sum, and writes its
@@ -95,20 +115,17 @@ extern "C" __global__ void twell_gate_pack_vec_bf16(
     // address (a unit past the end, or a lane past its tile, reads the gate's first 16
     // bytes), then zeroed: loads behind branches, or the first unit's ranking scheduled
     // between them, would wait for L2 once a unit.
-    unsigned row = static_cast<unsigned>(first) / static_cast<unsigned>(n_tiles);
-    int t = static_cast<int>(static_cast<unsigned>(first) - row * static_cast<unsigned>(n_tiles));
+    unsigned rows[PACK_UNITS];
+    int tiles[PACK_UNITS];
+    unit_places<PACK_UNITS>(static_cast<unsigned>(first), static_cast<unsigned>(n_tiles), rows, tiles);
     uint4 raw[PACK_UNITS];
     bool ok[PACK_UNITS];
 #pragma unroll
     for (int u = 0; u < PACK_UNITS; ++u) {
-        const int c0 = t * tile;
+        const int c0 = tiles[u] * tile;
         ok[u] = first + u < total && c < min(tile, f - c0);
-        const long long at = ok[u] ? static_cast<long long>(row) * f + c0 + c : 0;
+        const long long at = ok[u] ? static_cast<long long>(rows[u]) * f + c0 + c : 0;
         raw[u] = *reinterpret_cast<const uint4*>(gate + at);
-        if (++t == n_tiles) {
-            t = 0;
-            ++row;
-        }
     }
 #pragma unroll
     for (int u = 0; u < PACK_UNITS; ++u) {
@@ -174,19 +191,9 @@ extern "C" __global__ void twell_gate_pack_mask_bf16(
     const unsigned first = static_cast<unsigned>(first_wide);
     unsigned rows[MASK_UNITS];
     int words[MASK_UNITS];  // this lane's word of the row in each unit
-    {
-        unsigned row = first / static_cast<unsigned>(groups);
-        int group = static_cast<int>(first - row * static_cast<unsigned>(groups));
+    unit_places<MASK_UNITS>(first, static_cast<unsigned>(groups), rows, words);
 #pragma unroll
-        for (int u = 0; u < MASK_UNITS; ++u) {
-            rows[u] = row;
-            words[u] = group * 32 + lane;
-            if (++group == groups) {
-                group = 0;
-                ++row;
-            }
-        }
-    }
+    for (int u = 0; u < MASK_UNITS; ++u) words[u] = words[u] * 32 + lane;
     uint32_t bits[MASK_UNITS];
 #pragma unroll
     for (int u = 0; u < MASK_UNITS; ++u) {
