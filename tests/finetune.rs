@@ -608,6 +608,81 @@ fn distillation_pulls_the_student_towards_the_teacher() {
     assert!(e.contains("vocabulary"), "{e}");
 }
 
+/// The relative distance between the residual streams of `student` and `teacher` over
+/// the first validation-ordered batch.
+fn residual_distance_to(
+    student: &sparse_llama::Llama,
+    teacher: &sparse_llama::Llama,
+    data: &PackedData,
+) -> f64 {
+    let batch = data.ordered_batch(0, 4, &Device::Cpu).unwrap().unwrap();
+    let inputs = batch.narrow(1, 0, 32).unwrap();
+    let residuals = |m: &sparse_llama::Llama| {
+        let mut cache = Cache::new(false, DType::F32, m.config(), &Device::Cpu).unwrap();
+        m.forward_all_with_residuals(&inputs, 0, &mut cache, true)
+            .unwrap()
+            .1
+    };
+    let (s, t) = (residuals(student), residuals(teacher));
+    assert_eq!(s.len(), student.config().num_hidden_layers);
+    let d = sparse_llama::distill::residual_distance(&s, &t).unwrap();
+    d.to_scalar::<f32>().unwrap() as f64
+}
+
+#[test]
+fn residual_distillation_pulls_each_layer_towards_the_teacher() {
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let mut plain = trainer_with(0.0, 25, FfnMode::Dense, L1Penalty::Plain);
+    let mut distilled = trainer_with(0.0, 25, FfnMode::Dense, L1Penalty::Plain);
+    distilled.cfg.distill_residual = 1.0;
+    let e = distilled.train_step(&data).unwrap_err().to_string();
+    assert!(e.contains("without a teacher"), "{e}");
+    distilled.set_teacher(tiny_teacher()).unwrap();
+    let mut distances = Vec::new();
+    for _ in 0..25 {
+        let log = distilled.train_step(&data).unwrap();
+        let p = plain.train_step(&data).unwrap();
+        assert!(p.residual_distance.is_none() && p.kl.is_none());
+        let rd = log
+            .residual_distance
+            .expect("logged when distilling residuals");
+        // No KL without α: the loss is CE + β·distance (λ = 0).
+        assert!(log.kl.is_none(), "{log:?}");
+        assert!(
+            rd.is_finite() && rd >= 0.0 && (log.loss - (log.ce + rd)).abs() < 1e-6,
+            "{log:?}"
+        );
+        distances.push(rd);
+    }
+    // CE pulls the random student away from the teacher's residuals at first (the
+    // distance rises for a few steps); the distance term then wins.
+    assert!(
+        distances[24] < distances[0],
+        "distance {} -> {}",
+        distances[0],
+        distances[24]
+    );
+    let teacher = tiny_teacher();
+    let (to_plain, to_distilled) = (
+        residual_distance_to(plain.model(), &teacher, &data),
+        residual_distance_to(distilled.model(), &teacher, &data),
+    );
+    assert!(
+        to_distilled < 0.5 * to_plain,
+        "distance distilled {to_distilled} vs CE-only {to_plain}"
+    );
+    // The teacher must have the student's layers: one fewer is refused.
+    let mut shallow = tiny_config("silu", 256);
+    shallow.num_hidden_layers -= 1;
+    let cfg = shallow.into_config(false).unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(tiny_weights(&cfg, 3), DType::F32, &Device::Cpu);
+    let e = distilled
+        .set_teacher(sparse_llama::Llama::load(vb, &cfg).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("(layers, hidden)"), "{e}");
+}
+
 /// A target density read on validation text: a validation measures the validation
 /// split's L0 and its ratio to the training batches' mean density since the start, and
 /// the next step steers λ by the training density times that ratio.

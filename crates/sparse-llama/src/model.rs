@@ -552,6 +552,8 @@ pub struct TrainOutput {
     pub logits: Tensor,
     /// Mean over layers of (mean over tokens of `Σ_j |h_j|`): the L1 penalty term.
     pub l1: Tensor,
+    /// The residual stream after each block, `[b · t, hidden]` per layer.
+    pub residuals: Vec<Tensor>,
 }
 
 impl Llama {
@@ -641,15 +643,17 @@ impl Llama {
         self.embed_tokens.embeddings().device()
     }
 
-    /// Runs the blocks; returns the final hidden states and, for training, each
-    /// layer's mean L1 term.
+    /// Runs the blocks; returns the final hidden states, for training each layer's mean
+    /// L1 term, and with `keep_residuals` the residual stream after each block (`[b · t,
+    /// hidden]` rows; kept only on request, since a long prefill's would be large).
     fn run(
         &self,
         tokens: &Tensor,
         index_pos: usize,
         mut cache: Option<&mut Cache>,
         pass: Pass,
-    ) -> Result<(Tensor, Vec<Tensor>)> {
+        keep_residuals: bool,
+    ) -> Result<(Tensor, Vec<Tensor>, Vec<Tensor>)> {
         let (b, t) = tokens.dims2()?;
         if pass == Pass::Train && self.is_qkv_fused() {
             candle_core::bail!(
@@ -720,7 +724,13 @@ impl Llama {
         // `h` (the next sublayer's normalised input) is carried from one step to the next.
         let mut h = match self.blocks.first() {
             Some(block) => block.input_layernorm.forward(&x, pass)?,
-            None => return Ok((rows_to_batch(self.norm.forward(&x, pass)?)?, l1)),
+            None => return Ok((rows_to_batch(self.norm.forward(&x, pass)?)?, l1, Vec::new())),
+        };
+        let mut residuals = Vec::new();
+        let mut keep = |x: &Tensor| {
+            if keep_residuals {
+                residuals.push(x.clone());
+            }
         };
         for (i, block) in self.blocks.iter().enumerate() {
             let kv = match cache.as_deref_mut() {
@@ -751,6 +761,7 @@ impl Llama {
                     block.post_attention_layernorm.eps,
                     (&next.weight, next.eps),
                 )?;
+                keep(&x);
                 continue;
             }
             let attn = o_proj.forward(&y)?;
@@ -788,33 +799,55 @@ impl Llama {
                     };
                 }
             }
+            keep(&x);
         }
-        Ok((rows_to_batch(h)?, l1))
+        Ok((rows_to_batch(h)?, l1, residuals))
     }
 
     /// Logits of the last position, `[b, vocab]` in f32 (as candle-transformers).
     pub fn forward(&self, x: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
         let (_, t) = x.dims2()?;
-        let (h, _) = self.run(x, index_pos, Some(cache), Pass::Inference)?;
+        let (h, _, _) = self.run(x, index_pos, Some(cache), Pass::Inference, false)?;
         let last = h.i((.., t - 1, ..))?.contiguous()?;
         self.lm_head.forward(&last)?.to_dtype(DType::F32)
     }
 
     /// Logits of every position, `[b, t, vocab]` in f32.
     pub fn forward_all(&self, x: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
-        let (h, _) = self.run(x, index_pos, Some(cache), Pass::Inference)?;
-        self.lm_head.forward(&h)?.to_dtype(DType::F32)
+        Ok(self
+            .forward_all_with_residuals(x, index_pos, cache, false)?
+            .0)
     }
 
-    /// Differentiable forward over whole sequences (no cache): all logits and the
-    /// L1 term averaged over layers.
+    /// [`Self::forward_all`], and with `keep_residuals` the residual stream after each
+    /// block, `[b · t, hidden]` per layer: what a student matches when it distills the
+    /// hidden states ([`crate::distill::residual_distance`]).
+    pub fn forward_all_with_residuals(
+        &self,
+        x: &Tensor,
+        index_pos: usize,
+        cache: &mut Cache,
+        keep_residuals: bool,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let (h, _, residuals) =
+            self.run(x, index_pos, Some(cache), Pass::Inference, keep_residuals)?;
+        Ok((self.lm_head.forward(&h)?.to_dtype(DType::F32)?, residuals))
+    }
+
+    /// Differentiable forward over whole sequences (no cache): all logits, the L1 term
+    /// averaged over layers and the residual stream after each block.
     pub fn forward_train(&self, x: &Tensor) -> Result<TrainOutput> {
-        let (h, l1) = self.run(x, 0, None, Pass::Train)?;
+        // The residuals are views the backward holds anyway: keeping them costs nothing.
+        let (h, l1, residuals) = self.run(x, 0, None, Pass::Train, true)?;
         // In the model's dtype: the loss reads bf16 logits itself (`twell::ops::
         // cross_entropy`), where an f32 copy would be the largest tensor of the step.
         let logits = self.lm_head.forward(&h)?;
         let l1 = Tensor::stack(&l1, 0)?.mean_all()?;
-        Ok(TrainOutput { logits, l1 })
+        Ok(TrainOutput {
+            logits,
+            l1,
+            residuals,
+        })
     }
 
     /// Sets every layer's sparsity term (see [`SparseMlp::set_l1_term`]).

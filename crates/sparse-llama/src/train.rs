@@ -154,6 +154,12 @@ pub struct TrainConfig {
     /// a teacher ([`Trainer::set_teacher`]).
     #[serde(default)]
     pub distill: f64,
+    /// β of residual distillation: `β · mean over layers and tokens of ‖s - t‖² / ‖t‖²`
+    /// between the student's and the teacher's residual stream after each block
+    /// ([`crate::distill::residual_distance`]) joins the loss. 0 is off; needs a teacher
+    /// of the student's depth and width.
+    #[serde(default)]
+    pub distill_residual: f64,
     /// Give the MLP projections biases (HF `mlp_bias`), starting at zero, when the
     /// checkpoint has none: the gate bias is a per-neuron threshold the sparsity term
     /// can lower directly. Biases take no weight decay.
@@ -190,6 +196,7 @@ impl Default for TrainConfig {
             l1_target_anneal_steps: 0,
             l1_target_text: DensityText::Training,
             distill: 0.0,
+            distill_residual: 0.0,
             mlp_bias: false,
         }
     }
@@ -216,6 +223,9 @@ impl TrainConfig {
         }
         if !(0.0..=1.0).contains(&self.distill) {
             return bad("the distillation weight must be in [0, 1]");
+        }
+        if !(self.distill_residual >= 0.0 && self.distill_residual.is_finite()) {
+            return bad("the residual distillation weight must be a number >= 0");
         }
         if !(self.gate_l0_eps > 0.0 && self.gate_l0_eps.is_finite()) {
             return bad("the gate-l0 term's ε must be a positive number");
@@ -454,6 +464,9 @@ pub struct StepLog {
     /// `KL(teacher ‖ student)` per token, when distilling.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl: Option<f64>,
+    /// The residual streams' relative squared distance, when distilling them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub residual_distance: Option<f64>,
     pub loss: f64,
     pub lr: f64,
     pub grad_norm: f64,
@@ -705,6 +718,14 @@ impl Trainer {
         if want != got {
             candle_core::bail!("the teacher's vocabulary ({got}) is not the student's ({want})");
         }
+        let shape = |c: &Config| (c.num_hidden_layers, c.hidden_size);
+        let (want, got) = (shape(&self.model_cfg), shape(teacher.config()));
+        if self.cfg.distill_residual > 0.0 && want != got {
+            candle_core::bail!(
+                "residual distillation needs a teacher of the student's (layers, hidden) \
+                 {want:?}, not {got:?}"
+            );
+        }
         // It only runs inference passes.
         teacher.fuse_qkv()?;
         let cache = Cache::new(false, self.cfg.dtype(), teacher.config(), &self.device)?;
@@ -736,13 +757,14 @@ impl Trainer {
         );
         let n = self.opt.params().len();
         let mut grads: Vec<Option<Tensor>> = vec![None; n];
-        let distill = self.cfg.distill;
-        if distill > 0.0 && self.teacher.is_none() {
+        let (distill, beta) = (self.cfg.distill, self.cfg.distill_residual);
+        if (distill > 0.0 || beta > 0.0) && self.teacher.is_none() {
             candle_core::bail!(
-                "distillation weight {distill} without a teacher: call Trainer::set_teacher"
+                "distillation weights (α {distill}, β {beta}) without a teacher: call \
+                 Trainer::set_teacher"
             );
         }
-        let (mut ce_sum, mut l1_sum, mut kl_sum) = (0f64, 0f64, 0f64);
+        let (mut ce_sum, mut l1_sum, mut kl_sum, mut rd_sum) = (0f64, 0f64, 0f64, 0f64);
         let mut l0 = vec![0f64; self.model_cfg.num_hidden_layers];
         let device = self.device.clone();
         let mut clock = PhaseClock::start(&device, self.cfg.profile)?;
@@ -757,14 +779,25 @@ impl Trainer {
             let out = self.model.forward_train(&inputs)?;
             let ce = cross_entropy(&out.logits, &targets)?;
             let mut loss = (&out.l1 * l1_coefficient)?;
-            let mut kl_value = None;
-            match (&mut self.teacher, distill > 0.0) {
+            let (mut kl_value, mut rd_value) = (None, None);
+            match (&mut self.teacher, distill > 0.0 || beta > 0.0) {
                 (Some(teacher), true) => {
-                    let teacher_logits =
-                        teacher.model.forward_all(&inputs, 0, &mut teacher.cache)?;
-                    let kl = crate::distill::kl_divergence(&out.logits, &teacher_logits)?;
-                    loss = ((loss + (&ce * (1.0 - distill))?)? + (&kl * distill)?)?;
-                    kl_value = Some(kl);
+                    let (teacher_logits, teacher_residuals) = teacher
+                        .model
+                        .forward_all_with_residuals(&inputs, 0, &mut teacher.cache, beta > 0.0)?;
+                    if distill > 0.0 {
+                        let kl = crate::distill::kl_divergence(&out.logits, &teacher_logits)?;
+                        loss = ((loss + (&ce * (1.0 - distill))?)? + (&kl * distill)?)?;
+                        kl_value = Some(kl);
+                    } else {
+                        loss = (loss + &ce)?;
+                    }
+                    if beta > 0.0 {
+                        let rd =
+                            crate::distill::residual_distance(&out.residuals, &teacher_residuals)?;
+                        loss = (loss + (&rd * beta)?)?;
+                        rd_value = Some(rd);
+                    }
                 }
                 _ => loss = (loss + &ce)?,
             }
@@ -790,6 +823,9 @@ impl Trainer {
             if let Some(kl) = kl_value {
                 kl_sum += kl.to_scalar::<f32>()? as f64;
             }
+            if let Some(rd) = rd_value {
+                rd_sum += rd.to_scalar::<f32>()? as f64;
+            }
             if !self.cfg.no_activity_stats {
                 self.observe_activity(&mut l0)?;
             }
@@ -810,6 +846,7 @@ impl Trainer {
         let accum = self.cfg.grad_accum as f64;
         let (ce, l1) = (ce_sum / accum, l1_sum / accum);
         let kl = (distill > 0.0).then_some(kl_sum / accum);
+        let residual_distance = (beta > 0.0).then_some(rd_sum / accum);
         let l0: Vec<f64> = l0.into_iter().map(|v| v / accum).collect();
         let mean_l0 = l0.iter().sum::<f64>() / l0.len().max(1) as f64;
         // Not during λ's ramp: the density is high then by design, and the factor
@@ -841,10 +878,12 @@ impl Trainer {
             l1_coefficient,
             l1_target,
             kl,
+            residual_distance,
             loss: match kl {
-                Some(kl) => (1.0 - distill) * ce + distill * kl + l1_coefficient * l1,
-                None => ce + l1_coefficient * l1,
-            },
+                Some(kl) => (1.0 - distill) * ce + distill * kl,
+                None => ce,
+            } + l1_coefficient * l1
+                + beta * residual_distance.unwrap_or(0.0),
             lr,
             grad_norm,
             mean_l0,

@@ -85,6 +85,13 @@ pub struct FinetuneArgs {
     /// (1 - α)·CE + α·KL(teacher ‖ student) + λ·L1. α in [0, 1]; 0 is off.
     #[arg(long, default_value_t = 0.0)]
     pub distill: f64,
+    /// β of residual distillation: adds β · (mean over layers and tokens of ‖s - t‖² /
+    /// ‖t‖²), the relative distance between the student's and the teacher's residual
+    /// stream after each block, so that each layer learns what its output should be. The
+    /// teacher is the same as for --distill and needs the student's depth and width.
+    /// 0 is off.
+    #[arg(long, default_value_t = 0.0)]
+    pub distill_residual: f64,
     /// The model to distill from (an HF directory, a .gguf file or a hub id), when it is
     /// not --model: e.g. the original model while fine-tuning an already sparse one. It
     /// must share the tokenizer's vocabulary.
@@ -131,8 +138,9 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     if args.lr == 0.0 {
         bail!("--lr 0 would train nothing: give a positive learning rate");
     }
-    if args.teacher.is_some() && args.distill == 0.0 {
-        bail!("--teacher is only read with --distill α > 0");
+    let distilling = args.distill > 0.0 || args.distill_residual > 0.0;
+    if args.teacher.is_some() && !distilling {
+        bail!("--teacher is only read with --distill α > 0 or --distill-residual β > 0");
     }
     if let Some(limit) = args.time_limit {
         if !(limit > 0.0 && limit.is_finite()) {
@@ -173,6 +181,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
             .parse()
             .map_err(|e| anyhow::anyhow!("--l1-target-text {e}"))?,
         distill: args.distill,
+        distill_residual: args.distill_residual,
         mlp_bias: args.mlp_bias,
     };
     cfg.validate()?;
@@ -210,7 +219,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     }
 
     // Opened before the corpus is read, so a bad --teacher fails fast.
-    let teacher = if args.distill > 0.0 {
+    let teacher = if distilling {
         // The teacher is --teacher, or --model itself: not the checkpoint being resumed.
         let mut teacher_args = args.model.clone();
         if let Some(t) = &args.teacher {
@@ -317,7 +326,11 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         bar.set_message(format!(
             "ce {:.3}{} l1 {:.1} λ {:.1e} L0 {:.1}{} dead {:.1}% lr {:.1e} {:.0} tok/s{}",
             entry.ce,
-            entry.kl.map(|v| format!(" kl {v:.3}")).unwrap_or_default(),
+            entry.kl.map(|v| format!(" kl {v:.3}")).unwrap_or_default()
+                + &entry
+                    .residual_distance
+                    .map(|v| format!(" rd {v:.3}"))
+                    .unwrap_or_default(),
             entry.l1,
             entry.l1_coefficient,
             entry.mean_l0,
