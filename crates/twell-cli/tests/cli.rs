@@ -632,9 +632,12 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
         "4",
         "--resume",
         step2.to_str().unwrap(),
-        // Resumed with distillation: the teacher is --model, the run's starting point.
+        // Resumed with distillation, of the logits and the residual streams: the teacher
+        // is --model, the run's starting point.
         "--distill",
         "0.5",
+        "--distill-residual",
+        "1",
     ];
     args.extend(common);
     let (ok, text) = twell(&args);
@@ -648,6 +651,10 @@ fn finetune_runs_logs_and_checkpoints_then_resumes() {
     for line in &resumed {
         let kl = line["kl"].as_f64().expect("a distilling step logs kl");
         assert!(kl.is_finite() && kl > 0.0, "{line}");
+        let rd = line["residual_distance"]
+            .as_f64()
+            .expect("and the residual distance");
+        assert!(rd.is_finite() && rd > 0.0, "{line}");
     }
 }
 
@@ -671,6 +678,18 @@ fn bad_finetune_flags_are_rejected() {
         ),
         (&["--time-limit", "0"], "--time-limit must be a positive"),
         (&["--teacher", m], "only read with --distill"),
+        (
+            &["--distill-residual=-1"],
+            "residual distillation weight must be a number >= 0",
+        ),
+        (
+            &["--distill-residual", "NaN"],
+            "residual distillation weight must be a number >= 0",
+        ),
+        (
+            &["--distill-residual", "1", "--teacher", "/no/such/teacher"],
+            "neither a directory",
+        ),
         (
             &["--distill", "0.5", "--teacher", "/no/such/teacher"],
             "neither a directory",
