@@ -549,111 +549,138 @@ fn tiny_teacher() -> sparse_llama::Llama {
     sparse_llama::Llama::load(vb, &cfg).unwrap()
 }
 
-/// KL(teacher ‖ student) over the first validation-ordered batch.
+/// The first validation-ordered batch's inputs: where the tests below measure how far a
+/// student is from its teacher.
+fn teacher_inputs(data: &PackedData) -> Tensor {
+    let batch = data.ordered_batch(0, 4, &Device::Cpu).unwrap().unwrap();
+    batch.narrow(1, 0, 32).unwrap()
+}
+
+/// Logits and residual streams of an inference pass over `inputs`.
+fn logits_and_residuals(m: &sparse_llama::Llama, inputs: &Tensor) -> (Tensor, Vec<Tensor>) {
+    let mut cache = Cache::new(false, DType::F32, m.config(), &Device::Cpu).unwrap();
+    let out = m
+        .forward_all_with_residuals(inputs, 0, &mut cache, true)
+        .unwrap();
+    assert_eq!(out.1.len(), m.config().num_hidden_layers);
+    out
+}
+
+/// KL(teacher ‖ student) over `inputs`.
 fn kl_to_teacher(
     student: &sparse_llama::Llama,
     teacher: &sparse_llama::Llama,
-    data: &PackedData,
+    inputs: &Tensor,
 ) -> f64 {
-    let batch = data.ordered_batch(0, 4, &Device::Cpu).unwrap().unwrap();
-    let inputs = batch.narrow(1, 0, 32).unwrap();
-    let logits = |m: &sparse_llama::Llama| {
-        let mut cache = Cache::new(false, DType::F32, m.config(), &Device::Cpu).unwrap();
-        m.forward_all(&inputs, 0, &mut cache).unwrap()
-    };
-    let kl = sparse_llama::distill::kl_divergence(&logits(student), &logits(teacher)).unwrap();
+    let (s, t) = (
+        logits_and_residuals(student, inputs).0,
+        logits_and_residuals(teacher, inputs).0,
+    );
+    let kl = sparse_llama::distill::kl_divergence(&s, &t).unwrap();
     kl.to_scalar::<f32>().unwrap() as f64
 }
 
-#[test]
-fn distillation_pulls_the_student_towards_the_teacher() {
+/// The relative distance between the residual streams of `student` and `teacher` over
+/// `inputs`.
+fn residual_distance_to(
+    student: &sparse_llama::Llama,
+    teacher: &sparse_llama::Llama,
+    inputs: &Tensor,
+) -> f64 {
+    let (s, t) = (
+        logits_and_residuals(student, inputs).1,
+        logits_and_residuals(teacher, inputs).1,
+    );
+    let d = sparse_llama::distill::residual_distance(&s, &t).unwrap();
+    d.to_scalar::<f32>().unwrap() as f64
+}
+
+/// A distilling student (`distill` sets its weights) trained 25 steps beside a CE-only
+/// one on the same batches, both from the same start. `logged` reads the distilling
+/// step's own measure from its log (and checks the log); `measure` then says how far each
+/// student ended from a fresh copy of the teacher. Returns the distilling student, the
+/// logged values and the two final distances (CE-only, distilled).
+fn distill_beside_plain(
+    distill: impl FnOnce(&mut TrainConfig),
+    logged: impl Fn(&sparse_llama::train::StepLog) -> f64,
+    measure: fn(&sparse_llama::Llama, &sparse_llama::Llama, &Tensor) -> f64,
+) -> (Trainer, Vec<f64>, f64, f64) {
     let data = PackedData::new(&corpus_tokens(), 32).unwrap();
     let mut plain = trainer_with(0.0, 25, FfnMode::Dense, L1Penalty::Plain);
     let mut distilled = trainer_with(0.0, 25, FfnMode::Dense, L1Penalty::Plain);
-    distilled.cfg.distill = 1.0;
+    distill(&mut distilled.cfg);
     // Without a teacher a distilling step is refused, not run on CE alone.
     let e = distilled.train_step(&data).unwrap_err().to_string();
     assert!(e.contains("without a teacher"), "{e}");
     distilled.set_teacher(tiny_teacher()).unwrap();
-    let mut kls = Vec::new();
+    let mut values = Vec::new();
     for _ in 0..25 {
-        let log = distilled.train_step(&data).unwrap();
-        assert!(plain.train_step(&data).unwrap().kl.is_none());
-        let kl = log.kl.expect("a distilling step logs its KL");
-        assert!(
-            kl.is_finite() && kl >= 0.0 && (log.loss - kl).abs() < 1e-9,
-            "{log:?}"
-        );
-        kls.push(kl);
+        let p = plain.train_step(&data).unwrap();
+        assert!(p.kl.is_none() && p.residual_distance.is_none(), "{p:?}");
+        values.push(logged(&distilled.train_step(&data).unwrap()));
     }
-    assert!(kls[24] < 0.5 * kls[0], "KL {} -> {}", kls[0], kls[24]);
-    let teacher = tiny_teacher();
-    let (to_plain, to_distilled) = (
-        kl_to_teacher(plain.model(), &teacher, &data),
-        kl_to_teacher(distilled.model(), &teacher, &data),
+    let (teacher, inputs) = (tiny_teacher(), teacher_inputs(&data));
+    let to_plain = measure(plain.model(), &teacher, &inputs);
+    let to_distilled = measure(distilled.model(), &teacher, &inputs);
+    (distilled, values, to_plain, to_distilled)
+}
+
+/// A teacher like [`tiny_teacher`]'s shape but for `edit`.
+fn teacher_shaped(edit: impl FnOnce(&mut sparse_llama::LlamaConfig)) -> sparse_llama::Llama {
+    let mut config = tiny_config("silu", 256);
+    edit(&mut config);
+    let cfg = config.into_config(false).unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(tiny_weights(&cfg, 3), DType::F32, &Device::Cpu);
+    sparse_llama::Llama::load(vb, &cfg).unwrap()
+}
+
+#[test]
+fn distillation_pulls_the_student_towards_the_teacher() {
+    let (mut distilled, kls, to_plain, to_distilled) = distill_beside_plain(
+        |cfg| cfg.distill = 1.0,
+        |log| {
+            let kl = log.kl.expect("a distilling step logs its KL");
+            assert!(
+                kl.is_finite() && kl >= 0.0 && (log.loss - kl).abs() < 1e-9,
+                "{log:?}"
+            );
+            kl
+        },
+        kl_to_teacher,
     );
+    assert!(kls[24] < 0.5 * kls[0], "KL {} -> {}", kls[0], kls[24]);
     assert!(
         to_distilled < 0.5 * to_plain,
         "KL distilled {to_distilled} vs CE-only {to_plain}"
     );
     // A teacher must share the vocabulary.
-    let mut small = tiny_config("silu", 256);
-    small.vocab_size = 100;
-    let cfg = small.into_config(false).unwrap();
-    let vb = candle_nn::VarBuilder::from_tensors(tiny_weights(&cfg, 3), DType::F32, &Device::Cpu);
     let e = distilled
-        .set_teacher(sparse_llama::Llama::load(vb, &cfg).unwrap())
+        .set_teacher(teacher_shaped(|c| c.vocab_size = 100))
         .unwrap_err()
         .to_string();
     assert!(e.contains("vocabulary"), "{e}");
 }
 
-/// The relative distance between the residual streams of `student` and `teacher` over
-/// the first validation-ordered batch.
-fn residual_distance_to(
-    student: &sparse_llama::Llama,
-    teacher: &sparse_llama::Llama,
-    data: &PackedData,
-) -> f64 {
-    let batch = data.ordered_batch(0, 4, &Device::Cpu).unwrap().unwrap();
-    let inputs = batch.narrow(1, 0, 32).unwrap();
-    let residuals = |m: &sparse_llama::Llama| {
-        let mut cache = Cache::new(false, DType::F32, m.config(), &Device::Cpu).unwrap();
-        m.forward_all_with_residuals(&inputs, 0, &mut cache, true)
-            .unwrap()
-            .1
-    };
-    let (s, t) = (residuals(student), residuals(teacher));
-    assert_eq!(s.len(), student.config().num_hidden_layers);
-    let d = sparse_llama::distill::residual_distance(&s, &t).unwrap();
-    d.to_scalar::<f32>().unwrap() as f64
-}
-
 #[test]
 fn residual_distillation_pulls_each_layer_towards_the_teacher() {
-    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
-    let mut plain = trainer_with(0.0, 25, FfnMode::Dense, L1Penalty::Plain);
-    let mut distilled = trainer_with(0.0, 25, FfnMode::Dense, L1Penalty::Plain);
-    distilled.cfg.distill_residual = 1.0;
-    let e = distilled.train_step(&data).unwrap_err().to_string();
-    assert!(e.contains("without a teacher"), "{e}");
-    distilled.set_teacher(tiny_teacher()).unwrap();
-    let mut distances = Vec::new();
-    for _ in 0..25 {
-        let log = distilled.train_step(&data).unwrap();
-        let p = plain.train_step(&data).unwrap();
-        assert!(p.residual_distance.is_none() && p.kl.is_none());
-        let rd = log
-            .residual_distance
-            .expect("logged when distilling residuals");
-        // No KL without α: the loss is CE + β·distance (λ = 0).
-        assert!(log.kl.is_none(), "{log:?}");
-        assert!(
-            rd.is_finite() && rd >= 0.0 && (log.loss - (log.ce + rd)).abs() < 1e-6,
-            "{log:?}"
-        );
-        distances.push(rd);
-    }
+    let (mut distilled, distances, to_plain, to_distilled) = distill_beside_plain(
+        |cfg| cfg.distill_residual = 1.0,
+        |log| {
+            let rd = log
+                .residual_distance
+                .expect("logged when distilling residuals");
+            // No KL without α: the loss is CE + β·distance (λ = 0).
+            assert!(
+                log.kl.is_none()
+                    && rd.is_finite()
+                    && rd >= 0.0
+                    && (log.loss - (log.ce + rd)).abs() < 1e-6,
+                "{log:?}"
+            );
+            rd
+        },
+        residual_distance_to,
+    );
     // CE pulls the random student away from the teacher's residuals at first (the
     // distance rises for a few steps); the distance term then wins.
     assert!(
@@ -662,22 +689,13 @@ fn residual_distillation_pulls_each_layer_towards_the_teacher() {
         distances[0],
         distances[24]
     );
-    let teacher = tiny_teacher();
-    let (to_plain, to_distilled) = (
-        residual_distance_to(plain.model(), &teacher, &data),
-        residual_distance_to(distilled.model(), &teacher, &data),
-    );
     assert!(
         to_distilled < 0.5 * to_plain,
         "distance distilled {to_distilled} vs CE-only {to_plain}"
     );
     // The teacher must have the student's layers: one fewer is refused.
-    let mut shallow = tiny_config("silu", 256);
-    shallow.num_hidden_layers -= 1;
-    let cfg = shallow.into_config(false).unwrap();
-    let vb = candle_nn::VarBuilder::from_tensors(tiny_weights(&cfg, 3), DType::F32, &Device::Cpu);
     let e = distilled
-        .set_teacher(sparse_llama::Llama::load(vb, &cfg).unwrap())
+        .set_teacher(teacher_shaped(|c| c.num_hidden_layers -= 1))
         .unwrap_err()
         .to_string();
     assert!(e.contains("(layers, hidden)"), "{e}");

@@ -38,3 +38,10 @@ sample_once() {
     | tr '\r' '\n' | tail -3
   touch /tmp/samples/done
 }
+# prepare_job DIR: what a job does before its runs: the CUDA libraries on the loader's
+#   path, the assets (assemble_assets DIR) and the teacher's texts (sample_once).
+prepare_job() {
+  export LD_LIBRARY_PATH=/usr/local/cuda/lib64
+  assemble_assets "$1"
+  sample_once
+}

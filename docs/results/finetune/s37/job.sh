@@ -12,10 +12,8 @@
 # argument) is each run's --time-limit.
 set -u
 limit=$1
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 . "$(dirname "$0")/../run-lib.sh"
-assemble_assets .device/s37/c
-sample_once
+prepare_job .device/s37/c
 beta=${BETA:-1}
 common="--device cuda --dtype bf16 --ffn dense --seq-len 512 --batch 8 --steps ${STEPS:-3000} --warmup 20 --weight-decay 0.1 --eval-every 100 --eval-batches 8 --save-every 500 --distill 0.5 --distill-residual $beta --time-limit $limit --seed 0 --lr 2e-3 --extra-data /tmp/samples"
 if [ "${TWIN:-0}" = 1 ]; then
