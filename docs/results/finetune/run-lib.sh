@@ -2,7 +2,8 @@
 # job sets $common (the flags every run gets) before calling run.
 #   run NAME FLAGS...: starts `twell finetune $common FLAGS --out $out/NAME` in the
 #     background, resuming from the run's latest step-N checkpoint (left by --time-limit)
-#     and skipping a run that has its final checkpoint;
+#     and skipping a run that has its final checkpoint; with GPU=N set, on GPU N alone
+#     (a machine of several GPUs runs one run a GPU);
 #   pack_logs: after `wait`, prints each run's log tail and packs the logs into $OUT.
 T=/tmp/twell; export TWELL_DATA=/tmp/assets/data
 out=/tmp/runs; mkdir -p $out
@@ -13,7 +14,8 @@ run() {
   last=$(ls -d $out/$name/step-* 2>/dev/null | sort -V | tail -1)
   [ -n "$last" ] && resume=(--resume "$last")
   # shellcheck disable=SC2086 # $common is a list of flags
-  $T finetune $common "$@" ${resume[@]+"${resume[@]}"} --out $out/$name >> $out/$name.log 2>&1 &
+  ${GPU:+env CUDA_VISIBLE_DEVICES=$GPU} \
+    $T finetune $common "$@" ${resume[@]+"${resume[@]}"} --out $out/$name >> $out/$name.log 2>&1 &
 }
 pack_logs() {
   for f in $out/*.log; do echo "== $f"; tail -c 600 $f; echo; done

@@ -3,24 +3,38 @@
 # original SiLU model, 8,192 sampled texts, gate-l0 with ε 0.3, the target read on the
 # validation speeches at 2.9% and annealed over 1,600 steps, 3,000 steps, seed 0) with
 # residual distillation added: β · the relative distance between the student's and the
-# teacher's residual stream after each block (--distill-residual β, default BETA=1).
-# With TWIN=1 the call runs the λ = 0 twin (same flags, --l1 0).
-# Device flow: upload.sh a, upload.sh b, upload.sh d (the build), then
-#   bash job.sh 480                  # samples, then the sparse run
-#   TWIN=1 EVAL=1 bash job.sh 400    # the twin, then evaluates both (../s10/job-eval.sh)
-# Each run resumes itself from its latest checkpoint until `final` exists. LIMIT (first
-# argument) is each run's --time-limit.
+# teacher's residual stream after each block (--distill-residual β), each sparse run
+# beside its λ = 0 twin (same flags, --l1 0).
+# Device flow: upload.sh a, upload.sh b, upload.sh d (the build), then on one GPU
+#   BETA=1 bash job.sh 480                  # samples, then the sparse run
+#   BETA=1 TWIN=1 EVAL=1 bash job.sh 400    # the twin, then evaluates both (../s10/job-eval.sh)
+# or, on a machine of 2 x (the number of BETAS) GPUs, every pair at once, one run a GPU:
+#   ALL=1 BETAS="1 3" EVAL=1 bash job.sh 420
+# Each run resumes itself from its latest checkpoint until `final` exists (call again
+# with the same flags). LIMIT (first argument) is each run's --time-limit.
 set -u
 limit=$1
 . "$(dirname "$0")/../run-lib.sh"
 prepare_job .device/s37/c
-beta=${BETA:-1}
-common="--device cuda --dtype bf16 --ffn dense --seq-len 512 --batch 8 --steps ${STEPS:-3000} --warmup 20 --weight-decay 0.1 --eval-every 100 --eval-batches 8 --save-every 500 --distill 0.5 --distill-residual $beta --time-limit $limit --seed 0 --lr 2e-3 --extra-data /tmp/samples"
-if [ "${TWIN:-0}" = 1 ]; then
-  run relu-rd$beta-s37 --l1 0
-else
-  run tval-0.029-anneal1600-rd$beta --l1 2e-3 --l1-warmup 50 --l1-penalty gate-l0 --l1-target-anneal 1600 \
+recipe="--device cuda --dtype bf16 --ffn dense --seq-len 512 --batch 8 --steps ${STEPS:-3000} --warmup 20 --weight-decay 0.1 --eval-every 100 --eval-batches 8 --save-every 500 --distill 0.5 --time-limit $limit --seed 0 --lr 2e-3 --extra-data /tmp/samples"
+sparse_run() {
+  common="$recipe --distill-residual $1"
+  run tval-0.029-anneal1600-rd$1 --l1 2e-3 --l1-warmup 50 --l1-penalty gate-l0 --l1-target-anneal 1600 \
     --l1-target-density 0.029 --l1-target-text validation --l1-gate-eps 0.3
+}
+twin_run() {
+  common="$recipe --distill-residual $1"
+  run relu-rd$1-s37 --l1 0
+}
+if [ "${ALL:-0}" = 1 ]; then
+  gpu=0
+  for beta in ${BETAS:-1 3}; do
+    GPU=$gpu sparse_run "$beta"; GPU=$((gpu + 1)) twin_run "$beta"; gpu=$((gpu + 2))
+  done
+elif [ "${TWIN:-0}" = 1 ]; then
+  twin_run "${BETA:-1}"
+else
+  sparse_run "${BETA:-1}"
 fi
 wait
 pack_logs
