@@ -24,6 +24,9 @@ pub mod format;
 mod knobs;
 pub mod mlp;
 pub mod ops;
+// Used by the CUDA launchers only.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod per_key;
 
 pub use cpu::screen::GateScreen;
 pub use error::TwellError;

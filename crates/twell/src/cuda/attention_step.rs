@@ -5,7 +5,7 @@
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::{CudaDevice, Result};
 
-use super::per_stream::PerStream;
+use super::per_key::{stream_key, PerStream};
 
 /// The partial sums (`[pairs, splits, 2 + hd]` f32) and the zeroed tickets (`[pairs]`)
 /// of one stream, grown to the largest step seen.
@@ -25,7 +25,7 @@ pub fn with_scratch<T>(
     launch: impl FnOnce(&mut Scratch) -> Result<T>,
 ) -> Result<T> {
     SCRATCH.with(
-        dev,
+        stream_key(dev),
         |s| s.part.len() >= part_len && s.tickets.len() >= pairs,
         || {
             Ok(Scratch {

@@ -9,7 +9,6 @@
 //!   algorithm for the shape, and under `TWELL_GATE=plain` (to measure both on one build).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 
 use candle_core::cuda_backend::cudarc::cublas::{sys::cublasOperation_t, Gemm, GemmConfig};
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys as lt_sys};
@@ -18,6 +17,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
 use half::bf16;
 
+use super::per_key::PerKey;
 use crate::error::{err, TwellError};
 use crate::knobs;
 
@@ -184,18 +184,16 @@ struct LtDevice {
 // handles may be used from any thread.
 unsafe impl Send for LtDevice {}
 
-static LT: Mutex<Option<HashMap<usize, LtDevice>>> = Mutex::new(None);
+/// Each device's cuBLASLt handle and plans, by ordinal.
+static LT: PerKey<usize, LtDevice> = PerKey::new();
 
-/// The cuBLAS workspace that [`super::configure`] gave the device, shared with cuBLASLt:
-/// both run on candle's one stream, so never at once.
-static WORKSPACES: Mutex<Option<HashMap<usize, CudaSlice<u8>>>> = Mutex::new(None);
+/// The cuBLAS workspace that [`super::configure`] gave each device (by ordinal), shared
+/// with cuBLASLt: both run on candle's one stream, so never at once.
+static WORKSPACES: PerKey<usize, CudaSlice<u8>> = PerKey::new();
 
 /// Keeps `workspace` for the life of the process as the device's cuBLAS(Lt) workspace.
 pub(super) fn keep_workspace(dev: &CudaDevice, workspace: CudaSlice<u8>) {
-    let ordinal = dev.cuda_stream().context().ordinal();
-    let mut all = WORKSPACES.lock().expect("workspace lock");
-    all.get_or_insert_with(HashMap::new)
-        .insert(ordinal, workspace);
+    WORKSPACES.put(dev.cuda_stream().context().ordinal(), workspace);
 }
 
 /// The GEMM through cuBLASLt with the ReLU + mask epilogue; `None` when cuBLASLt has no
@@ -209,71 +207,70 @@ fn gate_gemm_masked(
     let stream = dev.cuda_stream();
     let ordinal = stream.context().ordinal();
     let words_per_row = mask_words_per_row(f);
-    let mut lock = LT.lock().expect("cuBLASLt lock");
-    let devices = lock.get_or_insert_with(HashMap::new);
-    let lt_dev = match devices.entry(ordinal) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(e) => {
-            stream.context().bind_to_thread().w()?;
-            e.insert(LtDevice {
-                handle: lt::create_handle().map_err(lt_error)?,
-                plans: HashMap::new(),
-            })
-        }
+    let make_handle = || {
+        stream.context().bind_to_thread().w()?;
+        Ok(LtDevice {
+            handle: lt::create_handle().map_err(lt_error)?,
+            plans: HashMap::new(),
+        })
     };
-    // A shape cuBLASLt was found to have no algorithm for needs no buffers.
-    if matches!(lt_dev.plans.get(&(m, d, f)), Some(None)) {
-        return Ok(None);
-    }
-    // SAFETY: cuBLASLt writes every value and, for rows of the mask, every bit the pack
-    // reads (bits 0..f of each row). A new shape's plan times its candidates on them.
-    let mut gate = unsafe { dev.alloc::<bf16>(m * f)? };
-    let mut mask = unsafe { dev.alloc::<u32>(m * words_per_row)? };
-    let (workspace_ptr, workspace_bytes) = {
-        let all = WORKSPACES.lock().expect("workspace lock");
-        match all.as_ref().and_then(|w| w.get(&ordinal)) {
-            Some(w) => (w.device_ptr(&stream).0, w.len()),
-            None => (0, 0),
-        }
-    };
-    let (mask_ptr, _mask_guard) = mask.device_ptr_mut(&stream);
-    let handle = lt_dev.handle;
-    let (x_ptr, _x_guard) = x.device_ptr(&stream);
-    let (wg_ptr, _wg_guard) = wg.device_ptr(&stream);
-    let (gate_ptr, _gate_guard) = gate.device_ptr_mut(&stream);
-    let buffers = Buffers {
-        wg: wg_ptr,
-        x: x_ptr,
-        gate: gate_ptr,
-        mask: mask_ptr,
-        workspace: workspace_ptr,
-        workspace_bytes,
-    };
-    let plan = match lt_dev.plans.entry((m, d, f)) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(e) => {
-            e.insert(make_plan(handle, &stream, (m, d, f), &buffers)?)
-        }
-    };
-    let Some(plan) = plan.as_ref() else {
-        return Ok(None);
-    };
-    // SAFETY: the plan describes these buffers (see `launch`).
-    unsafe {
-        launch(
-            handle,
-            &stream,
-            plan,
-            &plan.algo,
-            plan.workspace_bytes,
-            &buffers,
-        )?
-    };
-    drop((_mask_guard, _gate_guard));
-    Ok(Some(Gate {
-        values: gate,
-        mask: Some((mask, words_per_row)),
-    }))
+    LT.with(
+        ordinal,
+        |_| true,
+        make_handle,
+        |lt_dev| {
+            // A shape cuBLASLt was found to have no algorithm for needs no buffers.
+            if matches!(lt_dev.plans.get(&(m, d, f)), Some(None)) {
+                return Ok(None);
+            }
+            // SAFETY: cuBLASLt writes every value and, for rows of the mask, every bit the
+            // pack reads (bits 0..f of each row). A new shape's plan times its candidates on
+            // them.
+            let mut gate = unsafe { dev.alloc::<bf16>(m * f)? };
+            let mut mask = unsafe { dev.alloc::<u32>(m * words_per_row)? };
+            let (workspace_ptr, workspace_bytes) = WORKSPACES.peek(&ordinal, |w| {
+                w.map_or((0, 0), |w| (w.device_ptr(&stream).0, w.len()))
+            });
+            let (mask_ptr, _mask_guard) = mask.device_ptr_mut(&stream);
+            let handle = lt_dev.handle;
+            let (x_ptr, _x_guard) = x.device_ptr(&stream);
+            let (wg_ptr, _wg_guard) = wg.device_ptr(&stream);
+            let (gate_ptr, _gate_guard) = gate.device_ptr_mut(&stream);
+            let buffers = Buffers {
+                wg: wg_ptr,
+                x: x_ptr,
+                gate: gate_ptr,
+                mask: mask_ptr,
+                workspace: workspace_ptr,
+                workspace_bytes,
+            };
+            let plan = match lt_dev.plans.entry((m, d, f)) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(make_plan(handle, &stream, (m, d, f), &buffers)?)
+                }
+            };
+            let Some(plan) = plan.as_ref() else {
+                return Ok(None);
+            };
+            // SAFETY: the plan describes these buffers (see `launch`).
+            unsafe {
+                launch(
+                    handle,
+                    &stream,
+                    plan,
+                    &plan.algo,
+                    plan.workspace_bytes,
+                    &buffers,
+                )?
+            };
+            drop((_mask_guard, _gate_guard));
+            Ok(Some(Gate {
+                values: gate,
+                mask: Some((mask, words_per_row)),
+            }))
+        },
+    )
 }
 
 /// Device addresses of one gate GEMM's operands.

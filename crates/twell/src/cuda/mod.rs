@@ -27,7 +27,7 @@ mod embedding;
 mod gate_gemm;
 mod gate_l0;
 mod kl_divergence;
-mod per_stream;
+mod per_key;
 mod residual_linear;
 mod rope;
 mod twell_mlp;
@@ -86,33 +86,15 @@ const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
 
 /// Values asked of the driver once per context and key (keyed by the context, so two
 /// cards never share a value): every prefill forward asks for some of them.
-type PerContext = std::sync::Mutex<Option<std::collections::HashMap<(usize, usize), usize>>>;
-
-/// The value `cache` holds for `dev`'s context and `key`, from `ask` the first time.
-fn per_context(
-    cache: &PerContext,
-    dev: &CudaDevice,
-    key: usize,
-    ask: impl FnOnce() -> Result<usize>,
-) -> Result<usize> {
-    let key = (dev.cuda_stream().context().cu_ctx() as usize, key);
-    let mut guard = cache.lock().expect("per-context cache lock");
-    let values = guard.get_or_insert_with(Default::default);
-    if let Some(&value) = values.get(&key) {
-        return Ok(value);
-    }
-    let value = ask()?;
-    values.insert(key, value);
-    Ok(value)
-}
+type PerContext = per_key::PerKey<(usize, usize), usize>;
 
 /// A device attribute, read from the driver once per context and attribute.
 fn device_attribute(
     dev: &CudaDevice,
     attribute: candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute,
 ) -> Result<usize> {
-    static VALUES: PerContext = std::sync::Mutex::new(None);
-    per_context(&VALUES, dev, attribute as usize, || {
+    static VALUES: PerContext = PerContext::new();
+    VALUES.once((per_key::context_key(dev), attribute as usize), || {
         Ok(dev.cuda_stream().context().attribute(attribute).w()?.max(0) as usize)
     })
 }

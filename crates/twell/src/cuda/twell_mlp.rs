@@ -12,7 +12,7 @@ use half::bf16;
 
 use super::twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm, PreNorm};
 use super::{
-    bf16_view, decode_max_tokens, gate_gemm, grid_1d, multiprocessors, output_buffer, per_context,
+    bf16_view, decode_max_tokens, gate_gemm, grid_1d, multiprocessors, output_buffer, per_key,
     row_vectors, warp_launch, KernelDims, PerContext, ADD_RMS_NORM_MAX_HIDDEN, BLOCK_THREADS,
     DECODE_MAX_TOKENS, DEFAULT_SHARED_BYTES, GATE_PACK_PTX, WARP_CHUNK,
 };
@@ -98,8 +98,8 @@ fn row_split(dev: &CudaDevice, m: usize, d: usize, v: usize) -> Result<usize> {
 /// (two blocks of eight at the kernels' 124-128 registers on the H200): a split row's
 /// parts should fit one such wave. Asked once per context and row width.
 fn row_kernel_warps_per_sm(dev: &CudaDevice, v: usize) -> Result<usize> {
-    static VALUES: PerContext = std::sync::Mutex::new(None);
-    per_context(&VALUES, dev, v, || {
+    static VALUES: PerContext = PerContext::new();
+    VALUES.once((per_key::context_key(dev), v), || {
         let name = format!("gated_t2d_up_rows_bf16_v{v}_s1");
         let up = dev.get_or_load_custom_func(&name, "gated_t2d", GATED_T2D_PTX)?;
         let blocks = up

@@ -10,7 +10,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
 use half::bf16;
 
-use super::per_stream::PerStream;
+use super::per_key::{stream_key, PerStream};
 use super::KernelDims;
 use crate::ops::mlp_result_len;
 
@@ -171,7 +171,7 @@ pub fn twell_mlp_decode(
         false => None,
     };
     SCRATCH.with(
-        dev,
+        stream_key(dev),
         |s| s.fits(d, n_tiles),
         || Scratch::new(dev, d, n_tiles),
         |s| {
