@@ -32,13 +32,20 @@ assemble_assets() {
   tar xJf $1/sotu.tar.xz -C $TWELL_DATA
 }
 # sample_once: the teacher's texts into /tmp/samples (COUNT, default 8192; seed 0), once
-#   per machine, unless SAMPLE=0.
+#   per machine, unless SAMPLE=0 or an upload call has unpacked them already (unpack_samples).
+#   Texts sampled here are also packed into $OUT/samples.tar.xz, so that a later session
+#   can carry them (beside its build) instead of sampling again (about 75 s of device time).
 sample_once() {
   [ "${SAMPLE:-1}" = 1 ] && [ ! -e /tmp/samples/done ] || return 0
   timeout ${SAMPLE_SECS:-200} $T sample --device cuda --count ${COUNT:-8192} --batch 256 \
     --prompt-tokens 32 --max-tokens 480 --temperature 0.8 --seed 0 --out /tmp/samples 2>&1 \
     | tr '\r' '\n' | tail -3
   touch /tmp/samples/done
+  tar cJf $OUT/samples.tar.xz -C /tmp samples
+}
+# unpack_samples FILE: the texts an earlier session's sample_once packed, into /tmp/samples.
+unpack_samples() {
+  [ -e "$1" ] && tar xJf "$1" -C /tmp && ls /tmp/samples | wc -l
 }
 # prepare_job DIR: what a job does before its runs: the CUDA libraries on the loader's
 #   path, the assets (assemble_assets DIR) and the teacher's texts (sample_once).
