@@ -7,6 +7,10 @@
 //! * cuBLAS (`cublasGemmEx`): the plain gate, packed by reading all of it. Used below
 //!   [`MASK_MIN_ROWS`] rows (where cuBLAS's GEMM is the faster one), where cuBLASLt has no
 //!   algorithm for the shape, and under `TWELL_GATE=plain` (to measure both on one build).
+//! * Under `TWELL_GATE=lt`, the plain gate through cuBLASLt, the fastest of its timed
+//!   candidates: to measure whether an algorithm that balances the card better than
+//!   `cublasGemmEx`'s choice beats it where the output tiles fill it unevenly (2,048 ×
+//!   5,632 in tiles of 128 × 256, for one, is 2.7 waves of 132 multiprocessors).
 
 use std::collections::HashMap;
 
@@ -39,14 +43,23 @@ pub(super) fn gate_gemm(
     (m, d, f): (usize, usize, usize),
     mask_packs: bool,
 ) -> Result<Gate> {
+    let knob = gate_knob()?;
+    if knob == Some(GateKnob::Lt) {
+        return match gate_gemm_lt(dev, x, wg, (m, d, f), Epilogue::Plain)? {
+            Some(gate) => Ok(gate),
+            None => err(TwellError::Invalid(format!(
+                "TWELL_GATE=lt: cuBLASLt has no GEMM for [{m}, {d}] x [{f}, {d}]"
+            ))),
+        };
+    }
     let use_mask = mask_packs
-        && match gate_knob()? {
+        && match knob {
             Some(GateKnob::Plain) => false,
             Some(GateKnob::Mask) => true,
-            None => m >= MASK_MIN_ROWS,
+            _ => m >= MASK_MIN_ROWS,
         };
     if use_mask {
-        if let Some(gate) = gate_gemm_masked(dev, x, wg, (m, d, f))? {
+        if let Some(gate) = gate_gemm_lt(dev, x, wg, (m, d, f), Epilogue::ReluMask)? {
             return Ok(gate);
         }
         if gate_knob()? == Some(GateKnob::Mask) {
@@ -73,17 +86,28 @@ const MASK_MIN_ROWS: usize = 4096;
 enum GateKnob {
     Mask,
     Plain,
+    Lt,
 }
 
-/// `TWELL_GATE`: `mask` insists on the cuBLASLt GEMM at every size (an error where it
-/// has no algorithm), `plain` takes cuBLAS; unset, the mask from [`MASK_MIN_ROWS`] rows
-/// where cuBLASLt has an algorithm.
+/// `TWELL_GATE`: `mask` insists on the cuBLASLt GEMM with the mask at every size (an
+/// error where it has no algorithm), `plain` takes cuBLAS, `lt` the plain gate through
+/// cuBLASLt's fastest timed candidate at every size; unset, the mask from
+/// [`MASK_MIN_ROWS`] rows where cuBLASLt has an algorithm.
 fn gate_knob() -> Result<Option<GateKnob>> {
     static KNOB: knobs::Cell = knobs::Cell::new();
     let choice = knobs::read_once(&KNOB, || {
-        knobs::env_choice("TWELL_GATE", &["mask", "plain"])
+        knobs::env_choice("TWELL_GATE", &["mask", "plain", "lt"])
     })?;
-    Ok(choice.map(|i| [GateKnob::Mask, GateKnob::Plain][i]))
+    Ok(choice.map(|i| [GateKnob::Mask, GateKnob::Plain, GateKnob::Lt][i]))
+}
+
+/// What a cuBLASLt gate GEMM writes besides the gate.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Epilogue {
+    /// The gate with its negatives set to 0, and the bit mask of its positives.
+    ReluMask,
+    /// The gate alone (negatives kept, as `cublasGemmEx` writes it).
+    Plain,
 }
 
 /// `g = x · Wgᵀ` into a fresh `[m, f]` bf16 buffer, through cuBLAS.
@@ -141,6 +165,7 @@ struct Plan {
     c: lt_sys::cublasLtMatrixLayout_t,
     algo: lt_sys::cublasLtMatmulAlgo_t,
     workspace_bytes: usize,
+    epilogue: Epilogue,
 }
 
 impl Plan {
@@ -154,6 +179,7 @@ impl Plan {
             c: std::ptr::null_mut(),
             algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
             workspace_bytes: 0,
+            epilogue: Epilogue::Plain,
         }
     }
 }
@@ -174,10 +200,11 @@ impl Drop for Plan {
     }
 }
 
-/// A device's cuBLASLt handle and its plans by `(m, d, f)` (`None`: no algorithm).
+/// A device's cuBLASLt handle and its plans by `(m, d, f)` and epilogue (`None`: no
+/// algorithm).
 struct LtDevice {
     handle: lt_sys::cublasLtHandle_t,
-    plans: HashMap<(usize, usize, usize), Option<Plan>>,
+    plans: HashMap<(usize, usize, usize, Epilogue), Option<Plan>>,
 }
 
 // SAFETY: the raw cuBLASLt objects are only used under the `LT` lock, and cuBLASLt
@@ -196,13 +223,14 @@ pub(super) fn keep_workspace(dev: &CudaDevice, workspace: CudaSlice<u8>) {
     WORKSPACES.put(dev.cuda_stream().context().ordinal(), workspace);
 }
 
-/// The GEMM through cuBLASLt with the ReLU + mask epilogue; `None` when cuBLASLt has no
-/// algorithm for it.
-fn gate_gemm_masked(
+/// The GEMM through cuBLASLt with `epilogue`; `None` when cuBLASLt has no algorithm for
+/// it.
+fn gate_gemm_lt(
     dev: &CudaDevice,
     x: &CudaView<bf16>,
     wg: &CudaView<bf16>,
     (m, d, f): (usize, usize, usize),
+    epilogue: Epilogue,
 ) -> Result<Option<Gate>> {
     let stream = dev.cuda_stream();
     let ordinal = stream.context().ordinal();
@@ -220,14 +248,19 @@ fn gate_gemm_masked(
         make_handle,
         |lt_dev| {
             // A shape cuBLASLt was found to have no algorithm for needs no buffers.
-            if matches!(lt_dev.plans.get(&(m, d, f)), Some(None)) {
+            let key = (m, d, f, epilogue);
+            if matches!(lt_dev.plans.get(&key), Some(None)) {
                 return Ok(None);
             }
             // SAFETY: cuBLASLt writes every value and, for rows of the mask, every bit the
             // pack reads (bits 0..f of each row). A new shape's plan times its candidates on
-            // them.
+            // them. The plain epilogue writes no mask: one word stands in for it.
             let mut gate = unsafe { dev.alloc::<bf16>(m * f)? };
-            let mut mask = unsafe { dev.alloc::<u32>(m * words_per_row)? };
+            let mask_words = match epilogue {
+                Epilogue::ReluMask => m * words_per_row,
+                Epilogue::Plain => 1,
+            };
+            let mut mask = unsafe { dev.alloc::<u32>(mask_words)? };
             let (workspace_ptr, workspace_bytes) = WORKSPACES.peek(&ordinal, |w| {
                 w.map_or((0, 0), |w| (w.device_ptr(&stream).0, w.len()))
             });
@@ -244,10 +277,10 @@ fn gate_gemm_masked(
                 workspace: workspace_ptr,
                 workspace_bytes,
             };
-            let plan = match lt_dev.plans.entry((m, d, f)) {
+            let plan = match lt_dev.plans.entry(key) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(make_plan(handle, &stream, (m, d, f), &buffers)?)
+                    e.insert(make_plan(handle, &stream, (m, d, f), epilogue, &buffers)?)
                 }
             };
             let Some(plan) = plan.as_ref() else {
@@ -267,7 +300,7 @@ fn gate_gemm_masked(
             drop((_mask_guard, _gate_guard));
             Ok(Some(Gate {
                 values: gate,
-                mask: Some((mask, words_per_row)),
+                mask: (epilogue == Epilogue::ReluMask).then_some((mask, words_per_row)),
             }))
         },
     )
@@ -298,11 +331,13 @@ unsafe fn launch(
     buffers: &Buffers,
 ) -> Result<()> {
     let (alpha, beta) = (1f32, 0f32);
-    set_attr(
-        plan.desc,
-        lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-        &buffers.mask,
-    )?;
+    if plan.epilogue == Epilogue::ReluMask {
+        set_attr(
+            plan.desc,
+            lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+            &buffers.mask,
+        )?;
+    }
     lt::matmul(
         handle,
         plan.desc,
@@ -344,18 +379,21 @@ fn candidates() -> Result<usize> {
 /// both only under `TWELL_GATE=mask`) a sync per new shape costs more than it gains.
 const TUNE_MIN_ROWS: usize = 1024;
 
-/// Descriptor, layouts and algorithm of `Gᵀ [f, m] = relu(Wg [f, d] · xᵀ [d, m])` in
-/// column-major terms (row-major `wg`, `x`, `g`), with the mask's leading dimension set;
-/// runs the GEMM into `buffers` while it times candidates.
+/// Descriptor, layouts and algorithm of `Gᵀ [f, m] = Wg [f, d] · xᵀ [d, m]` in
+/// column-major terms (row-major `wg`, `x`, `g`), with the ReLU and the mask's leading
+/// dimension set for [`Epilogue::ReluMask`]; runs the GEMM into `buffers` while it times
+/// candidates.
 fn make_plan(
     handle: lt_sys::cublasLtHandle_t,
     stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
     (m, d, f): (usize, usize, usize),
+    epilogue: Epilogue,
     buffers: &Buffers,
 ) -> Result<Option<Plan>> {
     use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
     let bf = lt_sys::cudaDataType_t::CUDA_R_16BF;
     let mut plan = Plan::empty();
+    plan.epilogue = epilogue;
     plan.desc = lt::create_matmul_desc(
         lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         lt_sys::cudaDataType_t::CUDA_R_32F,
@@ -367,19 +405,21 @@ fn make_plan(
     let (desc, a, b, c) = (plan.desc, plan.a, plan.b, plan.c);
     let transpose: i32 = 1;
     let keep: i32 = 0;
-    let epilogue = lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_AUX;
     let mask_ld = (mask_words_per_row(f) * 32) as i64;
     // SAFETY: each attribute gets a value of the type the cuBLASLt docs give it.
     unsafe {
         set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &transpose)?;
         set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_TRANSB, &keep)?;
-        set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-        set_attr(
-            desc,
-            Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-            &buffers.mask,
-        )?;
-        set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &mask_ld)?;
+        if epilogue == Epilogue::ReluMask {
+            let relu_aux = lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_AUX;
+            set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, &relu_aux)?;
+            set_attr(
+                desc,
+                Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                &buffers.mask,
+            )?;
+            set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &mask_ld)?;
+        }
     }
     let wanted = candidates()?;
     let mut found: Vec<lt_sys::cublasLtMatmulHeuristicResult_t> = Vec::with_capacity(wanted);
@@ -445,7 +485,7 @@ fn fastest(
     let mut times = Vec::with_capacity(found.len());
     for h in found {
         let mut runs = Vec::with_capacity(3);
-        // SAFETY: as in `gate_gemm_masked`: the plan describes `buffers`.
+        // SAFETY: as in `gate_gemm_lt`: the plan describes `buffers`.
         unsafe { launch(handle, stream, plan, &h.algo, h.workspaceSize, buffers)? };
         for _ in 0..3 {
             let start = stream
