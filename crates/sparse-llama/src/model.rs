@@ -834,6 +834,19 @@ impl Llama {
         Ok((self.lm_head.forward(&h)?.to_dtype(DType::F32)?, residuals))
     }
 
+    /// The residual stream after each block alone (no output head): what a teacher gives
+    /// when only its residuals are distilled.
+    pub fn residuals(
+        &self,
+        x: &Tensor,
+        index_pos: usize,
+        cache: &mut Cache,
+    ) -> Result<Vec<Tensor>> {
+        Ok(self
+            .run(x, index_pos, Some(cache), Pass::Inference, true)?
+            .2)
+    }
+
     /// Differentiable forward over whole sequences (no cache): all logits, the L1 term
     /// averaged over layers and the residual stream after each block.
     pub fn forward_train(&self, x: &Tensor) -> Result<TrainOutput> {

@@ -778,28 +778,40 @@ impl Trainer {
             let (inputs, targets) = (batch.narrow(1, 0, t)?, batch.narrow(1, 1, t)?);
             let out = self.model.forward_train(&inputs)?;
             let ce = cross_entropy(&out.logits, &targets)?;
-            let mut loss = (&out.l1 * l1_coefficient)?;
+            let ce_part = match distill > 0.0 {
+                true => (&ce * (1.0 - distill))?,
+                false => ce.clone(),
+            };
+            let mut loss = ((&out.l1 * l1_coefficient)? + ce_part)?;
             let (mut kl_value, mut rd_value) = (None, None);
-            match (&mut self.teacher, distill > 0.0 || beta > 0.0) {
-                (Some(teacher), true) => {
-                    let (teacher_logits, teacher_residuals) = teacher
-                        .model
-                        .forward_all_with_residuals(&inputs, 0, &mut teacher.cache, beta > 0.0)?;
-                    if distill > 0.0 {
-                        let kl = crate::distill::kl_divergence(&out.logits, &teacher_logits)?;
-                        loss = ((loss + (&ce * (1.0 - distill))?)? + (&kl * distill)?)?;
-                        kl_value = Some(kl);
-                    } else {
-                        loss = (loss + &ce)?;
+            if let (Some(teacher), true) = (&mut self.teacher, distill > 0.0 || beta > 0.0) {
+                // The teacher's logits only when they are distilled: its output head and
+                // the f32 `[tokens, vocab]` copy are the largest part of its pass.
+                let (teacher_logits, teacher_residuals) = match distill > 0.0 {
+                    true => {
+                        let (logits, residuals) = teacher.model.forward_all_with_residuals(
+                            &inputs,
+                            0,
+                            &mut teacher.cache,
+                            beta > 0.0,
+                        )?;
+                        (Some(logits), residuals)
                     }
-                    if beta > 0.0 {
-                        let rd =
-                            crate::distill::residual_distance(&out.residuals, &teacher_residuals)?;
-                        loss = (loss + (&rd * beta)?)?;
-                        rd_value = Some(rd);
-                    }
+                    false => (
+                        None,
+                        teacher.model.residuals(&inputs, 0, &mut teacher.cache)?,
+                    ),
+                };
+                if let Some(teacher_logits) = teacher_logits {
+                    let kl = crate::distill::kl_divergence(&out.logits, &teacher_logits)?;
+                    loss = (loss + (&kl * distill)?)?;
+                    kl_value = Some(kl);
                 }
-                _ => loss = (loss + &ce)?,
+                if beta > 0.0 {
+                    let rd = crate::distill::residual_distance(&out.residuals, &teacher_residuals)?;
+                    loss = (loss + (&rd * beta)?)?;
+                    rd_value = Some(rd);
+                }
             }
             let loss = (loss / self.cfg.grad_accum as f64)?;
             phases.forward += clock.lap()?;

@@ -254,17 +254,22 @@ fn gate_gemm_lt(
             }
             // SAFETY: cuBLASLt writes every value and, for rows of the mask, every bit the
             // pack reads (bits 0..f of each row). A new shape's plan times its candidates on
-            // them. The plain epilogue writes no mask: one word stands in for it.
+            // them. The plain epilogue writes no mask.
             let mut gate = unsafe { dev.alloc::<bf16>(m * f)? };
-            let mask_words = match epilogue {
-                Epilogue::ReluMask => m * words_per_row,
-                Epilogue::Plain => 1,
+            let mut mask = match epilogue {
+                Epilogue::ReluMask => Some(unsafe { dev.alloc::<u32>(m * words_per_row)? }),
+                Epilogue::Plain => None,
             };
-            let mut mask = unsafe { dev.alloc::<u32>(mask_words)? };
             let (workspace_ptr, workspace_bytes) = WORKSPACES.peek(&ordinal, |w| {
                 w.map_or((0, 0), |w| (w.device_ptr(&stream).0, w.len()))
             });
-            let (mask_ptr, _mask_guard) = mask.device_ptr_mut(&stream);
+            let (mask_ptr, _mask_guard) = match mask.as_mut() {
+                Some(mask) => {
+                    let (ptr, guard) = mask.device_ptr_mut(&stream);
+                    (ptr, Some(guard))
+                }
+                None => (0, None),
+            };
             let handle = lt_dev.handle;
             let (x_ptr, _x_guard) = x.device_ptr(&stream);
             let (wg_ptr, _wg_guard) = wg.device_ptr(&stream);
@@ -300,7 +305,7 @@ fn gate_gemm_lt(
             drop((_mask_guard, _gate_guard));
             Ok(Some(Gate {
                 values: gate,
-                mask: (epilogue == Epilogue::ReluMask).then_some((mask, words_per_row)),
+                mask: mask.map(|mask| (mask, words_per_row)),
             }))
         },
     )
@@ -311,6 +316,7 @@ struct Buffers {
     wg: u64,
     x: u64,
     gate: u64,
+    /// 0 for [`Epilogue::Plain`], which writes no mask.
     mask: u64,
     workspace: u64,
     workspace_bytes: usize,
@@ -319,9 +325,9 @@ struct Buffers {
 /// Enqueues the masked GEMM of `plan` with `algo` on `stream`.
 ///
 /// # Safety
-/// `buffers` must hold `wg [f, d]`, `x [m, d]`, `gate [m, f]` (row-major bf16) and a
-/// mask of `m` rows of the plan's leading dimension for the plan's `(m, d, f)`, and a
-/// workspace of at least `workspace_bytes`.
+/// `buffers` must hold `wg [f, d]`, `x [m, d]`, `gate [m, f]` (row-major bf16), with
+/// [`Epilogue::ReluMask`] a mask of `m` rows of the plan's leading dimension, for the
+/// plan's `(m, d, f)`, and a workspace of at least `workspace_bytes`.
 unsafe fn launch(
     handle: lt_sys::cublasLtHandle_t,
     stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
