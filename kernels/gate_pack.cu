@@ -13,6 +13,9 @@ extern "C" __global__ void twell_gate_pack_bf16(
     uint8_t* __restrict__ indices,           // [M, n_tiles, cap]
     __nv_bfloat16* __restrict__ values,      // [M, n_tiles, cap]
     int M, int f, int tile, int cap, int n_tiles) {
+    // Overlapped launch: the gate comes from the kernel ahead (`twell_common.cuh`).
+    allow_next_grid();
+    wait_for_previous_grid();
     const long long w = global_warp();
     const int lane = threadIdx.x & 31;
     if (w >= static_cast<long long>(M) * n_tiles) return;
@@ -105,6 +108,9 @@ extern "C" __global__ void twell_gate_pack_vec_bf16(
     uint8_t* __restrict__ indices,           // [M, n_tiles, cap]
     __nv_bfloat16* __restrict__ values,      // [M, n_tiles, cap]
     int M, int f, int tile, int cap, int n_tiles) {
+    // Overlapped launch: the gate comes from the kernel ahead (`twell_common.cuh`).
+    allow_next_grid();
+    wait_for_previous_grid();
     const long long total = static_cast<long long>(M) * n_tiles;
     const long long first = global_warp() * PACK_UNITS;
     const int lane = threadIdx.x & 31;
@@ -178,6 +184,9 @@ extern "C" __global__ void twell_gate_pack_mask_bf16(
     uint8_t* __restrict__ indices,           // [M, n_tiles, cap]
     __nv_bfloat16* __restrict__ values,      // [M, n_tiles, cap]
     int M, int f, int tile, int cap, int n_tiles, int words_per_row) {
+    // Overlapped launch: the gate comes from the kernel ahead (`twell_common.cuh`).
+    allow_next_grid();
+    wait_for_previous_grid();
     const int lane = threadIdx.x & 31;
     const int words_per_tile = tile >> 5;  // a power of two
     const int tile_shift = __ffs(words_per_tile) - 1;

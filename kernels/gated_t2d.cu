@@ -181,12 +181,16 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
     const long long row = rp.row;
     const int lane = threadIdx.x & 31;
     // A whole row per warp has no partner to wait for.
+    // Overlapped launch (`twell_common.cuh`): x comes from before the gate GEMM, so the
+    // row is loaded (and normalised) while the pack ahead finishes; its slots are not.
+    allow_next_grid();
     if (SPLIT == 1 && row >= M) return;
     float l1 = 0.f;
     if (row < M) {
         uint4 xr[MAXV];
         row_to_registers<MAXV>(x + row * d, d, xr);
         const float g_scale = NORM ? normalize_registers<MAXV>(xr, d, eps) : 1.f;
+        wait_for_previous_grid();
         const long long two_d = 2LL * d;
         auto dot = [&](int j) { return registers_dot<MAXV>(xr, w_ud + j * two_d, d); };
         walk_pairs(
@@ -310,6 +314,8 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
             if (e < d) axpy8(h, wd + e, acc[i]);
         }
     };
+    // Overlapped launch: every input but the weights comes from up, the kernel ahead.
+    wait_for_previous_grid();
     if (row < M) {
         walk_pairs(
             counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f,

@@ -16,6 +16,23 @@ __device__ __forceinline__ long long l1_at(int M, int d, long long row) {
     return static_cast<long long>(M) * d + row;
 }
 
+// Programmatic dependent launch (sm_90 and newer; `crates/twell/src/cuda/launch.rs`). A
+// kernel launched with the attribute may start while the kernel ahead of it on the stream
+// still runs: before it reads what that kernel writes, or writes what it reads, it waits
+// here for it to finish (and for everything before it). `allow_next_grid` lets the next
+// kernel's blocks be placed as soon as every block of this one has started. Built for
+// compute_80 (launched without the attribute) both are nothing.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // A float rounded to bf16 and back: where a kernel must see the value a bf16 tensor
 // (the cuBLAS gate of the other paths) would hold.
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }

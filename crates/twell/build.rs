@@ -2,7 +2,8 @@
 //!
 //! The PTX targets compute_80 so one build runs on Ampere and Hopper (the driver
 //! compiles it for the card at load); the attention is built once more for sm_90a,
-//! whose wgmma kernel the launcher picks on a Hopper card. nvcc must be CUDA 13.0 or
+//! whose wgmma kernel the launcher picks on a Hopper card, and the prefill's pack and
+//! row kernels for compute_90, with their overlapped-launch waits. nvcc must be CUDA 13.0 or
 //! older than the GPU's driver: newer PTX does not load.
 
 fn main() {
@@ -16,8 +17,8 @@ fn main() {
         std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("manifest dir"))
             .join("../../kernels");
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".to_string());
-    // (source, PTX name, virtual architecture): every kernel for compute_80, and the
-    // attention once more for sm_90a, where its wgmma kernel is compiled in.
+    // (source, PTX name, virtual architecture): every kernel for compute_80, and some
+    // once more for Hopper (below).
     let mut builds: Vec<(&str, &str, &str)> = Vec::new();
     for name in [
         "gate_pack",
@@ -38,6 +39,10 @@ fn main() {
         builds.push((name, name, "compute_80"));
     }
     builds.push(("causal_attention", "causal_attention_sm90a", "compute_90a"));
+    // The prefill's pack and row kernels once more for compute_90, where their waits for
+    // the kernel ahead (programmatic dependent launch, `src/cuda/launch.rs`) compile in.
+    builds.push(("gate_pack", "gate_pack_sm90", "compute_90"));
+    builds.push(("gated_t2d", "gated_t2d_sm90", "compute_90"));
     for (name, ptx_name, arch) in builds {
         let src = kernels.join(format!("{name}.cu"));
         let ptx = out.join(format!("{ptx_name}.ptx"));

@@ -27,6 +27,7 @@ mod embedding;
 mod gate_gemm;
 mod gate_l0;
 mod kl_divergence;
+mod launch;
 mod per_key;
 mod residual_linear;
 mod rope;
@@ -55,6 +56,9 @@ pub use twell_mlp_bwd::{backward_calls, backward_supported, twell_mlp_backward};
 pub use twell_mlp_products::{products_take, twell_mlp_products};
 
 const GATE_PACK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
+/// The same kernels built for compute_90, where their waits for the kernel ahead
+/// (`launch`) are compiled in.
+const GATE_PACK_SM90_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack_sm90.ptx"));
 
 /// Threads per block of the warp-per-item kernels.
 const BLOCK_THREADS: u32 = 256;
@@ -109,14 +113,18 @@ fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
     .max(1))
 }
 
+/// The device's compute capability, major version.
+fn compute_major(dev: &CudaDevice) -> Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    device_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+}
+
 /// Whether the device runs sm_90a code (compute capability 9.0, Hopper): its
 /// architecture-specific instructions (wgmma) run there and nowhere else.
 fn is_sm90(dev: &CudaDevice) -> Result<bool> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-    Ok(
-        device_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? == 9
-            && device_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? == 0,
-    )
+    Ok(compute_major(dev)? == 9
+        && device_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? == 0)
 }
 
 /// The shape arguments every `gated_t2d` kernel takes, in its parameter order.
@@ -143,11 +151,9 @@ impl KernelDims {
         }
     }
 
-    /// The shape arguments of the pair-grouping kernels: all but d.
-    fn push_pattern<'a>(
-        &'a self,
-        b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>,
-    ) {
+    /// The shape arguments of the pair-grouping kernels: all but d. (`b` is cudarc's
+    /// launch builder or [`launch::Args`].)
+    fn push_pattern<'a, B: PushKernelArg<&'a i32>>(&'a self, b: &mut B) {
         b.arg(&self.m)
             .arg(&self.f)
             .arg(&self.tile)
@@ -155,7 +161,7 @@ impl KernelDims {
             .arg(&self.n_tiles);
     }
 
-    fn push<'a>(&'a self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
+    fn push<'a, B: PushKernelArg<&'a i32>>(&'a self, b: &mut B) {
         b.arg(&self.m)
             .arg(&self.d)
             .arg(&self.f)

@@ -10,11 +10,12 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape};
 use half::bf16;
 
+use super::launch::{overlap_launches, Args};
 use super::twell_mlp_decode::{twell_mlp_decode, use_fused_decode, AddNorm, PreNorm};
 use super::{
     bf16_view, decode_max_tokens, gate_gemm, grid_1d, multiprocessors, output_buffer, per_key,
     row_vectors, warp_launch, KernelDims, PerContext, ADD_RMS_NORM_MAX_HIDDEN, BLOCK_THREADS,
-    DECODE_MAX_TOKENS, DEFAULT_SHARED_BYTES, GATE_PACK_PTX, WARP_CHUNK,
+    DECODE_MAX_TOKENS, DEFAULT_SHARED_BYTES, GATE_PACK_PTX, GATE_PACK_SM90_PTX, WARP_CHUNK,
 };
 use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
@@ -22,6 +23,9 @@ use crate::knobs;
 use crate::ops::mlp_result_len;
 
 const GATED_T2D_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));
+/// The same kernels built for compute_90, with their waits for the kernel ahead compiled
+/// in (`launch`).
+const GATED_T2D_SM90_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d_sm90.ptx"));
 
 /// (row, tile) units per warp of `twell_gate_pack_vec_bf16` (`PACK_UNITS` in the .cu).
 const PACK_UNITS: usize = 4;
@@ -396,8 +400,15 @@ fn mlp_forward(
             }
         }
     };
-    let pack = dev.get_or_load_custom_func(pack, "twell_gate_pack", GATE_PACK_PTX)?;
-    let mut b = pack.builder();
+    // Overlapped launches (`launch`) for the pack, and the row kernels of an inference
+    // pass: with a copy between the pack and up (training), up waits as before.
+    let overlap = overlap_launches(&dev)? && !profiling();
+    let pack = if overlap {
+        dev.get_or_load_custom_func(pack, "twell_gate_pack_sm90", GATE_PACK_SM90_PTX)?
+    } else {
+        dev.get_or_load_custom_func(pack, "twell_gate_pack", GATE_PACK_PTX)?
+    };
+    let mut b = Args::new(&stream);
     b.arg(&gate);
     if let Some((bits, _)) = &mask {
         b.arg(bits);
@@ -409,7 +420,7 @@ fn mlp_forward(
         b.arg(words);
     }
     // SAFETY: bounds checked in the kernel.
-    unsafe { b.launch(warp_launch(pack_warps)?) }.w()?;
+    unsafe { b.launch(&pack, warp_launch(pack_warps)?, overlap) }?;
     // For a backward pass: the slots' g before `up` writes h over them, and a buffer
     // where `up` leaves each slot's u. A null pointer tells `up` not to.
     let mut kept = if keep_for_backward {
@@ -467,9 +478,17 @@ fn mlp_forward(
         Some(_) => unsafe { dev.alloc::<f32>(m)? },
         None => dev.alloc_zeros::<f32>(m)?,
     };
-    let up = dev.get_or_load_custom_func(&up_name, "gated_t2d", GATED_T2D_PTX)?;
+    let overlap_rows = overlap && kept.is_none() && row_kernels.is_some();
+    let gated_t2d = |name: &str| {
+        if overlap_rows {
+            dev.get_or_load_custom_func(name, "gated_t2d_sm90", GATED_T2D_SM90_PTX)
+        } else {
+            dev.get_or_load_custom_func(name, "gated_t2d", GATED_T2D_PTX)
+        }
+    };
+    let up = gated_t2d(&up_name)?;
     let spw_i = slots_per_warp as i32;
-    let mut b = up.builder();
+    let mut b = Args::new(&stream);
     b.arg(&xv)
         .arg(&wudv)
         .arg(&counts)
@@ -490,14 +509,14 @@ fn mlp_forward(
     }
     // SAFETY: `split` warps per row (row kernel; a divisor of the block's warps) or one
     // per (row, tile, slot group), bounds checked in the kernel.
-    unsafe { b.launch(warp_launch(up_warps)?) }.w()?;
+    unsafe { b.launch(&up, warp_launch(up_warps)?, overlap_rows) }?;
     mark(&mut marks)?;
     match row_kernels {
         Some(v) => {
             let kind = if fold.is_some() { "_norm" } else { "" };
             let down_name = format!("gated_t2d_down_rows{kind}_bf16_v{v}_s{split}");
-            let down = dev.get_or_load_custom_func(&down_name, "gated_t2d", GATED_T2D_PTX)?;
-            let mut b = down.builder();
+            let down = gated_t2d(&down_name)?;
+            let mut b = Args::new(&stream);
             b.arg(&wudv)
                 .arg(&counts)
                 .arg(&indices)
@@ -513,7 +532,7 @@ fn mlp_forward(
             cfg.shared_mem_bytes = down_split_bytes(split, d) as u32;
             // SAFETY: `split` warps per row (a divisor of the block's warps, its shared
             // memory sized above), bounds checked in the kernel.
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { b.launch(&down, cfg, overlap_rows) }?;
         }
         None => {
             let tile_groups = if decode { n_tiles } else { 1 };
