@@ -28,10 +28,21 @@ fn trainer(l1: f64, steps: usize) -> Trainer {
 
 /// The tiny ReLU model's trainer with the given FFN path and L1 term.
 fn trainer_with(l1: f64, steps: usize, ffn: FfnMode, l1_penalty: L1Penalty) -> Trainer {
+    trainer_edited(l1, steps, ffn, l1_penalty, |_| {})
+}
+
+/// [`trainer_with`], its settings then changed by `edit`.
+fn trainer_edited(
+    l1: f64,
+    steps: usize,
+    ffn: FfnMode,
+    l1_penalty: L1Penalty,
+    edit: impl FnOnce(&mut TrainConfig),
+) -> Trainer {
     let mut cfg = tiny_config("silu", 256).into_config(false).unwrap();
     cfg.ffn_mode = ffn;
     let w = tiny_weights(&cfg, 11);
-    let tc = TrainConfig {
+    let mut tc = TrainConfig {
         seq_len: 32,
         batch_size: 4,
         grad_accum: 2,
@@ -43,6 +54,7 @@ fn trainer_with(l1: f64, steps: usize, ffn: FfnMode, l1_penalty: L1Penalty) -> T
         dead_window_steps: 5,
         ..Default::default()
     };
+    edit(&mut tc);
     Trainer::new(cfg, w, tc, &Device::Cpu).unwrap()
 }
 
@@ -374,6 +386,46 @@ fn hoyer_penalty_lowers_l0_on_the_dense_ffn() {
 fn gate_l0_penalty_lowers_l0_on_the_dense_ffn() {
     assert_penalty_lowers_l0(L1Penalty::GateL0, 0.1);
     assert_eq!("gate-l0".parse::<L1Penalty>().unwrap(), L1Penalty::GateL0);
+}
+
+/// The gradient window below the ReLU's zero leaves the forward as it is (the first
+/// step's loss is the same to the last bit), changes what training does, and the
+/// sparsity term still lowers L0 with it.
+#[test]
+fn a_gradient_window_changes_training_but_not_the_forward() {
+    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
+    let run = |l1: f64, window: f64| {
+        let mut t = trainer_edited(l1, 25, FfnMode::Dense, L1Penalty::GateL0, |c| {
+            c.relu_grad_window = window
+        });
+        (0..25)
+            .map(|_| t.train_step(&data).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let (plain, windowed, off) = (run(0.1, 0.0), run(0.1, 0.5), run(0.0, 0.5));
+    assert_eq!(plain[0].ce, windowed[0].ce, "the forward changed");
+    assert_eq!(plain[0].mean_l0, windowed[0].mean_l0, "the forward changed");
+    assert!(
+        (plain[24].ce - windowed[24].ce).abs() > 1e-6,
+        "the window changed nothing: CE {} both",
+        plain[24].ce
+    );
+    let (on, off) = (&windowed[24], &off[24]);
+    assert!(on.ce.is_finite());
+    assert!(
+        on.mean_l0 < 0.8 * off.mean_l0,
+        "L0 with the window: {} at λ 0.1 vs {} at λ 0",
+        on.mean_l0,
+        off.mean_l0
+    );
+    for bad in [-0.5, f64::NAN, f64::INFINITY] {
+        let cfg = TrainConfig {
+            relu_grad_window: bad,
+            ..Default::default()
+        };
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("gradient window"), "{e}");
+    }
 }
 
 /// The controller's step: capped at ±10%, still at the target, easing off when nothing

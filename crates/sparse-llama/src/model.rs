@@ -878,6 +878,15 @@ impl Llama {
         Ok(())
     }
 
+    /// Sets every layer's gradient window below the ReLU's zero (see
+    /// [`SparseMlp::set_relu_grad_window`]).
+    pub fn set_relu_grad_window(&mut self, window: f64) -> Result<()> {
+        for b in &mut self.blocks {
+            b.mlp.set_relu_grad_window(window)?;
+        }
+        Ok(())
+    }
+
     /// Sets the feed-forward path of every layer.
     pub fn set_ffn_mode(&mut self, mode: FfnMode) -> Result<()> {
         for b in &mut self.blocks {

@@ -165,6 +165,11 @@ pub struct TrainConfig {
     /// can lower directly. Biases take no weight decay.
     #[serde(default)]
     pub mlp_bias: bool,
+    /// The gradient window below the ReLU's zero, in units of each layer's mean |gate|
+    /// ([`twell::SparseMlp::set_relu_grad_window`]): the loss's gradient reaches the
+    /// neurons just off, as if they were on, so it can ask for one. 0 is the plain ReLU.
+    #[serde(default)]
+    pub relu_grad_window: f64,
 }
 
 fn default_gate_l0_eps() -> f64 {
@@ -198,6 +203,7 @@ impl Default for TrainConfig {
             distill: 0.0,
             distill_residual: 0.0,
             mlp_bias: false,
+            relu_grad_window: 0.0,
         }
     }
 }
@@ -226,6 +232,9 @@ impl TrainConfig {
         }
         if !(self.distill_residual >= 0.0 && self.distill_residual.is_finite()) {
             return bad("the residual distillation weight must be a number >= 0");
+        }
+        if !(self.relu_grad_window >= 0.0 && self.relu_grad_window.is_finite()) {
+            return bad("the ReLU's gradient window must be a number >= 0");
         }
         if !(self.gate_l0_eps > 0.0 && self.gate_l0_eps.is_finite()) {
             return bad("the gate-l0 term's ε must be a positive number");
@@ -685,6 +694,7 @@ impl Trainer {
         model.record_ffn_stats(!cfg.no_activity_stats);
         model.set_l1_term(cfg.l1_penalty.term());
         model.set_gate_l0_eps(cfg.gate_l0_eps)?;
+        model.set_relu_grad_window(cfg.relu_grad_window)?;
         Ok(model)
     }
 

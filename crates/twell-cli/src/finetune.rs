@@ -102,6 +102,12 @@ pub struct FinetuneArgs {
     /// model runs the dense FFN (the TwELL kernels apply no biases yet).
     #[arg(long)]
     pub mlp_bias: bool,
+    /// Let the loss's gradient reach the gates within this many times each layer's mean
+    /// |gate| below zero, as if those neurons were on (a straight-through ReLU): the loss
+    /// can then ask for a neuron that is off, while the forward stays the plain ReLU.
+    /// 0 is off; needs --ffn dense.
+    #[arg(long, default_value_t = 0.0)]
+    pub relu_grad_window: f64,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Validate every N steps (0: only at the end).
@@ -183,6 +189,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         distill: args.distill,
         distill_residual: args.distill_residual,
         mlp_bias: args.mlp_bias,
+        relu_grad_window: args.relu_grad_window,
     };
     cfg.validate()?;
     if cfg.l1_target_text == DensityText::Validation && args.eval_every == 0 {
@@ -210,6 +217,9 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     if args.mlp_bias && ffn == FfnMode::Sparse {
         // One wording with the library's, which a sparse load of a biased checkpoint gives.
         bail!("--mlp-bias: {}", twell::TwellError::SparseBias);
+    }
+    if cfg.relu_grad_window > 0.0 && ffn != FfnMode::Dense {
+        bail!("--relu-grad-window is applied on the dense FFN: add --ffn dense");
     }
     if cfg.l1_penalty != L1Penalty::Plain && ffn != FfnMode::Dense {
         bail!(

@@ -758,6 +758,15 @@ fn bad_finetune_flags_are_rejected() {
         ),
         (&["--l1-gate-eps", "sharp"], "--l1-gate-eps"),
         (
+            &["--relu-grad-window", "0.2", "--ffn", "sparse"],
+            "--relu-grad-window is applied on the dense FFN",
+        ),
+        (
+            &["--relu-grad-window=-1", "--ffn", "dense"],
+            "gradient window must be a number >= 0",
+        ),
+        (&["--relu-grad-window", "wide"], "--relu-grad-window"),
+        (
             &["--mlp-bias", "--ffn", "sparse"],
             "--mlp-bias: sparse FFN: the TwELL kernels do not apply MLP biases",
         ),

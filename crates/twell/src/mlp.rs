@@ -310,6 +310,8 @@ pub struct SparseMlp {
     l1_term: L1Term,
     /// ε of [`L1Term::GateL0`] (see [`SparseMlp::set_gate_l0_eps`]).
     gate_l0_eps: f64,
+    /// See [`SparseMlp::set_relu_grad_window`]; 0 is off.
+    relu_grad_window: f64,
     calls: std::sync::atomic::AtomicUsize,
     last: Mutex<Option<LastForward>>,
     /// The last measured density, and the rows it was measured on.
@@ -394,6 +396,7 @@ impl SparseMlp {
             record_stats: false,
             l1_term: L1Term::Plain,
             gate_l0_eps: GATE_L0_EPS,
+            relu_grad_window: 0.0,
             calls: std::sync::atomic::AtomicUsize::new(0),
             last: Mutex::new(None),
             last_density: Mutex::new(None),
@@ -524,6 +527,24 @@ impl SparseMlp {
             )));
         }
         self.gate_l0_eps = eps;
+        Ok(())
+    }
+
+    /// Lets the loss's gradient reach the gates that lie within `window` times the
+    /// layer's mean `|gate|` below zero, as if those neurons were on
+    /// ([`crate::ops::relu_grad_window`]): through a plain ReLU the loss cannot ask for a
+    /// neuron that is off, and only the sparsity term chooses which few fire. The
+    /// forward is unchanged; 0 (the default) is the plain ReLU. Dense path only (the
+    /// TwELL kernels' backward is the plain ReLU's), on a ReLU MLP.
+    pub fn set_relu_grad_window(&mut self, window: f64) -> Result<()> {
+        crate::ops::check_relu_grad_window(window)?;
+        if window > 0.0 && self.activation != Activation::Relu {
+            return err(TwellError::Invalid(format!(
+                "a gradient window below the ReLU's zero needs a ReLU MLP, this one is {:?}",
+                self.activation
+            )));
+        }
+        self.relu_grad_window = window;
         Ok(())
     }
 
@@ -915,6 +936,13 @@ impl SparseMlp {
                 self.l1_term
             )));
         }
+        if sparse && want_l1 && self.relu_grad_window > 0.0 {
+            return err(TwellError::Invalid(
+                "the ReLU's gradient window is applied on the dense path only: train with \
+                 the dense FFN (--ffn dense)"
+                    .into(),
+            ));
+        }
         if sparse {
             let res = match self.screen_for(x2.dim(0)?)? {
                 Some(screen) => {
@@ -947,7 +975,12 @@ impl SparseMlp {
         // separate weights are contiguous already and not copied.
         let (up, down) = (self.up.contiguous()?, self.down.contiguous()?);
         let up = add_bias(x2.matmul(&up.t()?)?, |b| &b.up)?;
-        let h = (self.activation.apply(&gate)? * up)?;
+        let act = if self.relu_grad_window > 0.0 {
+            crate::ops::relu_grad_window(&gate, self.relu_grad_window)?
+        } else {
+            self.activation.apply(&gate)?
+        };
+        let h = (act * up)?;
         let out = add_bias(h.matmul(&down.t()?)?, |b| &b.down)?;
         let l1 = match (want_l1, self.l1_term) {
             (false, _) => None,

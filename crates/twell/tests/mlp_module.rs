@@ -635,3 +635,91 @@ fn the_residual_plus_a_linear_layer_and_the_norm_alone() {
         .to_string();
     assert!(err.contains("share a dtype"), "{err}");
 }
+
+/// With a gradient window below the ReLU's zero the forward is the plain one, up and down
+/// get the same gradients, and the gate's gradient also flows through the gates just
+/// below zero: `((g > −w·mean|g|) ⊙ u ⊙ ∂L/∂h)ᵀ · x`.
+#[test]
+fn a_gradient_window_reaches_the_gates_just_below_zero() {
+    let dev = Device::Cpu;
+    let (t, d, f) = (9, 32, 96);
+    let w = synthetic_mlp(d, f, 0.2, DType::F32, &dev, 31).unwrap();
+    let x = synthetic_input(t, d, DType::F32, &dev, 32).unwrap();
+    let probe = Tensor::randn(0f32, 1.0, (t, d), &dev).unwrap();
+    let vars = [&w.gate, &w.up, &w.down].map(|v| candle_core::Var::from_tensor(v).unwrap());
+    let run = |window: f64, mode: FfnMode| {
+        let mut mlp = SparseMlp::new(
+            vars[0].as_tensor().clone(),
+            vars[1].as_tensor().clone(),
+            vars[2].as_tensor().clone(),
+            Activation::Relu,
+            mode,
+        )
+        .unwrap();
+        mlp.set_relu_grad_window(window).unwrap();
+        let (out, _) = mlp.forward_with_l1(&x)?;
+        let grads = (&out * &probe)?.sum_all()?.backward()?;
+        let grad = |i: usize| grads.get(vars[i].as_tensor()).unwrap().clone();
+        candle_core::Result::Ok((out, [grad(0), grad(1), grad(2)]))
+    };
+    let window = 0.3;
+    let (out_plain, plain) = run(0.0, FfnMode::Dense).unwrap();
+    let (out_win, win) = run(window, FfnMode::Dense).unwrap();
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(flat(&out_plain), flat(&out_win), "the forward changed");
+    assert_eq!(flat(&plain[1]), flat(&win[1]), "up's gradient changed");
+    assert_eq!(flat(&plain[2]), flat(&win[2]), "down's gradient changed");
+
+    let g = x.matmul(&w.gate.t().unwrap()).unwrap();
+    let u = x.matmul(&w.up.t().unwrap()).unwrap();
+    let dh = probe.matmul(&w.down).unwrap();
+    let expected_gate_grad = |threshold: f64| {
+        let passes = g.gt(threshold).unwrap().to_dtype(DType::F32).unwrap();
+        (passes * &u * &dh)
+            .unwrap()
+            .t()
+            .unwrap()
+            .matmul(&x)
+            .unwrap()
+    };
+    let mean_size = g
+        .abs()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap() as f64;
+    let in_window = flat(&g)
+        .iter()
+        .filter(|&&v| v <= 0.0 && (v as f64) > -window * mean_size)
+        .count();
+    assert!(
+        in_window > 0,
+        "no gate in the window: the test shows nothing"
+    );
+    assert!(rel_l2(&win[0], &expected_gate_grad(-window * mean_size)).unwrap() < 1e-5);
+    assert!(rel_l2(&plain[0], &expected_gate_grad(0.0)).unwrap() < 1e-5);
+    assert!(
+        rel_l2(&plain[0], &win[0]).unwrap() > 1e-3,
+        "the window changed nothing"
+    );
+
+    // The TwELL kernels' backward has no window: a training pass there is refused.
+    let e = run(window, FfnMode::Sparse).unwrap_err().to_string();
+    assert!(e.contains("--ffn dense"), "{e}");
+    // A SiLU MLP has gradients below zero already; bad windows are refused.
+    let mut silu = SparseMlp::new(
+        w.gate.clone(),
+        w.up.clone(),
+        w.down.clone(),
+        Activation::Silu,
+        FfnMode::Dense,
+    )
+    .unwrap();
+    let e = silu.set_relu_grad_window(0.3).unwrap_err().to_string();
+    assert!(e.contains("ReLU"), "{e}");
+    for bad in [-1.0, f64::NAN] {
+        let e = silu.set_relu_grad_window(bad).unwrap_err().to_string();
+        assert!(e.contains("gradient window"), "{e}");
+    }
+}

@@ -14,7 +14,8 @@
 //!   token embedding at its input (a one-pass backward);
 //! * [`kl_divergence`]: the distillation loss between a teacher's and a student's logits;
 //! * [`gate_l0`]: the smooth count of positive gates that fine-tuning can penalise
-//!   ([`crate::L1Term::GateL0`]);
+//!   ([`crate::L1Term::GateL0`]), and [`relu_grad_window`], a ReLU whose gradient also
+//!   reaches the gates just below zero;
 //! * [`adamw_step`] and [`adamw_step_mixed`]: the optimizer's update of one parameter, in
 //!   place (f32, or a bf16 variable on an f32 master), and [`sum_squares`] for the
 //!   gradient norm.
@@ -39,6 +40,7 @@ mod gate_l0;
 mod gate_pack;
 mod gated_t2d;
 mod kl_divergence;
+mod relu_grad_window;
 mod residual_linear;
 mod rope;
 mod twell_mlp;
@@ -61,6 +63,8 @@ pub use gated_t2d::{gated_t2d, GatedT2d};
 pub use kl_divergence::{
     kl_divergence, kl_divergence_fused, kl_divergence_reference, KlDivergence,
 };
+pub(crate) use relu_grad_window::check_window as check_relu_grad_window;
+pub use relu_grad_window::{relu_grad_window, ReluGradWindow};
 pub use residual_linear::residual_add_linear;
 pub use rope::{
     prefill_rope, rope, rope_keys_in_place, rope_qkv, rope_qkv_part, PrefillRope, QkvPart, Rope,

@@ -8,6 +8,8 @@
 #   rd3=--distill-residual,3   β = 3
 #   wd0=--weight-decay,0       no weight decay (a variant's flag replaces the recipe's)
 #   base=                      the recipe as it is (the thirtieth session's run again)
+#   gw2=--relu-grad-window,0.2 the loss's gradient also reaches the gates within 0.2 of
+#                              each layer's mean |gate| below zero (thirty-eighth session)
 #   s-t298=--l1-target-density,0.0298   the sparse run aimed at 2.98%: a name starting
 #                              with s- changes the sparse run only, runs no twin of its
 #                              own, and is measured against base's twin
