@@ -340,12 +340,8 @@ fn sparse_weight_grads_into(
         .arg(c.dg)
         .arg(c.du)
         .arg(dwg)
-        .arg(&mut *dw_ud)
-        .arg(&dims.d)
-        .arg(&dims.f)
-        .arg(&dims.tile)
-        .arg(&dims.cap)
-        .arg(&dims.n_tiles);
+        .arg(&mut *dw_ud);
+    dims.push_neuron(&mut b);
     // SAFETY: a block per neuron; every row of dwg and the first half of every row of
     // dw_ud is written.
     unsafe { b.launch(neuron_grid) }.w()?;
@@ -358,12 +354,8 @@ fn sparse_weight_grads_into(
         .arg(c.g_slots)
         .arg(c.u_slots)
         .arg(c.h)
-        .arg(dw_ud)
-        .arg(&dims.d)
-        .arg(&dims.f)
-        .arg(&dims.tile)
-        .arg(&dims.cap)
-        .arg(&dims.n_tiles);
+        .arg(dw_ud);
+    dims.push_neuron(&mut b);
     // SAFETY: a block per neuron; the second half of every row of dw_ud is written.
     unsafe { b.launch(neuron_grid) }.w()?;
     Ok(())
