@@ -180,10 +180,10 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
     const RowPart rp(SPLIT, n_tiles);
     const long long row = rp.row;
     const int lane = threadIdx.x & 31;
-    // A whole row per warp has no partner to wait for.
     // Overlapped launch (`twell_common.cuh`): x comes from before the gate GEMM, so the
     // row is loaded (and normalised) while the pack ahead finishes; its slots are not.
     allow_next_grid();
+    // A whole row per warp has no partner to wait for.
     if (SPLIT == 1 && row >= M) return;
     float l1 = 0.f;
     if (row < M) {
