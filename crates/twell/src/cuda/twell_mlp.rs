@@ -354,6 +354,14 @@ fn mlp_forward(
         return Ok((storage, Shape::from(len), activity));
     }
 
+    let len = match fold {
+        Some(_) => 2 * m * d,
+        None => mlp_result_len(m, d),
+    };
+    // SAFETY: the last kernel writes every element. Made before the gate GEMM, so that
+    // under `TWELL_POISON` the fill runs first and the GEMM, pack, up and down follow one
+    // another as they do unpoisoned (their overlapped launches are what is checked).
+    let mut out = unsafe { output_buffer(&dev, len)? };
     let stream = dev.cuda_stream();
     let mut marks = Vec::new();
     let mark = |marks: &mut Vec<_>| -> Result<()> {
@@ -434,12 +442,6 @@ fn mlp_forward(
     let no_u: u64 = 0;
     mark(&mut marks)?;
 
-    let len = match fold {
-        Some(_) => 2 * m * d,
-        None => mlp_result_len(m, d),
-    };
-    // SAFETY: the last kernel writes every element.
-    let mut out = unsafe { output_buffer(&dev, len)? };
     let decode = m <= decode_max_tokens()?;
     // Prefill rows that fit a warp's registers take the row kernels: a warp per row
     // computes h (x in registers), then a warp per row accumulates the down projection
