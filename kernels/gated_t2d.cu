@@ -171,12 +171,19 @@ extern "C" __global__ void gated_t2d_finish_bf16(const float* __restrict__ acc, 
 // rows (`SparseMlp::fold_pre_norm`). The RMS norm's factor r = rsqrt(mean(s²) + eps) is
 // positive, so relu(r · g) = r · relu(g): the pack kept the right neurons, and each h is
 // r · g · u, with u the dot of the normalised row, made here in registers.
-template <int MAXV, int SPLIT, bool NORM>
+//
+// MASK (inference, a warp a row): no TwELL slots; the row's pairs come from the gate
+// GEMM's ReLU bit mask (`walk_mask_row`), each h is left in the gate row at its column
+// (where the down kernel reads it), and the row's tile counts are written here, so the
+// pack launch goes.
+template <int MAXV, int SPLIT, bool NORM, bool MASK>
 __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,
                        const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,
                        __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate,
                        float* __restrict__ l1_out, __nv_bfloat16* __restrict__ u_out, int M, int d, int f,
-                       int tile, int cap, int n_tiles, float eps) {
+                       int tile, int cap, int n_tiles, float eps, const uint32_t* __restrict__ mask = nullptr,
+                       int words_per_row = 0, uint32_t* __restrict__ counts_out = nullptr) {
+    static_assert(!MASK || SPLIT == 1, "the mask walk takes whole rows");
     const RowPart rp(SPLIT, n_tiles);
     const long long row = rp.row;
     const int lane = threadIdx.x & 31;
@@ -193,45 +200,52 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
         wait_for_previous_grid();
         const long long two_d = 2LL * d;
         auto dot = [&](int j) { return registers_dot<MAXV>(xr, w_ud + j * two_d, d); };
-        walk_pairs(
-            counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f,
-            [&](int j, float g, long long slot, int n) {
-                __nv_bfloat16 mine = __float2bfloat16(0.f), mine_u = mine;
-                // One neuron at a time: interleaving two (twice the loads in flight)
-                // measured slower, the extra registers costing more than they hid; so did
-                // asking L1 for the next neuron's row (thirty-first session).
-                for (int q = 0; q < n; ++q) {
-                    const float u = dot(__shfl_sync(FULL_MASK, j, q));
-                    const __nv_bfloat16 h = __float2bfloat16(g_scale * __shfl_sync(FULL_MASK, g, q) * u);
-                    l1 += fabsf(__bfloat162float(h));
-                    if (lane == q) {
-                        mine = h;
-                        mine_u = __float2bfloat16(u);
-                    }
+        // Where a pair's h goes: its slot, or its column of the gate row (MASK).
+        __nv_bfloat16* h_out = MASK ? gate + row * f : values;
+        auto pairs = [&](int j, float g, long long slot, int n) {
+            __nv_bfloat16 mine = __float2bfloat16(0.f), mine_u = mine;
+            // One neuron at a time: interleaving two (twice the loads in flight) measured
+            // slower, the extra registers costing more than they hid; so did asking L1 for
+            // the next neuron's row (thirty-first session).
+            for (int q = 0; q < n; ++q) {
+                const float u = dot(__shfl_sync(FULL_MASK, j, q));
+                const __nv_bfloat16 h = __float2bfloat16(g_scale * __shfl_sync(FULL_MASK, g, q) * u);
+                l1 += fabsf(__bfloat162float(h));
+                if (lane == q) {
+                    mine = h;
+                    mine_u = __float2bfloat16(u);
                 }
-                if (slot >= 0) {
-                    values[slot] = mine;
-                    if (u_out) u_out[slot] = mine_u;
-                }
-            },
-            [&](int c0, int width) {
-                __nv_bfloat16* src = gate + row * f + c0;
-                for (int k = 0; k < width; k += 32) {
-                    const int col = k + lane;
-                    const float g = col < width ? __bfloat162float(src[col]) : 0.f;
-                    uint32_t mask = __ballot_sync(FULL_MASK, g > 0.f);
-                    __nv_bfloat16 mine = __float2bfloat16(0.f);  // non-positive gates become 0
-                    while (mask) {
-                        const int q = __ffs(mask) - 1;
-                        mask &= mask - 1;
-                        const float u = dot(c0 + k + q);
-                        const __nv_bfloat16 h = __float2bfloat16(g_scale * __shfl_sync(FULL_MASK, g, q) * u);
-                        l1 += fabsf(__bfloat162float(h));
-                        if (lane == q) mine = h;
-                    }
-                    if (col < width) src[col] = mine;
-                }
-            });
+            }
+            if (slot >= 0) {
+                h_out[slot] = mine;
+                if (u_out) u_out[slot] = mine_u;
+            }
+        };
+        if constexpr (MASK) {
+            walk_mask_row(mask + row * words_per_row, words_per_row, f, gate + row * f, counts_out + row * n_tiles,
+                          tile >> 5, pairs);
+        } else {
+            walk_pairs(counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f, pairs,
+                       [&](int c0, int width) {
+                           __nv_bfloat16* src = gate + row * f + c0;
+                           for (int k = 0; k < width; k += 32) {
+                               const int col = k + lane;
+                               const float g = col < width ? __bfloat162float(src[col]) : 0.f;
+                               uint32_t positive = __ballot_sync(FULL_MASK, g > 0.f);
+                               __nv_bfloat16 mine = __float2bfloat16(0.f);  // non-positive gates become 0
+                               while (positive) {
+                                   const int q = __ffs(positive) - 1;
+                                   positive &= positive - 1;
+                                   const float u = dot(c0 + k + q);
+                                   const __nv_bfloat16 h =
+                                       __float2bfloat16(g_scale * __shfl_sync(FULL_MASK, g, q) * u);
+                                   l1 += fabsf(__bfloat162float(h));
+                                   if (lane == q) mine = h;
+                               }
+                               if (col < width) src[col] = mine;
+                           }
+                       });
+        }
     }
     if (SPLIT == 1) {
         if (lane == 0) l1_out[row] = l1;
@@ -259,8 +273,8 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
         const uint32_t* __restrict__ counts, const uint8_t* __restrict__ indices,                   \
         __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate, float* __restrict__ l1, \
         __nv_bfloat16* __restrict__ u_out, int M, int d, int f, int tile, int cap, int n_tiles) {   \
-        up_row<MAXV, SPLIT, false>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, cap, \
-                                   n_tiles, 0.f);                                                   \
+        up_row<MAXV, SPLIT, false, false>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, \
+                                          cap, n_tiles, 0.f);                                       \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256) gated_t2d_up_rows_norm_bf16_v##MAXV##_s##SPLIT( \
         const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                \
@@ -268,8 +282,8 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
         __nv_bfloat16* __restrict__ values, __nv_bfloat16* __restrict__ gate, float* __restrict__ l1, \
         __nv_bfloat16* __restrict__ u_out, int M, int d, int f, int tile, int cap, int n_tiles,     \
         float eps) {                                                                                \
-        up_row<MAXV, SPLIT, true>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, cap, \
-                                  n_tiles, eps);                                                    \
+        up_row<MAXV, SPLIT, true, false>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, \
+                                         cap, n_tiles, eps);                                        \
     }
 #define UP_ROW_KERNELS(MAXV) UP_ROW_KERNEL(MAXV, 1) UP_ROW_KERNEL(MAXV, 2) UP_ROW_KERNEL(MAXV, 4)
 UP_ROW_KERNELS(1)
@@ -277,6 +291,30 @@ UP_ROW_KERNELS(2)
 UP_ROW_KERNELS(4)
 UP_ROW_KERNELS(8)
 UP_ROW_KERNELS(16)
+
+// The MASK forms, a warp a row (`gated_t2d_up_mask_rows[_norm]_bf16_v{MAXV}`): the row's
+// pairs from the gate's ReLU bit mask `[M, words_per_row]`, h left in `gate`, the tile
+// counts written to `counts`.
+#define UP_MASK_ROW_KERNEL(MAXV)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, MAXV >= 16 ? 1 : 2) gated_t2d_up_mask_rows_bf16_v##MAXV(           \
+        const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                \
+        const uint32_t* __restrict__ mask, uint32_t* __restrict__ counts, __nv_bfloat16* __restrict__ gate, \
+        float* __restrict__ l1, int M, int d, int f, int tile, int n_tiles, int words_per_row) {     \
+        up_row<MAXV, 1, false, true>(x, w_ud, nullptr, nullptr, nullptr, gate, l1, nullptr, M, d, f, tile, 0, \
+                                     n_tiles, 0.f, mask, words_per_row, counts);                    \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256, MAXV >= 16 ? 1 : 2) gated_t2d_up_mask_rows_norm_bf16_v##MAXV(      \
+        const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                \
+        const uint32_t* __restrict__ mask, uint32_t* __restrict__ counts, __nv_bfloat16* __restrict__ gate, \
+        float* __restrict__ l1, int M, int d, int f, int tile, int n_tiles, int words_per_row, float eps) { \
+        up_row<MAXV, 1, true, true>(x, w_ud, nullptr, nullptr, nullptr, gate, l1, nullptr, M, d, f, tile, 0, \
+                                    n_tiles, eps, mask, words_per_row, counts);                     \
+    }
+UP_MASK_ROW_KERNEL(1)
+UP_MASK_ROW_KERNEL(2)
+UP_MASK_ROW_KERNEL(4)
+UP_MASK_ROW_KERNEL(8)
+UP_MASK_ROW_KERNEL(16)
 
 // Prefill path, down: a token row per warp, or per SPLIT consecutive warps of a block
 // (`RowPart`, as in up), the output row (or this part's share of it) in registers (MAXV
@@ -290,13 +328,16 @@ UP_ROW_KERNELS(16)
 // + it), s · rsqrt(mean(s²) + eps) · alpha), and `out` is [2M, d]: the sums, then the
 // normalised rows; no L1 term. Only the sum of squares is reduced in another order (a
 // warp's, not a block's).
-template <int MAXV, int SPLIT, bool FOLD>
+// MASK (a warp a row): the row's pairs from the gate's ReLU bit mask, each h read from its
+// column of the gate row, where the MASK up kernel left it.
+template <int MAXV, int SPLIT, bool FOLD, bool MASK>
 __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ counts,
                          const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,
                          const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,
                          __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles,
                          const __nv_bfloat16* __restrict__ residual, const __nv_bfloat16* __restrict__ alpha,
-                         float eps) {
+                         float eps, const uint32_t* __restrict__ mask = nullptr, int words_per_row = 0) {
+    static_assert(!MASK || SPLIT == 1, "the mask walk takes whole rows");
     const RowPart rp(SPLIT, n_tiles);
     const long long row = rp.row;
     const int lane = threadIdx.x & 31;
@@ -317,14 +358,17 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
     // Overlapped launch: every input but the weights comes from up, the kernel ahead.
     wait_for_previous_grid();
     if (row < M) {
-        walk_pairs(
-            counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f,
-            [&](int j, float h, long long, int n) {
-                for (int q = 0; q < n; ++q) add(__shfl_sync(FULL_MASK, j, q), __shfl_sync(FULL_MASK, h, q));
-            },
-            [&](int c0, int width) {
-                each_dense_nonzero(gate + row * f + c0, width, [&](int c, float h) { add(c0 + c, h); });
-            });
+        auto pairs = [&](int j, float h, long long, int n) {
+            for (int q = 0; q < n; ++q) add(__shfl_sync(FULL_MASK, j, q), __shfl_sync(FULL_MASK, h, q));
+        };
+        if constexpr (MASK) {
+            walk_mask_row(mask + row * words_per_row, words_per_row, f, gate + row * f, nullptr, tile >> 5, pairs);
+        } else {
+            walk_pairs(counts, indices, values, row, rp.t_begin, rp.t_end, tile, cap, n_tiles, f, pairs,
+                       [&](int c0, int width) {
+                           each_dense_nonzero(gate + row * f + c0, width, [&](int c, float h) { add(c0 + c, h); });
+                       });
+        }
     }
     if (SPLIT > 1) {
         // Slot of part p >= 1 of the block's r-th row: r * (SPLIT - 1) + p - 1, d floats each.
@@ -404,7 +448,7 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
         const uint8_t* __restrict__ indices, const __nv_bfloat16* __restrict__ values,                   \
         const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,                            \
         __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles) {          \
-        down_row<MAXV, SPLIT, false>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap,   \
+        down_row<MAXV, SPLIT, false, false>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap, \
                                      n_tiles, nullptr, nullptr, 0.f);                                     \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) gated_t2d_down_rows_norm_bf16_v##MAXV##_s##SPLIT(   \
@@ -413,7 +457,7 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
         const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1,                            \
         __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int cap, int n_tiles,            \
         const __nv_bfloat16* __restrict__ residual, const __nv_bfloat16* __restrict__ alpha, float eps) { \
-        down_row<MAXV, SPLIT, true>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap,    \
+        down_row<MAXV, SPLIT, true, false>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap, \
                                     n_tiles, residual, alpha, eps);                                       \
     }
 #define DOWN_ROW_KERNELS(MAXV) DOWN_ROW_KERNEL(MAXV, 1) DOWN_ROW_KERNEL(MAXV, 2) DOWN_ROW_KERNEL(MAXV, 4)
@@ -422,3 +466,27 @@ DOWN_ROW_KERNELS(2)
 DOWN_ROW_KERNELS(4)
 DOWN_ROW_KERNELS(8)
 DOWN_ROW_KERNELS(16)
+
+// The MASK forms, a warp a row (`gated_t2d_down_mask_rows[_norm]_bf16_v{MAXV}`), after the
+// MASK up kernel.
+#define DOWN_MASK_ROW_KERNEL(MAXV)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MAXV >= 16 ? 1 : 2) gated_t2d_down_mask_rows_bf16_v##MAXV(              \
+        const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ mask,                       \
+        const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1, __nv_bfloat16* __restrict__ out, \
+        int M, int d, int f, int tile, int n_tiles, int words_per_row) {                                 \
+        down_row<MAXV, 1, false, true>(w_ud, nullptr, nullptr, nullptr, gate, l1, out, M, d, f, tile, 0, n_tiles, \
+                                       nullptr, nullptr, 0.f, mask, words_per_row);                      \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, MAXV >= 16 ? 1 : 2) gated_t2d_down_mask_rows_norm_bf16_v##MAXV(         \
+        const __nv_bfloat16* __restrict__ w_ud, const uint32_t* __restrict__ mask,                       \
+        const __nv_bfloat16* __restrict__ gate, const float* __restrict__ l1, __nv_bfloat16* __restrict__ out, \
+        int M, int d, int f, int tile, int n_tiles, int words_per_row,                                   \
+        const __nv_bfloat16* __restrict__ residual, const __nv_bfloat16* __restrict__ alpha, float eps) { \
+        down_row<MAXV, 1, true, true>(w_ud, nullptr, nullptr, nullptr, gate, l1, out, M, d, f, tile, 0, n_tiles, \
+                                      residual, alpha, eps, mask, words_per_row);                        \
+    }
+DOWN_MASK_ROW_KERNEL(1)
+DOWN_MASK_ROW_KERNEL(2)
+DOWN_MASK_ROW_KERNEL(4)
+DOWN_MASK_ROW_KERNEL(8)
+DOWN_MASK_ROW_KERNEL(16)

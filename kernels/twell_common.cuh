@@ -310,6 +310,92 @@ __device__ __forceinline__ void walk_row(const uint32_t* __restrict__ counts, co
     walk_pairs(counts, indices, values, row, 0, n_tiles, tile, cap, n_tiles, f, block, spilled);
 }
 
+// Walks one token row's active neurons straight from the gate GEMM's ReLU bit mask (bit
+// j % 32 of word j / 32 set where g_j > 0; `words_per_row` words a row, the bits past f
+// unspecified), with no TwELL slots in between: `block(j, v, slot, n)` runs as under
+// `walk_pairs`, lane k holding the k-th of up to 32 pairs, in column order, with v =
+// gate_row[j] and slot = j (-1 past the n pairs), the pair's place in the gate row, where
+// the up kernel leaves h and the down kernel reads it. A lane reads 8 consecutive words a
+// round (a warp 8,192 columns), so a row costs one round of mask loads and then one of
+// value loads, as the slots did after a pack. The words wait in shared memory (1 KB a
+// warp; blocks of at most 8 warps) rather than registers while `block` runs. With
+// `counts_row` each lane also stores the set bits of each whole tile of `tile_words` (1,
+// 2, 4 or 8) words among its 8: the counts a pack writes, so density and overflow read
+// the same.
+template <class Block>
+__device__ __forceinline__ void walk_mask_row(const uint32_t* __restrict__ row_mask, int words_per_row, int f,
+                                              const __nv_bfloat16* gate_row, uint32_t* __restrict__ counts_row,
+                                              int tile_words, Block block) {
+    __shared__ uint32_t kept_words[8][256];
+    uint32_t* mine = kept_words[threadIdx.x >> 5];
+    const int lane = threadIdx.x & 31;
+    const int row_words = (f + 31) >> 5;
+    for (int wb = 0; wb < row_words; wb += 256) {
+        const int w0 = wb + 8 * lane;
+        uint32_t words[8];
+        if (w0 + 8 <= words_per_row) {
+            // Rows start 16-byte aligned (words_per_row is a multiple of 4) and w0 is a
+            // multiple of 8: two 16-byte loads.
+            const uint4* src = reinterpret_cast<const uint4*>(row_mask + w0);
+            const uint4 lo = src[0], hi = src[1];
+            words[0] = lo.x, words[1] = lo.y, words[2] = lo.z, words[3] = lo.w;
+            words[4] = hi.x, words[5] = hi.y, words[6] = hi.z, words[7] = hi.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) words[i] = w0 + i < row_words ? row_mask[w0 + i] : 0u;
+        }
+        int sum = 0, in_tile = 0;
+        __syncwarp();  // the previous round's reads of `mine` are done
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int left = f - (w0 + i) * 32;  // columns of the row from this word on
+            uint32_t bits = words[i];
+            if (left <= 0) bits = 0u;
+            else if (left < 32) bits &= (1u << left) - 1u;
+            mine[8 * lane + i] = bits;
+            sum += __popc(bits);
+            in_tile += __popc(bits);
+            if (((i + 1) & (tile_words - 1)) == 0) {
+                const int first = w0 + i + 1 - tile_words;  // the tile's first word
+                if (counts_row != nullptr && first * 32 < f)
+                    counts_row[first / tile_words] = static_cast<uint32_t>(in_tile);
+                in_tile = 0;
+            }
+        }
+        __syncwarp();
+        const int incl = warp_inclusive_sum(sum);
+        const int excl = incl - sum;
+        const int total = __shfl_sync(FULL_MASK, incl, 31);
+        for (int kb = 0; kb < total; kb += 32) {
+            const int k = kb + lane;
+            // The lane whose words hold pair k (a binary search over the nondecreasing
+            // sums, as in `walk_pairs`), then the word among its 8, then the bit.
+            int at = 0;
+#pragma unroll
+            for (int step = 16; step > 0; step >>= 1) {
+                if (__shfl_sync(FULL_MASK, incl, at + step - 1) <= k) at += step;
+            }
+            int r = k - __shfl_sync(FULL_MASK, excl, at);
+            float v = 0.f;
+            long long slot = -1;
+            int j = 0;
+            if (k < total) {
+                int i = 0;
+                uint32_t bits = mine[8 * at];
+                while (r >= __popc(bits)) {  // k < total: the pair is among lane at's words
+                    r -= __popc(bits);
+                    bits = mine[8 * at + ++i];
+                }
+                for (int q = 0; q < r; ++q) bits &= bits - 1u;  // drop the r lowest set bits
+                j = (wb + 8 * at + i) * 32 + __ffs(bits) - 1;
+                v = __bfloat162float(gate_row[j]);
+                slot = j;
+            }
+            block(j, v, slot, min(32, total - kb));
+        }
+    }
+}
+
 // A token row split over `split` consecutive warps of one block: this warp's part and
 // its tiles [t_begin, t_end) (contiguous, as even as the tile count allows).
 struct RowPart {

@@ -161,6 +161,15 @@ impl KernelDims {
             .arg(&self.n_tiles);
     }
 
+    /// The shape arguments of the kernels that walk the gate's bit mask: all but cap.
+    fn push_without_cap<'a, B: PushKernelArg<&'a i32>>(&'a self, b: &mut B) {
+        b.arg(&self.m)
+            .arg(&self.d)
+            .arg(&self.f)
+            .arg(&self.tile)
+            .arg(&self.n_tiles);
+    }
+
     /// The shape arguments of the per-neuron weight-gradient kernels: all but m.
     fn push_neuron<'a, B: PushKernelArg<&'a i32>>(&'a self, b: &mut B) {
         b.arg(&self.d)

@@ -5,7 +5,7 @@
 //! add and norm after it folded into its last launch for inference.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape};
 use half::bf16;
@@ -385,8 +385,59 @@ fn mlp_forward(
         mask,
     } = gate_gemm::gate_gemm(&dev, &xv, &wgv, (m, d, f), mask_packs)?;
     mark(&mut marks)?;
-    // SAFETY: gate_pack writes every count, and every slot the consumers read.
+    let decode = m <= decode_max_tokens()?;
+    // Prefill rows that fit a warp's registers take the row kernels: a warp per row
+    // computes h (x in registers), then a warp per row accumulates the down projection
+    // (the output row in registers). Decode (or rows too wide for registers) spreads h
+    // over a warp per slot (decode) or per tile, then the down projection, whose partial
+    // sums meet in f32 atomics when rows are few.
+    let row_kernels = if decode { None } else { row_vectors(d) };
+    if fold.is_some() && row_kernels.is_none() {
+        return err(TwellError::Invalid(format!(
+            "the residual add and norm fold into the prefill row kernels only: more than \
+             {DECODE_MAX_TOKENS} rows of hidden up to 4096, got [{m}, {d}]"
+        )));
+    }
+    let split = match row_kernels {
+        Some(v) => row_split(&dev, m, d, v)?,
+        None => 1,
+    };
+    // Overlapped launches (`launch`) for the pack, and the row kernels of an inference
+    // pass: with a copy between the pack and up (training), up waits as before.
+    let overlap = overlap_launches(&dev)? && !profiling();
+    // SAFETY: gate_pack (or the mask up kernel) writes every count, and every slot the
+    // consumers read.
     let mut counts = unsafe { dev.alloc::<u32>(m * n_tiles)? };
+    if let (Some(v), Some((bits, words_per_row))) = (row_kernels, &mask) {
+        if split == 1 && !keep_for_backward && mask_rows_wanted()? {
+            mark(&mut marks)?; // no pack
+            let kernels = MaskRowKernels {
+                dev: &dev,
+                overlap,
+                v,
+                fold: fold.as_ref(),
+            };
+            // SAFETY: up writes every row's L1 term.
+            let mut l1 = unsafe { dev.alloc::<f32>(m)? };
+            let operands = MaskRowOperands {
+                x: &xv,
+                w_ud: &wudv,
+                mask: bits,
+                words_per_row: *words_per_row as i32,
+            };
+            kernels.up(&operands, &mut counts, &mut gate, &mut l1, &dims)?;
+            mark(&mut marks)?;
+            kernels.down(&operands, &gate, &l1, &mut out, &dims)?;
+            mark(&mut marks)?;
+            record_profile(&stream, &marks)?;
+            let storage = CudaStorage::wrap_cuda_slice(out, dev);
+            let activity = Activity {
+                counts,
+                backward: None,
+            };
+            return Ok((storage, Shape::from(len), activity));
+        }
+    }
     let mut indices = unsafe { dev.alloc::<u8>(m * n_tiles * cap)? };
     let mut values = unsafe { dev.alloc::<bf16>(m * n_tiles * cap)? };
 
@@ -408,9 +459,6 @@ fn mlp_forward(
             }
         }
     };
-    // Overlapped launches (`launch`) for the pack, and the row kernels of an inference
-    // pass: with a copy between the pack and up (training), up waits as before.
-    let overlap = overlap_launches(&dev)? && !profiling();
     let pack = if overlap {
         dev.get_or_load_custom_func(pack, "twell_gate_pack_sm90", GATE_PACK_SM90_PTX)?
     } else {
@@ -442,24 +490,7 @@ fn mlp_forward(
     let no_u: u64 = 0;
     mark(&mut marks)?;
 
-    let decode = m <= decode_max_tokens()?;
-    // Prefill rows that fit a warp's registers take the row kernels: a warp per row
-    // computes h (x in registers), then a warp per row accumulates the down projection
-    // (the output row in registers). Decode (or rows too wide for registers) spreads h
-    // over a warp per slot (decode) or per tile, then the down projection, whose partial
-    // sums meet in f32 atomics when rows are few.
-    let row_kernels = if decode { None } else { row_vectors(d) };
-    if fold.is_some() && row_kernels.is_none() {
-        return err(TwellError::Invalid(format!(
-            "the residual add and norm fold into the prefill row kernels only: more than \
-             {DECODE_MAX_TOKENS} rows of hidden up to 4096, got [{m}, {d}]"
-        )));
-    }
     let slots_per_warp: usize = if decode { 1 } else { cap };
-    let split = match row_kernels {
-        Some(v) => row_split(&dev, m, d, v)?,
-        None => 1,
-    };
     let pre_norm_eps = fold.as_ref().and_then(|f| f.pre_norm_eps);
     let (up_name, up_warps) = match row_kernels {
         Some(v) => {
@@ -586,4 +617,102 @@ fn mlp_forward(
         u_slots,
     });
     Ok((storage, Shape::from(len), Activity { counts, backward }))
+}
+
+/// `TWELL_MASK_ROWS=on`: where the gate GEMM wrote its ReLU bit mask and the prefill row
+/// kernels take a warp a row, the up and down kernels read each row's active neurons from
+/// the mask (`walk_mask_row` in `twell_common.cuh`) and the pack launch goes; h is left
+/// in the gate. Inference only (training's backward reads the TwELL slots). Off by
+/// default until measured (`off` names the default in an A/B run).
+fn mask_rows_wanted() -> Result<bool> {
+    static KNOB: knobs::Cell = knobs::Cell::new();
+    let set = knobs::read_once(&KNOB, || {
+        knobs::env_choice("TWELL_MASK_ROWS", &["off", "on"])
+    })?;
+    Ok(set == Some(1))
+}
+
+/// The up and down kernels that walk the gate's bit mask, as `mlp_forward` picked them:
+/// `v` 16-byte vectors a lane for a row, the folds of an add-norm sublayer, overlapped
+/// launches or not.
+struct MaskRowKernels<'a> {
+    dev: &'a CudaDevice,
+    overlap: bool,
+    v: usize,
+    fold: Option<&'a RowFold<'a>>,
+}
+
+/// What both mask kernels read: x and the weights, the mask `[m, words_per_row]`.
+struct MaskRowOperands<'a> {
+    x: &'a CudaView<'a, bf16>,
+    w_ud: &'a CudaView<'a, bf16>,
+    mask: &'a CudaSlice<u32>,
+    words_per_row: i32,
+}
+
+impl MaskRowKernels<'_> {
+    fn load(&self, name: &str) -> Result<CudaFunction> {
+        let func = if self.overlap {
+            self.dev
+                .get_or_load_custom_func(name, "gated_t2d_sm90", GATED_T2D_SM90_PTX)?
+        } else {
+            self.dev
+                .get_or_load_custom_func(name, "gated_t2d", GATED_T2D_PTX)?
+        };
+        Ok(func.into_cuda_function())
+    }
+
+    /// h of each row's active neurons over their gate values, the tile counts, the L1
+    /// terms.
+    fn up(
+        &self,
+        ops: &MaskRowOperands,
+        counts: &mut CudaSlice<u32>,
+        gate: &mut CudaSlice<bf16>,
+        l1: &mut CudaSlice<f32>,
+        dims: &KernelDims,
+    ) -> Result<()> {
+        let pre_norm_eps = self.fold.and_then(|f| f.pre_norm_eps);
+        let kind = if pre_norm_eps.is_some() { "_norm" } else { "" };
+        let up = self.load(&format!("gated_t2d_up_mask_rows{kind}_bf16_v{}", self.v))?;
+        let stream = self.dev.cuda_stream();
+        let mut b = Args::new(&stream);
+        b.arg(ops.x)
+            .arg(ops.w_ud)
+            .arg(ops.mask)
+            .arg(counts)
+            .arg(gate)
+            .arg(l1);
+        dims.push_without_cap(&mut b);
+        b.arg(&ops.words_per_row);
+        if let Some(eps) = &pre_norm_eps {
+            b.arg(eps);
+        }
+        // SAFETY: a warp a row, bounds checked in the kernel.
+        unsafe { b.launch(&up, warp_launch(dims.m as usize)?, self.overlap) }
+    }
+
+    /// The down projection of the h that `up` left in the gate; with a fold, the residual
+    /// add and norm after it.
+    fn down(
+        &self,
+        ops: &MaskRowOperands,
+        gate: &CudaSlice<bf16>,
+        l1: &CudaSlice<f32>,
+        out: &mut CudaSlice<bf16>,
+        dims: &KernelDims,
+    ) -> Result<()> {
+        let kind = if self.fold.is_some() { "_norm" } else { "" };
+        let down = self.load(&format!("gated_t2d_down_mask_rows{kind}_bf16_v{}", self.v))?;
+        let stream = self.dev.cuda_stream();
+        let mut b = Args::new(&stream);
+        b.arg(ops.w_ud).arg(ops.mask).arg(gate).arg(l1).arg(out);
+        dims.push_without_cap(&mut b);
+        b.arg(&ops.words_per_row);
+        if let Some(fold) = self.fold {
+            b.arg(&fold.residual).arg(&fold.alpha).arg(&fold.eps);
+        }
+        // SAFETY: a warp a row, bounds checked in the kernel.
+        unsafe { b.launch(&down, warp_launch(dims.m as usize)?, self.overlap) }
+    }
 }
