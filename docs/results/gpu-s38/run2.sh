@@ -3,8 +3,8 @@
 # where the gate GEMM wrote its ReLU bit mask (the default from 4,096 rows), the up and
 # down row kernels walk each row's mask (`walk_mask_row`, `kernels/twell_common.cuh`) and
 # leave h in the gate, so the pack launch goes (45 µs at 16,384 rows, 150 at 65,536).
-# Checks three ways (the default sizes; the mask and a warp a row forced at every prefill
-# size, so 65 to 2,048 rows take the new kernels too; and with the overlap), then the MLP
+# Checks two ways (the mask and a warp a row forced at every prefill size, so 65 to 2,048
+# rows take the new kernels too; and at the default sizes with the overlap), then the MLP
 # unprofiled at 4,096 / 16,384 / 65,536 rows, off / on / on+overlap alternating, two rounds,
 # then the stages once each way.
 set -u
@@ -19,7 +19,6 @@ check() {
   stamp "check-gpu $name ($*): rc $?, $(tail -n 1 "$OUT/check-$name.log")"
   grep -m 3 -i fail "$OUT/check-$name.log"
 }
-check mask-rows TWELL_MASK_ROWS=on
 check mask-rows-everywhere TWELL_MASK_ROWS=on TWELL_GATE=mask TWELL_ROW_SPLIT=1
 check mask-rows-overlap TWELL_MASK_ROWS=on TWELL_OVERLAP=on
 # bench EXTRA KNOB=VALUE...: the MLP bench with the knobs set, EXTRA ("" or --stages) added.
