@@ -100,7 +100,7 @@ const DRAW_BLOCK: usize = 256;
 
 /// [`draw`] for every row of `logits` `[rows, vocab]` at its quantile, with the work on
 /// the logits' device: the weights are formed and summed there by blocks of
-/// [`DRAW_BLOCK`], and only the block sums and the one block a row falls in come to the
+/// `DRAW_BLOCK` (256), and only the block sums and the one block a row falls in come to the
 /// host (a batch of 256 rows of a 49,152-token vocabulary was 50 MB of logits a step,
 /// and 12.6M exponentials on the host). Weights in f32 instead of [`draw`]'s f64: the
 /// same token but where a quantile falls within rounding of a boundary. A row whose

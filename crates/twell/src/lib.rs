@@ -3,7 +3,7 @@
 //! A ReLU-gated MLP trained with an L1 penalty leaves more than 99% of its hidden
 //! activations at exactly zero. This crate turns those zeros into saved work:
 //!
-//! * [`format`]: TwELL, a tile-wise ELLPACK layout that GPU tiles can fill and read,
+//! * [`mod@format`]: TwELL, a tile-wise ELLPACK layout that GPU tiles can fill and read,
 //!   made lossless by a dense overflow block;
 //! * [`ops`]: candle CustomOps (forward and backward) for the gate GEMM + ReLU + pack,
 //!   the sparse up/down projections, and the whole MLP;
