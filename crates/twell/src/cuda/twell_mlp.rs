@@ -2,7 +2,9 @@
 //! (`gate_pack.cu`), then the up and down kernels of `gated_t2d.cu`, as a warp (or a few)
 //! per row for prefill or spread over slots and tiles for a few rows; one row of
 //! inference takes the one-launch `twell_mlp_decode` kernel instead. With the residual
-//! add and norm after it folded into its last launch for inference.
+//! add and norm after it folded into its last launch for inference. Under
+//! `TWELL_MASK_ROWS=on` a prefill whose gate came with its ReLU bit mask skips the pack:
+//! the up and down row kernels read each row's neurons from the mask.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, PushKernelArg};
