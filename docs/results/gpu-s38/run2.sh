@@ -45,3 +45,11 @@ for v in off on; do
   stamp "== stages, mask rows $v (rc $?)"
   grep -E "stages|^ +2048 +5632" "$log" | head -12
 done
+# The masked gate GEMM from 8 (the default) and 32 timed cuBLASLt candidates, with the mask
+# rows (the pack gone, the GEMM is most of what is left at these sizes).
+for n in 8 32; do
+  log="$OUT/mlp-mask-rows-candidates-$n.log"
+  bench "" TWELL_MASK_ROWS=on TWELL_GATE_CANDIDATES=$n > "$log" 2>&1
+  stamp "== mask rows, gate from $n candidates (rc $?)"
+  grep -E "^ +2048 +5632" "$log" | awk '{print $3, $4, $7, $8, $9, $10}'
+done
