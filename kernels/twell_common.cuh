@@ -231,6 +231,19 @@ __device__ __forceinline__ long long global_warp() {
     return (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
 }
 
+// The lane whose share of a warp's pairs holds pair k, each lane holding the inclusive
+// prefix sum `incl` of the lanes' pair counts: how many lanes' shares end at or before k
+// (31 for k at or past the total), by a binary search over the nondecreasing sums, each
+// lane for its own k. Every lane of the warp must call it.
+__device__ __forceinline__ int lane_of_pair(int incl, int k) {
+    int at = 0;
+#pragma unroll
+    for (int step = 16; step > 0; step >>= 1) {
+        if (__shfl_sync(FULL_MASK, incl, at + step - 1) <= k) at += step;
+    }
+    return at;
+}
+
 // Walks tiles [t_begin, t_end) of one token row of a TwELL gate, for a whole warp, 32
 // tiles at a time: each tile's count is read by its own lane, the listed slots of the 32
 // tiles are flattened into blocks of up to 32 pairs in (tile, slot) order, and for each
@@ -256,13 +269,8 @@ __device__ __forceinline__ void walk_pairs(const uint32_t* __restrict__ counts, 
         const int total = __shfl_sync(FULL_MASK, incl, 31);
         for (int kb = 0; kb < total; kb += 32) {
             const int k = kb + lane;
-            // The tile of pair k: how many tiles end at or before it (a binary search over
-            // the nondecreasing sums, each lane for its own k).
-            int at = 0;
-#pragma unroll
-            for (int step = 16; step > 0; step >>= 1) {
-                if (__shfl_sync(FULL_MASK, incl, at + step - 1) <= k) at += step;
-            }
+            // The tile of pair k: how many tiles end at or before it.
+            const int at = lane_of_pair(incl, k);
             const int first = __shfl_sync(FULL_MASK, excl, at);  // at <= 31
             int j = 0;
             float v = 0.f;
@@ -368,13 +376,8 @@ __device__ __forceinline__ void walk_mask_row(const uint32_t* __restrict__ row_m
         const int total = __shfl_sync(FULL_MASK, incl, 31);
         for (int kb = 0; kb < total; kb += 32) {
             const int k = kb + lane;
-            // The lane whose words hold pair k (a binary search over the nondecreasing
-            // sums, as in `walk_pairs`), then the word among its 8, then the bit.
-            int at = 0;
-#pragma unroll
-            for (int step = 16; step > 0; step >>= 1) {
-                if (__shfl_sync(FULL_MASK, incl, at + step - 1) <= k) at += step;
-            }
+            // The lane whose words hold pair k, then the word among its 8, then the bit.
+            const int at = lane_of_pair(incl, k);
             int r = k - __shfl_sync(FULL_MASK, excl, at);
             float v = 0.f;
             long long slot = -1;

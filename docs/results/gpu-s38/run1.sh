@@ -13,20 +13,12 @@
 # build) for the fine-tune job, which can then skip `upload.sh d` while the machine is warm.
 set -u
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
-T0=$(date +%s)
-stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
+. "$(dirname "$0")/lib.sh"
 xz -dc -T8 .device/s36/g/twell.xz > /tmp/twell-old &
 xz -dc -T8 .device/s38/d/twell.xz > /tmp/twell-new
 wait
 chmod +x /tmp/twell-old /tmp/twell-new && cp /tmp/twell-new /tmp/twell
 stamp "unpacked"
-check() {
-  local name=$1
-  shift
-  env "$@" timeout 200 /tmp/twell-new check-gpu > "$OUT/check-$name.log" 2>&1
-  stamp "check-gpu $name ($*): rc $?, $(tail -n 1 "$OUT/check-$name.log")"
-  grep -m 3 -i fail "$OUT/check-$name.log"
-}
 check default
 check overlap-lt TWELL_OVERLAP=on TWELL_GATE=lt
 for round in 1 2; do

@@ -9,16 +9,8 @@
 # then the stages once each way.
 set -u
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
-T0=$(date +%s)
-stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
+. "$(dirname "$0")/lib.sh"
 [ -x /tmp/twell-new ] || { xz -dc -T8 .device/s38/d/twell.xz > /tmp/twell-new && chmod +x /tmp/twell-new; }
-check() {
-  local name=$1
-  shift
-  env "$@" timeout 200 /tmp/twell-new check-gpu > "$OUT/check-$name.log" 2>&1
-  stamp "check-gpu $name ($*): rc $?, $(tail -n 1 "$OUT/check-$name.log")"
-  grep -m 3 -i fail "$OUT/check-$name.log"
-}
 check mask-rows-everywhere TWELL_MASK_ROWS=on TWELL_GATE=mask TWELL_ROW_SPLIT=1
 check mask-rows-overlap TWELL_MASK_ROWS=on TWELL_OVERLAP=on
 # bench EXTRA KNOB=VALUE...: the MLP bench with the knobs set, EXTRA ("" or --stages) added.

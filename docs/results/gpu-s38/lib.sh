@@ -1,0 +1,12 @@
+# Shared by the session's device scripts (sourced): elapsed-time stamps, and check-gpu with
+# knobs, its log under $OUT and its last line and first failures printed.
+T0=$(date +%s)
+stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
+# check NAME [KNOB=VALUE...]: /tmp/twell-new check-gpu with the knobs set.
+check() {
+  local name=$1
+  shift
+  env "$@" timeout 200 /tmp/twell-new check-gpu > "$OUT/check-$name.log" 2>&1
+  stamp "check-gpu $name ($*): rc $?, $(tail -n 1 "$OUT/check-$name.log")"
+  grep -m 3 -i fail "$OUT/check-$name.log"
+}
