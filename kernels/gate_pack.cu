@@ -155,6 +155,54 @@ extern "C" __global__ void twell_gate_pack_vec_bf16(
     }
 }
 
+// The bit mask of a plain gate's positives (bit j of row r set where g[r, j] > 0 as bf16,
+// the packs' test), in the layout cuBLASLt's ReLU epilogue writes (`words_per_row` u32
+// words a row, LSB first; the words past the row's columns zero): for the row kernels that
+// walk a mask (`walk_mask_row`) where the gate came from `cublasGemmEx`, which writes none.
+// Nothing is ranked and no slot written, so where the gate is still in L2 (a few thousand
+// rows) this is a fraction of a pack. A warp turns (row, 256-column chunk) units into 8
+// words each, SIGN_UNITS units a warp with their 16-byte loads issued before any is
+// turned; d_ff % 8 == 0 (16-byte rows), units numbered in 32 bits (the host checks).
+#define SIGN_UNITS 4
+extern "C" __global__ void twell_gate_sign_mask_bf16(const __nv_bfloat16* __restrict__ gate,  // [M, f]
+                                                     uint32_t* __restrict__ mask,  // [M, words_per_row]
+                                                     int M, int f, int words_per_row) {
+    // Overlapped launch: the gate comes from the kernel ahead (`twell_common.cuh`).
+    allow_next_grid();
+    wait_for_previous_grid();
+    const int lane = threadIdx.x & 31;
+    const int chunks = (f + 255) >> 8;
+    const unsigned total = static_cast<unsigned>(M) * static_cast<unsigned>(chunks);
+    const long long first_wide = global_warp() * SIGN_UNITS;
+    if (first_wide >= total) return;
+    const unsigned first = static_cast<unsigned>(first_wide);
+    unsigned rows[SIGN_UNITS];
+    int chunk[SIGN_UNITS];
+    unit_places<SIGN_UNITS>(first, static_cast<unsigned>(chunks), rows, chunk);
+    const int c = lane * VEC;  // this lane's first column in every chunk
+    uint4 raw[SIGN_UNITS];
+    bool ok[SIGN_UNITS];
+#pragma unroll
+    for (int u = 0; u < SIGN_UNITS; ++u) {
+        const int col = chunk[u] * 256 + c;
+        ok[u] = first + u < total && col < f;
+        const long long at = ok[u] ? static_cast<long long>(rows[u]) * f + col : 0;
+        raw[u] = *reinterpret_cast<const uint4*>(gate + at);
+    }
+#pragma unroll
+    for (int u = 0; u < SIGN_UNITS; ++u) {
+        if (first + u >= total) break;  // the same in every lane
+        const uint32_t byte = ok[u] ? positive_bits(raw[u]) : 0u;
+        // Word k of the chunk holds lanes 4k .. 4k + 3's columns, lane 4k's lowest.
+        const int src = 4 * (lane & 7);
+        const uint32_t b0 = __shfl_sync(FULL_MASK, byte, src), b1 = __shfl_sync(FULL_MASK, byte, src + 1),
+                       b2 = __shfl_sync(FULL_MASK, byte, src + 2), b3 = __shfl_sync(FULL_MASK, byte, src + 3);
+        const int word = chunk[u] * 8 + lane;
+        if (lane < 8 && word < words_per_row)
+            mask[static_cast<long long>(rows[u]) * words_per_row + word] = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+    }
+}
+
 // The pack from the bit mask of the positives that cuBLASLt's ReLU epilogue writes beside
 // the gate (CUBLASLT_EPILOGUE_RELU_AUX): the gate is read only where a bit is set, so the
 // pack reads m · f / 8 bytes of mask and a sector per nonzero instead of all m · f · 2

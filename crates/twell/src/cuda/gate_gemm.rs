@@ -152,7 +152,7 @@ pub(super) fn x_times_wt(
 
 /// u32 words of mask per token row: cuBLASLt wants the mask's leading dimension a
 /// multiple of 128 bits.
-fn mask_words_per_row(f: usize) -> usize {
+pub(super) fn mask_words_per_row(f: usize) -> usize {
     f.div_ceil(128) * 4
 }
 

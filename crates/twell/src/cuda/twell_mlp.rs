@@ -3,8 +3,8 @@
 //! per row for prefill or spread over slots and tiles for a few rows; one row of
 //! inference takes the one-launch `twell_mlp_decode` kernel instead. With the residual
 //! add and norm after it folded into its last launch for inference. Under
-//! `TWELL_MASK_ROWS=on` a prefill whose gate came with its ReLU bit mask skips the pack:
-//! the up and down row kernels read each row's neurons from the mask.
+//! `TWELL_MASK_ROWS=on` a prefill skips the pack: the up and down row kernels read each
+//! row's neurons from a bit mask of the gate (cuBLASLt's, or a sign kernel's).
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, PushKernelArg};
@@ -33,6 +33,8 @@ const GATED_T2D_SM90_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t
 const PACK_UNITS: usize = 4;
 /// (row, 32-word) units per warp of `twell_gate_pack_mask_bf16` (`MASK_UNITS` there).
 const MASK_UNITS: usize = 8;
+/// (row, 256-column) units per warp of `twell_gate_sign_mask_bf16` (`SIGN_UNITS` there).
+const SIGN_UNITS: usize = 4;
 /// Whether `m` token rows of hidden `d` take [`twell_mlp_add_norm`], the residual add
 /// and norm after the MLP folded into its last launch: one row into the one-launch decode
 /// kernel (not with `TWELL_DECODE_ADD_NORM=0`), prefill rows into the down row kernel's
@@ -384,7 +386,7 @@ fn mlp_forward(
     let mask_packs = mask_units <= u32::MAX as usize;
     let gate_gemm::Gate {
         values: mut gate,
-        mask,
+        mut mask,
     } = gate_gemm::gate_gemm(&dev, &xv, &wgv, (m, d, f), mask_packs)?;
     mark(&mut marks)?;
     let decode = m <= decode_max_tokens()?;
@@ -410,36 +412,46 @@ fn mlp_forward(
     // SAFETY: gate_pack (or the mask up kernel) writes every count, and every slot the
     // consumers read.
     let mut counts = unsafe { dev.alloc::<u32>(m * n_tiles)? };
-    if let (Some(v), Some((bits, words_per_row))) = (row_kernels, &mask) {
-        if split == 1 && !keep_for_backward && mask_rows_wanted()? {
-            mark(&mut marks)?; // no pack
-            let kernels = MaskRowKernels {
-                dev: &dev,
-                overlap,
-                v,
-                fold: fold.as_ref(),
-            };
-            // SAFETY: up writes every row's L1 term.
-            let mut l1 = unsafe { dev.alloc::<f32>(m)? };
-            let operands = MaskRowOperands {
-                x: &xv,
-                w_ud: &wudv,
-                mask: bits,
-                words_per_row: *words_per_row as i32,
-            };
-            kernels.up(&operands, &mut counts, &mut gate, &mut l1, &dims)?;
-            mark(&mut marks)?;
-            kernels.down(&operands, &gate, &l1, &mut out, &dims)?;
-            mark(&mut marks)?;
-            record_profile(&stream, &marks)?;
-            let storage = CudaStorage::wrap_cuda_slice(out, dev);
-            let activity = Activity {
-                counts,
-                backward: None,
-            };
-            return Ok((storage, Shape::from(len), activity));
+    // The row kernels walk a bit mask of the gate instead of slots where asked: cuBLASLt's,
+    // or one made from the plain gate by a sign kernel (16-byte rows, units in 32 bits).
+    let walk_mask = match row_kernels {
+        Some(v) if split == 1 && !keep_for_backward && mask_rows_wanted()? => {
+            if mask.is_none() && f % 8 == 0 && m * f.div_ceil(256) <= u32::MAX as usize {
+                mask = Some(sign_mask(&dev, &gate, (m, f), overlap)?);
+            }
+            mask.as_ref().map(|_| v)
         }
+        _ => None,
+    };
+    if let (Some(v), Some((bits, words_per_row))) = (walk_mask, &mask) {
+        mark(&mut marks)?; // the sign kernel, or nothing, in place of the pack
+        let kernels = MaskRowKernels {
+            dev: &dev,
+            overlap,
+            v,
+            fold: fold.as_ref(),
+        };
+        // SAFETY: up writes every row's L1 term.
+        let mut l1 = unsafe { dev.alloc::<f32>(m)? };
+        let operands = MaskRowOperands {
+            x: &xv,
+            w_ud: &wudv,
+            mask: bits,
+            words_per_row: *words_per_row as i32,
+        };
+        kernels.up(&operands, &mut counts, &mut gate, &mut l1, &dims)?;
+        mark(&mut marks)?;
+        kernels.down(&operands, &gate, &l1, &mut out, &dims)?;
+        mark(&mut marks)?;
+        record_profile(&stream, &marks)?;
+        let storage = CudaStorage::wrap_cuda_slice(out, dev);
+        let activity = Activity {
+            counts,
+            backward: None,
+        };
+        return Ok((storage, Shape::from(len), activity));
     }
+    // SAFETY: the pack writes every slot the consumers read.
     let mut indices = unsafe { dev.alloc::<u8>(m * n_tiles * cap)? };
     let mut values = unsafe { dev.alloc::<bf16>(m * n_tiles * cap)? };
 
@@ -621,11 +633,14 @@ fn mlp_forward(
     Ok((storage, Shape::from(len), Activity { counts, backward }))
 }
 
-/// `TWELL_MASK_ROWS=on`: where the gate GEMM wrote its ReLU bit mask and the prefill row
-/// kernels take a warp a row, the up and down kernels read each row's active neurons from
-/// the mask (`walk_mask_row` in `twell_common.cuh`) and the pack launch goes; h is left
-/// in the gate. Inference only (training's backward reads the TwELL slots). Off by
-/// default until measured (`off` names the default in an A/B run).
+/// `TWELL_MASK_ROWS=on`: where the prefill row kernels take a warp a row, the up and down
+/// kernels read each row's active neurons from a bit mask of the gate (`walk_mask_row` in
+/// `twell_common.cuh`) instead of TwELL slots, and h is left in the gate. The mask is the
+/// one cuBLASLt's ReLU epilogue wrote (from 4,096 rows: the pack launch goes), or one a
+/// sign kernel makes from the plain gate (`twell_gate_sign_mask_bf16`: no ranking and no
+/// slots, a fraction of the pack while the gate is still in L2). Inference only
+/// (training's backward reads the slots). Off by default until measured (`off` names the
+/// default in an A/B run).
 fn mask_rows_wanted() -> Result<bool> {
     static KNOB: knobs::Cell = knobs::Cell::new();
     let set = knobs::read_once(&KNOB, || {
@@ -717,4 +732,38 @@ impl MaskRowKernels<'_> {
         // SAFETY: a warp a row, bounds checked in the kernel.
         unsafe { b.launch(&down, warp_launch(dims.m as usize)?, self.overlap) }
     }
+}
+
+/// The bit mask of the plain gate's positives, `[m, words_per_row]` in cuBLASLt's layout
+/// (`twell_gate_sign_mask_bf16`), for the row kernels that walk a mask.
+fn sign_mask(
+    dev: &CudaDevice,
+    gate: &CudaSlice<bf16>,
+    (m, f): (usize, usize),
+    overlap: bool,
+) -> Result<(CudaSlice<u32>, usize)> {
+    let words_per_row = gate_gemm::mask_words_per_row(f);
+    // SAFETY: the kernel writes every word of every row.
+    let mut mask = unsafe { dev.alloc::<u32>(m * words_per_row)? };
+    let func = if overlap {
+        dev.get_or_load_custom_func(
+            "twell_gate_sign_mask_bf16",
+            "twell_gate_pack_sm90",
+            GATE_PACK_SM90_PTX,
+        )?
+    } else {
+        dev.get_or_load_custom_func(
+            "twell_gate_sign_mask_bf16",
+            "twell_gate_pack",
+            GATE_PACK_PTX,
+        )?
+    };
+    let stream = dev.cuda_stream();
+    let (m_i, f_i, words_i) = (m as i32, f as i32, words_per_row as i32);
+    let mut b = Args::new(&stream);
+    b.arg(gate).arg(&mut mask).arg(&m_i).arg(&f_i).arg(&words_i);
+    let units = m * f.div_ceil(256);
+    // SAFETY: SIGN_UNITS (row, 256-column) units a warp, bounds checked in the kernel.
+    unsafe { b.launch(&func, warp_launch(units.div_ceil(SIGN_UNITS))?, overlap) }?;
+    Ok((mask, words_per_row))
 }
