@@ -7,7 +7,10 @@ ignore the bits past d_ff (the mask rows are padded to 128 bits, their padding u
 This runs the same arithmetic for the 32 lanes of a warp on random rows and checks the
 pairs against the mask's set bits in column order, and the counts against a direct count.
 
-    python3 docs/results/gpu-s38/walk_mask_row_sim.py    # prints "ok, N rows"
+    python3 docs/results/gpu-s38/walk_mask_row_sim.py    # prints "ok, N rows walked, N sign masks"
+
+It also builds the sign kernel's mask (`twell_gate_sign_mask_bf16`, kernels/gate_pack.cu)
+the way its lanes do and checks that the walk reads the same positives from it.
 """
 import random
 
@@ -77,6 +80,25 @@ def walk(row_mask, words_per_row, f, tile_words):
     return pairs, counts
 
 
+def sign_mask_row(positive, f, words_per_row):
+    """The words twell_gate_sign_mask_bf16 writes for one row, lane by lane: per 256-column
+    chunk, lane l's byte holds columns 8l .. 8l + 7 (bit q: column 8l + q), and lane k < 8
+    writes word 8·chunk + k from lanes 4k .. 4k + 3's bytes, lane 4k's lowest."""
+    words = [None] * words_per_row
+    for chunk in range((f + 255) >> 8):
+        byte = []
+        for lane in range(32):
+            col = chunk * 256 + lane * 8
+            ok = col < f
+            byte.append(sum(1 << q for q in range(8) if ok and positive[col + q]) if ok else 0)
+        for lane in range(8):
+            src = 4 * (lane & 7)
+            word = chunk * 8 + lane
+            if word < words_per_row:
+                words[word] = byte[src] | byte[src + 1] << 8 | byte[src + 2] << 16 | byte[src + 3] << 24
+    return words
+
+
 def main():
     random.seed(1)
     rows = 300
@@ -96,7 +118,19 @@ def main():
         assert pairs == cols, (f, tile, p, len(pairs), len(cols))
         n_tiles = (f + tile - 1) // tile
         assert counts == {t: sum(1 for c in cols if c // tile == t) for t in range(n_tiles)}
-    print(f"ok, {rows} rows")
+    # The sign kernel's mask (d_ff a multiple of 8, as its 16-byte loads need) is the
+    # walk's layout: bit j % 32 of word j / 32, every word of the row written.
+    for _ in range(rows):
+        f = 8 * random.randint(1, 2100)
+        words_per_row = (f + 127) // 128 * 4
+        p = random.choice([0.0, 0.005, 0.03, 0.3, 1.0])
+        positive = [random.random() < p for _ in range(f)]
+        words = sign_mask_row(positive, f, words_per_row)
+        assert all(w is not None for w in words), f
+        assert [c for c in range(f) if words[c // 32] >> (c % 32) & 1] == [c for c in range(f) if positive[c]]
+        pairs, _ = walk(words, words_per_row, f, 8)
+        assert pairs == [c for c in range(f) if positive[c]]
+    print(f"ok, {rows} rows walked, {rows} sign masks")
 
 
 if __name__ == "__main__":
