@@ -19,6 +19,11 @@ pub struct CheckGpuArgs {
     /// Write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Only the sparse MLP's forward checks: the TwELL and products paths, `Auto`'s dense
+    /// side, and the folded residual add and norms. A quick pass for a knob that changes
+    /// only the forward kernels (`TWELL_OVERLAP`, `TWELL_MASK_ROWS`, `TWELL_GATE`, ...).
+    #[arg(long)]
+    pub mlp_only: bool,
 }
 
 /// bf16 inputs, f32 reference: the relative L2 error bf16 rounding allows.
@@ -1268,6 +1273,14 @@ fn check_adamw_mixed(dev: &Device, n: usize, seed: u64) -> Result<[f64; 5]> {
     Ok(err)
 }
 
+/// The report of `--mlp-only`: the sparse MLP's forward checks.
+#[derive(Serialize, Debug)]
+struct MlpReport {
+    forward: Vec<CaseResult>,
+    mlp_add_norm: Vec<MlpAddNormResult>,
+    mlp_norm_add_norm: Vec<MlpNormAddNormResult>,
+}
+
 #[derive(Serialize, Debug)]
 struct Report {
     forward: Vec<CaseResult>,
@@ -1306,6 +1319,15 @@ struct Tally {
 }
 
 impl Tally {
+    /// The run's verdict: an error naming how many checks failed, or the count passed.
+    fn finish(&self) -> Result<()> {
+        if self.failed > 0 {
+            bail!("{} of {} GPU checks failed", self.failed, self.total);
+        }
+        println!("all {} GPU checks passed", self.total);
+        Ok(())
+    }
+
     /// Counts one check and returns its verdict for the report line.
     fn record(&mut self, pass: bool) -> &'static str {
         self.total += 1;
@@ -1414,6 +1436,87 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         },
         tally.record(!auto_sparse && auto_err < TOLERANCE)
     );
+    let mut mlp_add_norm = Vec::new();
+    // (m, d, d_ff, density): one token (the one-launch decode kernel, also with the norm
+    // before the MLP), then prefill rows (the down row kernel's epilogue): four warps a
+    // row, a warp a row, past 65,536 rows, d up to 4096, overflowing tiles.
+    #[rustfmt::skip]
+    let add_norm_cases = [
+        (1, 2048, 5632, 0.01),
+        (1, 576, 1536, 0.05),
+        (1, 4096, 11008, 0.03),
+        (1, 2048, 5632, 0.5),
+        (65, 2048, 5632, 0.01),
+        (333, 576, 1536, 0.05),
+        (8192, 2048, 5632, 0.005),
+        (70_000, 2048, 5632, 0.01),
+        (300, 4096, 11008, 0.03),
+        (1000, 2048, 5632, 0.5),
+    ];
+    for (k, &dims) in add_norm_cases.iter().enumerate() {
+        let r = check_mlp_add_norm(&dev, dims, 960 + k as u64)?;
+        let with_pre = match (r.both_sum_diff, r.both_norm_diff) {
+            (Some(s), Some(n)) => {
+                format!("; with the norm before it: sums {s:.2e}, normalised {n:.2e}")
+            }
+            _ => String::new(),
+        };
+        println!(
+            "mlp + add + norm folded (m, d, d_ff, density) = ({}, {}, {}, {}): largest \
+             difference to twell_mlp then add_rms_norm: sums {:.2e}, normalised {:.2e}{}; \
+             at most {} bf16 step(s) {}",
+            r.m,
+            r.d,
+            r.f,
+            r.target_density,
+            r.sum_diff,
+            r.norm_diff,
+            with_pre,
+            r.bf16_steps,
+            tally.record(r.pass)
+        );
+        mlp_add_norm.push(r);
+    }
+    let mut mlp_norm_add_norm = Vec::new();
+    // (m, d, d_ff, density): four warps a row and one, past 65,536 rows, d 4096,
+    // overflowing tiles.
+    #[rustfmt::skip]
+    let norm_cases = [
+        (333, 576, 1536, 0.05),
+        (8192, 2048, 5632, 0.005),
+        (70_000, 2048, 5632, 0.01),
+        (300, 4096, 11008, 0.03),
+        (1000, 2048, 5632, 0.5),
+    ];
+    for (k, &dims) in norm_cases.iter().enumerate() {
+        let r = check_mlp_norm_add_norm(&dev, dims, 1400 + k as u64)?;
+        println!(
+            "mlp with the norm before it folded (m, d, d_ff, density) = ({}, {}, {}, {}): the \
+             mlp's share of the sums vs f32 {:.2e} (unfolded launches {:.2e}); vs rms_norm, \
+             twell_mlp, add_rms_norm: sums {:.2e}, normalised {:.2e} {}",
+            r.m,
+            r.d,
+            r.f,
+            r.target_density,
+            r.mlp_err,
+            r.unfolded_mlp_err,
+            r.sum_err,
+            r.norm_err,
+            tally.record(r.pass)
+        );
+        mlp_norm_add_norm.push(r);
+    }
+    if args.mlp_only {
+        if let Some(path) = &args.json {
+            let report = MlpReport {
+                forward: results,
+                mlp_add_norm,
+                mlp_norm_add_norm,
+            };
+            std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+        }
+        return tally.finish();
+    }
     #[rustfmt::skip]
     let bwd_cases: &[Case] = &[
         (1, 2048, 5632, 0.01, 256, 8),
@@ -1506,76 +1609,6 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
             tally.record(r.pass)
         );
         add_rms_norm.push(r);
-    }
-    let mut mlp_add_norm = Vec::new();
-    // (m, d, d_ff, density): one token (the one-launch decode kernel, also with the norm
-    // before the MLP), then prefill rows (the down row kernel's epilogue): four warps a
-    // row, a warp a row, past 65,536 rows, d up to 4096, overflowing tiles.
-    #[rustfmt::skip]
-    let add_norm_cases = [
-        (1, 2048, 5632, 0.01),
-        (1, 576, 1536, 0.05),
-        (1, 4096, 11008, 0.03),
-        (1, 2048, 5632, 0.5),
-        (65, 2048, 5632, 0.01),
-        (333, 576, 1536, 0.05),
-        (8192, 2048, 5632, 0.005),
-        (70_000, 2048, 5632, 0.01),
-        (300, 4096, 11008, 0.03),
-        (1000, 2048, 5632, 0.5),
-    ];
-    for (k, &dims) in add_norm_cases.iter().enumerate() {
-        let r = check_mlp_add_norm(&dev, dims, 960 + k as u64)?;
-        let with_pre = match (r.both_sum_diff, r.both_norm_diff) {
-            (Some(s), Some(n)) => {
-                format!("; with the norm before it: sums {s:.2e}, normalised {n:.2e}")
-            }
-            _ => String::new(),
-        };
-        println!(
-            "mlp + add + norm folded (m, d, d_ff, density) = ({}, {}, {}, {}): largest \
-             difference to twell_mlp then add_rms_norm: sums {:.2e}, normalised {:.2e}{}; \
-             at most {} bf16 step(s) {}",
-            r.m,
-            r.d,
-            r.f,
-            r.target_density,
-            r.sum_diff,
-            r.norm_diff,
-            with_pre,
-            r.bf16_steps,
-            tally.record(r.pass)
-        );
-        mlp_add_norm.push(r);
-    }
-    let mut mlp_norm_add_norm = Vec::new();
-    // (m, d, d_ff, density): four warps a row and one, past 65,536 rows, d 4096,
-    // overflowing tiles.
-    #[rustfmt::skip]
-    let norm_cases = [
-        (333, 576, 1536, 0.05),
-        (8192, 2048, 5632, 0.005),
-        (70_000, 2048, 5632, 0.01),
-        (300, 4096, 11008, 0.03),
-        (1000, 2048, 5632, 0.5),
-    ];
-    for (k, &dims) in norm_cases.iter().enumerate() {
-        let r = check_mlp_norm_add_norm(&dev, dims, 1400 + k as u64)?;
-        println!(
-            "mlp with the norm before it folded (m, d, d_ff, density) = ({}, {}, {}, {}): the \
-             mlp's share of the sums vs f32 {:.2e} (unfolded launches {:.2e}); vs rms_norm, \
-             twell_mlp, add_rms_norm: sums {:.2e}, normalised {:.2e} {}",
-            r.m,
-            r.d,
-            r.f,
-            r.target_density,
-            r.mlp_err,
-            r.unfolded_mlp_err,
-            r.sum_err,
-            r.norm_err,
-            tally.record(r.pass)
-        );
-        mlp_norm_add_norm.push(r);
     }
     let mut residual_linear = Vec::new();
     for (k, &dims) in [
@@ -1800,11 +1833,7 @@ pub fn run(args: &CheckGpuArgs) -> Result<()> {
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
     }
-    if tally.failed > 0 {
-        bail!("{} of {} GPU checks failed", tally.failed, tally.total);
-    }
-    println!("all {} GPU checks passed", tally.total);
-    Ok(())
+    tally.finish()
 }
 
 #[cfg(test)]

@@ -131,6 +131,7 @@ fn cuda_without_the_feature_is_explained() {
     }
     fails_with(&["bench", "mlp", "--device", "cuda"], "--features cuda");
     fails_with(&["check-gpu"], "--features cuda");
+    fails_with(&["check-gpu", "--mlp-only"], "--features cuda");
 }
 
 #[test]

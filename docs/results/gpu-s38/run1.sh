@@ -8,9 +8,10 @@
 #   - `TWELL_MASK_ROWS=on`: the up and down row kernels walk a bit mask of the gate instead
 #     of TwELL slots: cuBLASLt's mask from 4,096 rows (no pack), below it one made from the
 #     plain gate by `twell_gate_sign_mask_bf16` in place of the pack.
-# First `check-gpu` three ways: the default path; both knobs with cuBLASLt's mask forced at
-# every prefill size; both knobs with the sign kernel's mask forced at every prefill size
-# (a warp a row forced in both, so 65 to 1,024 rows take the new kernels too). Then the
+# First `check-gpu` three ways: the whole suite on the default path; the MLP forward checks
+# (--mlp-only) with both knobs and cuBLASLt's mask forced at every prefill size, and with
+# both knobs and the sign kernel's mask forced at every prefill size (a warp a row forced
+# in both, so 65 to 1,024 rows take the new kernels too). Then the
 # whole MLP unprofiled (the overlap is off under --stages): old build (.device/s36/g,
 # 0a2d083) / new / overlap / mask rows / mask rows + overlap alternating, two rounds, at
 # 2,048 to 65,536 rows; eight layers a call (--chain 8) at 2,048 rows, new and mask rows +
@@ -26,8 +27,8 @@ wait
 chmod +x /tmp/twell-old /tmp/twell-new && cp /tmp/twell-new /tmp/twell
 stamp "unpacked"
 check default
-check new-lt-mask TWELL_OVERLAP=on TWELL_MASK_ROWS=on TWELL_ROW_SPLIT=1 TWELL_GATE=mask
-check new-sign-mask TWELL_OVERLAP=on TWELL_MASK_ROWS=on TWELL_ROW_SPLIT=1 TWELL_GATE=plain
+check new-lt-mask --mlp-only TWELL_OVERLAP=on TWELL_MASK_ROWS=on TWELL_ROW_SPLIT=1 TWELL_GATE=mask
+check new-sign-mask --mlp-only TWELL_OVERLAP=on TWELL_MASK_ROWS=on TWELL_ROW_SPLIT=1 TWELL_GATE=plain
 # mlp BIN NAME EXTRA [KNOB=VALUE...]: the MLP bench, its table's rows printed.
 mlp() {
   local bin=$1 name=$2 extra=$3
