@@ -647,15 +647,13 @@ fn a_gradient_window_reaches_the_gates_just_below_zero() {
     let x = synthetic_input(t, d, DType::F32, &dev, 32).unwrap();
     let probe = Tensor::randn(0f32, 1.0, (t, d), &dev).unwrap();
     let vars = [&w.gate, &w.up, &w.down].map(|v| candle_core::Var::from_tensor(v).unwrap());
+    let on_vars = twell::density::MlpWeights {
+        gate: vars[0].as_tensor().clone(),
+        up: vars[1].as_tensor().clone(),
+        down: vars[2].as_tensor().clone(),
+    };
     let run = |window: f64, mode: FfnMode| {
-        let mut mlp = SparseMlp::new(
-            vars[0].as_tensor().clone(),
-            vars[1].as_tensor().clone(),
-            vars[2].as_tensor().clone(),
-            Activation::Relu,
-            mode,
-        )
-        .unwrap();
+        let mut mlp = relu_mlp(&on_vars, mode);
         mlp.set_relu_grad_window(window).unwrap();
         let (out, _) = mlp.forward_with_l1(&x)?;
         let grads = (&out * &probe)?.sum_all()?.backward()?;

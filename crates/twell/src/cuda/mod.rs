@@ -151,41 +151,42 @@ impl KernelDims {
         }
     }
 
-    /// The shape arguments of the pair-grouping kernels: all but d. (`b` is cudarc's
-    /// launch builder or [`launch::Args`].)
+    /// The shape arguments every `gated_t2d` kernel takes: m, d, f, tile, cap, n_tiles.
+    /// (`b` is cudarc's launch builder or [`launch::Args`].)
+    fn push<'a, B: PushKernelArg<&'a i32>>(&'a self, b: &mut B) {
+        push_each(
+            b,
+            [
+                &self.m,
+                &self.d,
+                &self.f,
+                &self.tile,
+                &self.cap,
+                &self.n_tiles,
+            ],
+        );
+    }
+
+    /// The shape arguments of the pair-grouping kernels: all but d.
     fn push_pattern<'a, B: PushKernelArg<&'a i32>>(&'a self, b: &mut B) {
-        b.arg(&self.m)
-            .arg(&self.f)
-            .arg(&self.tile)
-            .arg(&self.cap)
-            .arg(&self.n_tiles);
+        push_each(b, [&self.m, &self.f, &self.tile, &self.cap, &self.n_tiles]);
     }
 
     /// The shape arguments of the kernels that walk the gate's bit mask: all but cap.
     fn push_without_cap<'a, B: PushKernelArg<&'a i32>>(&'a self, b: &mut B) {
-        b.arg(&self.m)
-            .arg(&self.d)
-            .arg(&self.f)
-            .arg(&self.tile)
-            .arg(&self.n_tiles);
+        push_each(b, [&self.m, &self.d, &self.f, &self.tile, &self.n_tiles]);
     }
 
     /// The shape arguments of the per-neuron weight-gradient kernels: all but m.
     fn push_neuron<'a, B: PushKernelArg<&'a i32>>(&'a self, b: &mut B) {
-        b.arg(&self.d)
-            .arg(&self.f)
-            .arg(&self.tile)
-            .arg(&self.cap)
-            .arg(&self.n_tiles);
+        push_each(b, [&self.d, &self.f, &self.tile, &self.cap, &self.n_tiles]);
     }
+}
 
-    fn push<'a, B: PushKernelArg<&'a i32>>(&'a self, b: &mut B) {
-        b.arg(&self.m)
-            .arg(&self.d)
-            .arg(&self.f)
-            .arg(&self.tile)
-            .arg(&self.cap)
-            .arg(&self.n_tiles);
+/// Pushes `fields` onto a launch's arguments, in order.
+fn push_each<'a, B: PushKernelArg<&'a i32>, const N: usize>(b: &mut B, fields: [&'a i32; N]) {
+    for field in fields {
+        b.arg(field);
     }
 }
 

@@ -473,11 +473,7 @@ fn mlp_forward(
             }
         }
     };
-    let pack = if overlap {
-        dev.get_or_load_custom_func(pack, "twell_gate_pack_sm90", GATE_PACK_SM90_PTX)?
-    } else {
-        dev.get_or_load_custom_func(pack, "twell_gate_pack", GATE_PACK_PTX)?
-    };
+    let pack = gate_pack_kernel(&dev, pack, overlap)?;
     let mut b = Args::new(&stream);
     b.arg(&gate);
     if let Some((bits, _)) = &mask {
@@ -526,14 +522,7 @@ fn mlp_forward(
         None => dev.alloc_zeros::<f32>(m)?,
     };
     let overlap_rows = overlap && kept.is_none() && row_kernels.is_some();
-    let gated_t2d = |name: &str| {
-        if overlap_rows {
-            dev.get_or_load_custom_func(name, "gated_t2d_sm90", GATED_T2D_SM90_PTX)
-        } else {
-            dev.get_or_load_custom_func(name, "gated_t2d", GATED_T2D_PTX)
-        }
-    };
-    let up = gated_t2d(&up_name)?;
+    let up = gated_t2d_kernel(&dev, &up_name, overlap_rows)?;
     let spw_i = slots_per_warp as i32;
     let mut b = Args::new(&stream);
     b.arg(&xv)
@@ -562,7 +551,7 @@ fn mlp_forward(
         Some(v) => {
             let kind = if fold.is_some() { "_norm" } else { "" };
             let down_name = format!("gated_t2d_down_rows{kind}_bf16_v{v}_s{split}");
-            let down = gated_t2d(&down_name)?;
+            let down = gated_t2d_kernel(&dev, &down_name, overlap_rows)?;
             let mut b = Args::new(&stream);
             b.arg(&wudv)
                 .arg(&counts)
@@ -668,17 +657,6 @@ struct MaskRowOperands<'a> {
 }
 
 impl MaskRowKernels<'_> {
-    fn load(&self, name: &str) -> Result<CudaFunction> {
-        let func = if self.overlap {
-            self.dev
-                .get_or_load_custom_func(name, "gated_t2d_sm90", GATED_T2D_SM90_PTX)?
-        } else {
-            self.dev
-                .get_or_load_custom_func(name, "gated_t2d", GATED_T2D_PTX)?
-        };
-        Ok(func.into_cuda_function())
-    }
-
     /// h of each row's active neurons over their gate values, the tile counts, the L1
     /// terms.
     fn up(
@@ -691,7 +669,8 @@ impl MaskRowKernels<'_> {
     ) -> Result<()> {
         let pre_norm_eps = self.fold.and_then(|f| f.pre_norm_eps);
         let kind = if pre_norm_eps.is_some() { "_norm" } else { "" };
-        let up = self.load(&format!("gated_t2d_up_mask_rows{kind}_bf16_v{}", self.v))?;
+        let name = format!("gated_t2d_up_mask_rows{kind}_bf16_v{}", self.v);
+        let up = gated_t2d_kernel(self.dev, &name, self.overlap)?;
         let stream = self.dev.cuda_stream();
         let mut b = Args::new(&stream);
         b.arg(ops.x)
@@ -720,7 +699,8 @@ impl MaskRowKernels<'_> {
         dims: &KernelDims,
     ) -> Result<()> {
         let kind = if self.fold.is_some() { "_norm" } else { "" };
-        let down = self.load(&format!("gated_t2d_down_mask_rows{kind}_bf16_v{}", self.v))?;
+        let name = format!("gated_t2d_down_mask_rows{kind}_bf16_v{}", self.v);
+        let down = gated_t2d_kernel(self.dev, &name, self.overlap)?;
         let stream = self.dev.cuda_stream();
         let mut b = Args::new(&stream);
         b.arg(ops.w_ud).arg(ops.mask).arg(gate).arg(l1).arg(out);
@@ -745,19 +725,7 @@ fn sign_mask(
     let words_per_row = gate_gemm::mask_words_per_row(f);
     // SAFETY: the kernel writes every word of every row.
     let mut mask = unsafe { dev.alloc::<u32>(m * words_per_row)? };
-    let func = if overlap {
-        dev.get_or_load_custom_func(
-            "twell_gate_sign_mask_bf16",
-            "twell_gate_pack_sm90",
-            GATE_PACK_SM90_PTX,
-        )?
-    } else {
-        dev.get_or_load_custom_func(
-            "twell_gate_sign_mask_bf16",
-            "twell_gate_pack",
-            GATE_PACK_PTX,
-        )?
-    };
+    let func = gate_pack_kernel(dev, "twell_gate_sign_mask_bf16", overlap)?;
     let stream = dev.cuda_stream();
     let (m_i, f_i, words_i) = (m as i32, f as i32, words_per_row as i32);
     let mut b = Args::new(&stream);
@@ -766,4 +734,25 @@ fn sign_mask(
     // SAFETY: SIGN_UNITS (row, 256-column) units a warp, bounds checked in the kernel.
     unsafe { b.launch(&func, warp_launch(units.div_ceil(SIGN_UNITS))?, overlap) }?;
     Ok((mask, words_per_row))
+}
+
+/// A kernel of `gate_pack.cu`; with `overlap`, from its compute_90 build, where the waits
+/// of an overlapped launch (`launch`) are compiled in.
+fn gate_pack_kernel(dev: &CudaDevice, name: &str, overlap: bool) -> Result<CudaFunction> {
+    let func = if overlap {
+        dev.get_or_load_custom_func(name, "twell_gate_pack_sm90", GATE_PACK_SM90_PTX)?
+    } else {
+        dev.get_or_load_custom_func(name, "twell_gate_pack", GATE_PACK_PTX)?
+    };
+    Ok(func.into_cuda_function())
+}
+
+/// A kernel of `gated_t2d.cu`, as [`gate_pack_kernel`] picks its build.
+fn gated_t2d_kernel(dev: &CudaDevice, name: &str, overlap: bool) -> Result<CudaFunction> {
+    let func = if overlap {
+        dev.get_or_load_custom_func(name, "gated_t2d_sm90", GATED_T2D_SM90_PTX)?
+    } else {
+        dev.get_or_load_custom_func(name, "gated_t2d", GATED_T2D_PTX)?
+    };
+    Ok(func.into_cuda_function())
 }
