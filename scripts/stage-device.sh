@@ -4,10 +4,10 @@
 #   scripts/stage-device.sh assets DIR   # DIR/a, DIR/b: the default GGUF's first two thirds;
 #                                        # DIR/c: its last third and the speeches (sotu.tar.xz)
 #   scripts/stage-device.sh build DIR    # DIR/twell.xz: the CUDA release `twell`, stripped
-# A device call carries at most 64 MiB with the working tree (about 31 MB), so the 98 MB
+# A device call carries at most 64 MiB with the working tree (about 28 MB), so the 98 MB
 # GGUF goes in three calls and the build (about 10 MB packed) beside one of them. The job
 # scripts join the parts again (docs/results/finetune/run-lib.sh, `assemble_assets`) and
-# check the GGUF's md5.
+# print the GGUF's md5 to compare with the one printed here.
 # `build` needs a CUDA build of the workspace first (docs/device-queue.md says how); it
 # packs $CARGO_TARGET_DIR/release/twell (default ~/.cache/candle-twell/target-cuda).
 set -euo pipefail

@@ -62,7 +62,7 @@ pub(super) fn gate_gemm(
         if let Some(gate) = gate_gemm_lt(dev, x, wg, (m, d, f), Epilogue::ReluMask)? {
             return Ok(gate);
         }
-        if gate_knob()? == Some(GateKnob::Mask) {
+        if knob == Some(GateKnob::Mask) {
             return err(TwellError::Invalid(format!(
                 "TWELL_GATE=mask: cuBLASLt has no ReLU-mask GEMM for [{m}, {d}] x [{f}, {d}]"
             )));
