@@ -1,7 +1,9 @@
 //! # candle-twell
 //!
-//! Sparse feed-forward layers for Candle LLMs: the TwELL format and kernels
-//! ([`twell`]) and a Llama whose MLPs use them ([`sparse_llama`]).
+//! Sparse feed-forward layers for Candle LLMs: the TwELL format and sparse MLP
+//! ([`twell`]), the fused transformer ops around it ([`fused_ops`]), and a Llama whose
+//! MLPs use them ([`sparse_llama`]), with the fine-tuning that makes them sparse
+//! ([`sparse_train`]).
 //!
 //! ```no_run
 //! use candle_twell::sparse_llama::checkpoint::{Checkpoint, LoadOptions};
@@ -11,5 +13,7 @@
 //! # let _ = model; Ok(()) }
 //! ```
 
+pub use fused_ops;
 pub use sparse_llama;
+pub use sparse_train;
 pub use twell;

@@ -6,10 +6,9 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::{rel_l2, tiny_config, tiny_tokenizer, tiny_weights};
 use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
-use sparse_llama::train::{
-    DensityText, L1Controller, L1Penalty, PackedData, TrainConfig, Trainer, L1_TARGET_GAIN,
-};
 use sparse_llama::Cache;
+use sparse_train::penalty::L1_TARGET_GAIN;
+use sparse_train::{DensityText, L1Controller, PackedData, Penalty, TrainConfig, Trainer};
 use twell::FfnMode;
 
 fn corpus_tokens() -> Vec<u32> {
@@ -23,26 +22,15 @@ fn corpus_tokens() -> Vec<u32> {
 }
 
 fn trainer(l1: f64, steps: usize) -> Trainer {
-    trainer_with(l1, steps, FfnMode::Sparse, L1Penalty::Plain)
+    trainer_with(l1, steps, FfnMode::Sparse, Penalty::L1)
 }
 
 /// The tiny ReLU model's trainer with the given FFN path and L1 term.
-fn trainer_with(l1: f64, steps: usize, ffn: FfnMode, l1_penalty: L1Penalty) -> Trainer {
-    trainer_edited(l1, steps, ffn, l1_penalty, |_| {})
-}
-
-/// [`trainer_with`], its settings then changed by `edit`.
-fn trainer_edited(
-    l1: f64,
-    steps: usize,
-    ffn: FfnMode,
-    l1_penalty: L1Penalty,
-    edit: impl FnOnce(&mut TrainConfig),
-) -> Trainer {
+fn trainer_with(l1: f64, steps: usize, ffn: FfnMode, penalty: Penalty) -> Trainer {
     let mut cfg = tiny_config("silu", 256).into_config(false).unwrap();
     cfg.ffn_mode = ffn;
     let w = tiny_weights(&cfg, 11);
-    let mut tc = TrainConfig {
+    let tc = TrainConfig {
         seq_len: 32,
         batch_size: 4,
         grad_accum: 2,
@@ -50,11 +38,10 @@ fn trainer_edited(
         lr: 3e-3,
         warmup_steps: 2,
         l1,
-        l1_penalty,
+        penalty,
         dead_window_steps: 5,
         ..Default::default()
     };
-    edit(&mut tc);
     Trainer::new(cfg, w, tc, &Device::Cpu).unwrap()
 }
 
@@ -306,20 +293,6 @@ fn bad_training_settings_and_resume_dirs_are_rejected() {
             distill: f64::NAN,
             ..Default::default()
         },
-        TrainConfig {
-            l1_penalty: L1Penalty::GateL0,
-            gate_l0_eps: 0.0,
-            ..Default::default()
-        },
-        TrainConfig {
-            l1_penalty: L1Penalty::GateL0,
-            gate_l0_eps: f64::INFINITY,
-            ..Default::default()
-        },
-        TrainConfig {
-            gate_l0_eps: 0.03,
-            ..Default::default()
-        },
     ] {
         let e = Trainer::new(cfg.clone(), w.clone(), bad, &Device::Cpu)
             .err()
@@ -338,7 +311,7 @@ fn bad_training_settings_and_resume_dirs_are_rejected() {
 
 /// 25 steps of the tiny model on the dense FFN at λ = 0 and at `l1` with `penalty`:
 /// the penalty must train (finite CE) and take L0 below 0.8x of λ = 0's.
-fn assert_penalty_lowers_l0(penalty: L1Penalty, l1: f64) {
+fn assert_penalty_lowers_l0(penalty: Penalty, l1: f64) {
     let data = PackedData::new(&corpus_tokens(), 32).unwrap();
     let run = |l1: f64| {
         let mut t = trainer_with(l1, 25, FfnMode::Dense, penalty);
@@ -355,77 +328,29 @@ fn assert_penalty_lowers_l0(penalty: L1Penalty, l1: f64) {
     );
 }
 
-/// The down-norm weighted L1 term trains on the dense FFN, lowers L0 against λ = 0,
-/// and is written into the run's settings.
+/// The smooth count of positive gates lowers L0 on the dense FFN, and is written into
+/// the run's settings; the sparse FFN computes only the plain term and says so.
 #[test]
-fn down_norm_penalty_lowers_l0_on_the_dense_ffn() {
-    assert_penalty_lowers_l0(L1Penalty::DownNorm, 0.5);
+fn gate_l0_penalty_lowers_l0_on_the_dense_ffn() {
+    assert_penalty_lowers_l0(Penalty::GateL0, 0.1);
     assert_eq!(
-        serde_json::to_value(L1Penalty::DownNorm).unwrap(),
-        serde_json::json!("down-norm")
+        serde_json::to_value(Penalty::GateL0).unwrap(),
+        serde_json::json!("gate-l0")
     );
-}
-
-/// The scale-free Hoyer term lowers L0 too (the plain term can be paid by rescaling).
-/// It counts active neurons (about 90 here at the start); 25 steps at λ 0.5 took L0
-/// from 132 to 55.
-#[test]
-fn hoyer_penalty_lowers_l0_on_the_dense_ffn() {
-    assert_penalty_lowers_l0(L1Penalty::Hoyer, 0.5);
-    assert_eq!("hoyer".parse::<L1Penalty>().unwrap(), L1Penalty::Hoyer);
-    // The sparse FFN computes only the plain term.
     let data = PackedData::new(&corpus_tokens(), 32).unwrap();
-    let mut t = trainer_with(0.01, 5, FfnMode::Sparse, L1Penalty::Hoyer);
+    let mut t = trainer_with(0.01, 5, FfnMode::Sparse, Penalty::GateL0);
     let e = t.train_step(&data).unwrap_err().to_string();
     assert!(e.contains("dense path"), "{e}");
 }
 
-/// The smooth count of positive gates lowers L0: 25 steps at λ 0.1 took L0 from 132 to
-/// 64 at a training CE of 0.93 against 0.76 (the Hoyer term at 0.5: 55 at 1.38).
+/// The plain L1 term lowers L0 on the dense FFN too (the sparse FFN is covered by
+/// `loss_falls_and_l1_lowers_l0`), and a checkpoint written before the term had its
+/// name still reads as it.
 #[test]
-fn gate_l0_penalty_lowers_l0_on_the_dense_ffn() {
-    assert_penalty_lowers_l0(L1Penalty::GateL0, 0.1);
-    assert_eq!("gate-l0".parse::<L1Penalty>().unwrap(), L1Penalty::GateL0);
-}
-
-/// The gradient window below the ReLU's zero leaves the forward as it is (the first
-/// step's loss is the same to the last bit), changes what training does, and the
-/// sparsity term still lowers L0 with it.
-#[test]
-fn a_gradient_window_changes_training_but_not_the_forward() {
-    let data = PackedData::new(&corpus_tokens(), 32).unwrap();
-    let run = |l1: f64, window: f64| {
-        let mut t = trainer_edited(l1, 25, FfnMode::Dense, L1Penalty::GateL0, |c| {
-            c.relu_grad_window = window
-        });
-        (0..25)
-            .map(|_| t.train_step(&data).unwrap())
-            .collect::<Vec<_>>()
-    };
-    let (plain, windowed, off) = (run(0.1, 0.0), run(0.1, 0.5), run(0.0, 0.5));
-    assert_eq!(plain[0].ce, windowed[0].ce, "the forward changed");
-    assert_eq!(plain[0].mean_l0, windowed[0].mean_l0, "the forward changed");
-    assert!(
-        (plain[24].ce - windowed[24].ce).abs() > 1e-6,
-        "the window changed nothing: CE {} both",
-        plain[24].ce
-    );
-    let (on, off) = (&windowed[24], &off[24]);
-    assert!(on.ce.is_finite());
-    assert!(
-        on.mean_l0 < 0.8 * off.mean_l0,
-        "L0 with the window: {} at λ 0.1 vs {} at λ 0",
-        on.mean_l0,
-        off.mean_l0
-    );
-    for bad in [-0.5, f64::NAN, f64::INFINITY] {
-        let cfg = TrainConfig {
-            relu_grad_window: bad,
-            ..Default::default()
-        };
-        let e = cfg.validate().unwrap_err().to_string();
-        assert!(e.contains("gradient window"), "{e}");
-    }
+fn the_plain_l1_penalty_lowers_l0_on_the_dense_ffn() {
+    assert_penalty_lowers_l0(Penalty::L1, 0.5);
+    let old: Penalty = serde_json::from_value(serde_json::json!("plain")).unwrap();
+    assert_eq!(old, Penalty::L1);
 }
 
 /// The controller's step: capped at ±10%, still at the target, easing off when nothing
@@ -446,7 +371,7 @@ fn the_l1_controller_moves_lambda_towards_the_target_density() {
     for _ in 0..10_000 {
         c.observe(0.5, 0.03);
     }
-    assert_eq!(c.scale, sparse_llama::train::L1_SCALE_RANGE.1, "bounded");
+    assert_eq!(c.scale, sparse_train::penalty::L1_SCALE_RANGE.1, "bounded");
 }
 
 /// An annealed target starts at the density of the first steered step, falls
@@ -608,14 +533,10 @@ fn teacher_inputs(data: &PackedData) -> Tensor {
     batch.narrow(1, 0, 32).unwrap()
 }
 
-/// Logits and residual streams of an inference pass over `inputs`.
-fn logits_and_residuals(m: &sparse_llama::Llama, inputs: &Tensor) -> (Tensor, Vec<Tensor>) {
+/// Logits of an inference pass over `inputs`.
+fn logits(m: &sparse_llama::Llama, inputs: &Tensor) -> Tensor {
     let mut cache = Cache::new(false, DType::F32, m.config(), &Device::Cpu).unwrap();
-    let out = m
-        .forward_all_with_residuals(inputs, 0, &mut cache, true)
-        .unwrap();
-    assert_eq!(out.1.len(), m.config().num_hidden_layers);
-    out
+    m.forward_all(inputs, 0, &mut cache).unwrap()
 }
 
 /// KL(teacher ‖ student) over `inputs`.
@@ -624,27 +545,9 @@ fn kl_to_teacher(
     teacher: &sparse_llama::Llama,
     inputs: &Tensor,
 ) -> f64 {
-    let (s, t) = (
-        logits_and_residuals(student, inputs).0,
-        logits_and_residuals(teacher, inputs).0,
-    );
-    let kl = sparse_llama::distill::kl_divergence(&s, &t).unwrap();
+    let (s, t) = (logits(student, inputs), logits(teacher, inputs));
+    let kl = fused_ops::kl_divergence(&s, &t).unwrap();
     kl.to_scalar::<f32>().unwrap() as f64
-}
-
-/// The relative distance between the residual streams of `student` and `teacher` over
-/// `inputs`.
-fn residual_distance_to(
-    student: &sparse_llama::Llama,
-    teacher: &sparse_llama::Llama,
-    inputs: &Tensor,
-) -> f64 {
-    let (s, t) = (
-        logits_and_residuals(student, inputs).1,
-        logits_and_residuals(teacher, inputs).1,
-    );
-    let d = sparse_llama::distill::residual_distance(&s, &t).unwrap();
-    d.to_scalar::<f32>().unwrap() as f64
 }
 
 /// A distilling student (`distill` sets its weights) trained 25 steps beside a CE-only
@@ -654,12 +557,12 @@ fn residual_distance_to(
 /// logged values and the two final distances (CE-only, distilled).
 fn distill_beside_plain(
     distill: impl FnOnce(&mut TrainConfig),
-    logged: impl Fn(&sparse_llama::train::StepLog) -> f64,
+    logged: impl Fn(&sparse_train::StepLog) -> f64,
     measure: fn(&sparse_llama::Llama, &sparse_llama::Llama, &Tensor) -> f64,
 ) -> (Trainer, Vec<f64>, f64, f64) {
     let data = PackedData::new(&corpus_tokens(), 32).unwrap();
-    let mut plain = trainer_with(0.0, 25, FfnMode::Dense, L1Penalty::Plain);
-    let mut distilled = trainer_with(0.0, 25, FfnMode::Dense, L1Penalty::Plain);
+    let mut plain = trainer_with(0.0, 25, FfnMode::Dense, Penalty::L1);
+    let mut distilled = trainer_with(0.0, 25, FfnMode::Dense, Penalty::L1);
     distill(&mut distilled.cfg);
     // Without a teacher a distilling step is refused, not run on CE alone.
     let e = distilled.train_step(&data).unwrap_err().to_string();
@@ -668,7 +571,7 @@ fn distill_beside_plain(
     let mut values = Vec::new();
     for _ in 0..25 {
         let p = plain.train_step(&data).unwrap();
-        assert!(p.kl.is_none() && p.residual_distance.is_none(), "{p:?}");
+        assert!(p.kl.is_none(), "{p:?}");
         values.push(logged(&distilled.train_step(&data).unwrap()));
     }
     let (teacher, inputs) = (tiny_teacher(), teacher_inputs(&data));
@@ -711,46 +614,6 @@ fn distillation_pulls_the_student_towards_the_teacher() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("vocabulary"), "{e}");
-}
-
-#[test]
-fn residual_distillation_pulls_each_layer_towards_the_teacher() {
-    let (mut distilled, distances, to_plain, to_distilled) = distill_beside_plain(
-        |cfg| cfg.distill_residual = 1.0,
-        |log| {
-            let rd = log
-                .residual_distance
-                .expect("logged when distilling residuals");
-            // No KL without α: the loss is CE + β·distance (λ = 0).
-            assert!(
-                log.kl.is_none()
-                    && rd.is_finite()
-                    && rd >= 0.0
-                    && (log.loss - (log.ce + rd)).abs() < 1e-6,
-                "{log:?}"
-            );
-            rd
-        },
-        residual_distance_to,
-    );
-    // CE pulls the random student away from the teacher's residuals at first (the
-    // distance rises for a few steps); the distance term then wins.
-    assert!(
-        distances[24] < distances[0],
-        "distance {} -> {}",
-        distances[0],
-        distances[24]
-    );
-    assert!(
-        to_distilled < 0.5 * to_plain,
-        "distance distilled {to_distilled} vs CE-only {to_plain}"
-    );
-    // The teacher must have the student's layers: one fewer is refused.
-    let e = distilled
-        .set_teacher(teacher_shaped(|c| c.num_hidden_layers -= 1))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("(layers, hidden)"), "{e}");
 }
 
 /// A target density read on validation text: a validation measures the validation
@@ -811,28 +674,31 @@ fn a_target_read_on_validation_text_steers_by_the_calibrated_density() {
     assert!(err.contains("validation text"), "{err}");
 }
 
-/// `mlp_bias`: the trainer adds zero biases, trains them (the gate bias with the
-/// `gate-l0` term as it will on the GPU, without weight decay), lowers L0, and saves
-/// an HF checkpoint with `mlp_bias: true` that loads with equal logits, runs the dense
-/// FFN under `auto`, refuses `--ffn sparse` with a clear error, and resumes.
+/// A checkpoint with HF `mlp_bias`: the trainer trains its biases (the gate bias with
+/// the `gate-l0` term, without weight decay), lowers L0, and saves an HF checkpoint with
+/// `mlp_bias: true` that loads with equal logits, runs the dense FFN under `auto`,
+/// refuses `--ffn sparse` with a clear error, and resumes.
 #[test]
 fn mlp_biases_train_save_and_load() {
     let data = PackedData::new(&corpus_tokens(), 32).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let with_bias = |l1: f64| {
-        let base = trainer_with(l1, 25, FfnMode::Dense, L1Penalty::GateL0);
+        let base = trainer_with(l1, 25, FfnMode::Dense, Penalty::GateL0);
+        let mut model_cfg = base.model_config().clone();
+        model_cfg.mlp_bias = true;
+        let mut weights = base.weights().unwrap();
+        let (d, f) = (model_cfg.hidden_size, model_cfg.intermediate_size);
+        for layer in 0..model_cfg.num_hidden_layers {
+            for (name, n) in [("gate_proj", f), ("up_proj", f), ("down_proj", d)] {
+                let zeros = Tensor::zeros(n, DType::F32, &Device::Cpu).unwrap();
+                weights.insert(format!("model.layers.{layer}.mlp.{name}.bias"), zeros);
+            }
+        }
         let tc = TrainConfig {
-            mlp_bias: true,
             weight_decay: 0.5,
             ..base.cfg.clone()
         };
-        Trainer::new(
-            base.model_config().clone(),
-            base.weights().unwrap(),
-            tc,
-            &Device::Cpu,
-        )
-        .unwrap()
+        Trainer::new(model_cfg, weights, tc, &Device::Cpu).unwrap()
     };
     let mut off = with_bias(0.0);
     let mut on = with_bias(0.5);

@@ -4,8 +4,8 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use sparse_llama::sample::{sample_batch, BatchSampling};
 use sparse_llama::{Cache, Llama};
+use sparse_train::sample::{sample_batch, BatchSampling};
 
 fn tiny_model() -> Llama {
     let cfg = common::tiny_config("relu", 128).into_config(false).unwrap();

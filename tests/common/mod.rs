@@ -123,5 +123,5 @@ pub fn tiny_checkpoint(
 
 /// ‖a − b‖ / ‖b‖.
 pub fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
-    twell::compare::rel_l2(a, b).unwrap()
+    fused_ops::compare::rel_l2(a, b).unwrap()
 }

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear_b, Embedding, Linear, RmsNorm, VarBuilder};
-use twell::ops::{PrefillRope, QkvPart, RopeTable};
+use fused_ops::RopeTable;
 use twell::{FfnMode, MlpBias, MlpStats, SparseMlp};
 
 pub use crate::config::{Config, LlamaConfig, LlamaEosToks};
@@ -173,7 +173,7 @@ impl Cache {
 }
 
 /// Whether a pass runs the fused causal attention: on CUDA in bf16 with a supported
-/// head size, unless `TWELL_PLAIN_ATTENTION` is set (to measure both). Training takes
+/// head size ([`AttentionPath::Plain`] turns it off). Training takes
 /// it too (its backward recomputes the scores); on the CPU both passes keep the plain
 /// ops, whose matrix products are faster there than the op's row loop.
 /// `rows` is batch × query heads.
@@ -195,15 +195,10 @@ fn fused_attention(
     tokens: usize,
     keys: usize,
 ) -> bool {
-    static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *PLAIN.get_or_init(|| std::env::var_os("TWELL_PLAIN_ATTENTION").is_some())
-        || !device.is_cuda()
-        || dtype != DType::BF16
-        || !twell::ops::CUDA_HEAD_DIMS.contains(&head_dim)
-    {
+    if !device.is_cuda() || dtype != DType::BF16 || !fused_ops::CUDA_HEAD_DIMS.contains(&head_dim) {
         return false;
     }
-    tokens > 1 || keys <= twell::ops::CUDA_DECODE_MAX_KEYS || rows >= 256
+    tokens > 1 || keys <= fused_ops::CUDA_DECODE_MAX_KEYS || rows >= 256
 }
 
 /// Whether a forward pass must keep the autograd graph intact.
@@ -294,7 +289,7 @@ impl CausalSelfAttention {
         // fused ops only, whose backward passes exist (split projections, no cache).
         // Inference after `fuse_qkv` takes the keys and values side by side (`kv`), as
         // the cache keeps them: with the fused attention, q and `k | v` are two products
-        // and the keys turn in place (`TWELL_PREFILL_ROPE` picks another way), elsewhere
+        // and the keys turn in place (the fewest passes over q, k and v), elsewhere
         // one product and one RoPE launch for q and one for `k | v`.
         let w = nkv * hd;
         // A decode step with fused projections on the GPU: RoPE, the cache append and the
@@ -302,45 +297,35 @@ impl CausalSelfAttention {
         if let (Some(qkv_proj), Some(Some(slot)), true, 1) =
             (&self.qkv_proj, kv_cache.as_deref_mut(), fused, t)
         {
-            if slot.kv.dim(0)? == b && twell::ops::step_on_device(x, hd, slot.len) {
+            if slot.kv.dim(0)? == b && fused_ops::step_on_device(x, hd, slot.len) {
                 slot.reserve(1)?;
                 let qkv = qkv_proj.forward(x)?;
-                let y = twell::ops::causal_attention_step(&qkv, rope, &slot.kv, slot.len, nq, nkv)?;
+                let y = fused_ops::causal_attention_step(&qkv, rope, &slot.kv, slot.len, nq, nkv)?;
                 slot.len += 1;
                 return Ok(y);
             }
         }
-        // `TWELL_PREFILL_ROPE`'s ways differ only for fused weights under the fused
-        // attention.
-        let prefill_rope = if fused && pass != Pass::Train && self.kv_proj.is_some() {
-            twell::ops::prefill_rope()?
-        } else {
-            PrefillRope::TurnAll
-        };
+        // With fused weights under the fused attention at inference, q and `k | v` come
+        // apart and the attention turns q; elsewhere one product and RoPE turn both.
+        let keys_in_place = fused && pass != Pass::Train;
         // `q_turned` is false where q is still the projection's: the fused attention
         // turns it as it reads it, one pass over q fewer.
         let (q, mut k, mut v, kv, q_turned) = match (&self.qkv_proj, &self.kv_proj) {
             // q and `k | v` apart (`k | v` as the cache keeps them), the keys turned in
             // place: RoPE reads and writes the keys only.
-            (Some(_), Some(kv_proj)) if prefill_rope == PrefillRope::KeysInPlace => {
+            (Some(_), Some(kv_proj)) if keys_in_place => {
                 let q = self.q_proj.forward(x)?;
                 let kv = kv_proj.forward(x)?;
-                twell::ops::rope_keys_in_place(&kv, rope, nkv)?;
-                (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv), false)
-            }
-            (Some(qkv), _) if prefill_rope == PrefillRope::TurnKeys => {
-                let qkv = qkv.forward(x)?;
-                let kv = twell::ops::rope_qkv_part(&qkv, rope, nq, nkv, QkvPart::KeysValues)?;
-                let q = qkv.narrow(1, 0, nq * hd)?;
+                fused_ops::rope_keys_in_place(&kv, rope, nkv)?;
                 (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv), false)
             }
             (Some(qkv), _) => {
-                let (q, kv) = twell::ops::rope_qkv(&qkv.forward(x)?, rope, nq, nkv)?;
+                let (q, kv) = fused_ops::rope_qkv(&qkv.forward(x)?, rope, nq, nkv)?;
                 (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv), true)
             }
             (None, _) => (
-                twell::ops::rope(&self.q_proj.forward(x)?, rope)?,
-                twell::ops::rope(&self.k_proj.forward(x)?, rope)?,
+                fused_ops::rope(&self.q_proj.forward(x)?, rope)?,
+                fused_ops::rope(&self.k_proj.forward(x)?, rope)?,
                 self.v_proj.forward(x)?,
                 None,
                 true,
@@ -363,9 +348,9 @@ impl CausalSelfAttention {
             // The scores stay on chip; the mask is the causal one the kernel applies. The
             // op reads strided keys and values (views of `kv` or of the cache) in place.
             let y = if q_turned {
-                twell::ops::causal_attention_rows(&q, &k, &v, b, hd)?
+                fused_ops::causal_attention_rows(&q, &k, &v, b, hd)?
             } else {
-                twell::ops::causal_attention_rows_turning_q(&q, rope, &k, &v, b, hd)?
+                fused_ops::causal_attention_rows_turning_q(&q, rope, &k, &v, b, hd)?
             };
             return Ok(y);
         }
@@ -473,7 +458,7 @@ impl Norm {
     /// `(x + y, norm(x + y))`: one kernel on CUDA (with a backward kernel), candle's
     /// ops elsewhere.
     fn add_forward(&self, x: &Tensor, y: &Tensor) -> Result<(Tensor, Tensor)> {
-        twell::ops::add_rms_norm(x, y, &self.weight, self.eps)
+        fused_ops::add_rms_norm(x, y, &self.weight, self.eps)
     }
 }
 
@@ -552,8 +537,6 @@ pub struct TrainOutput {
     pub logits: Tensor,
     /// Mean over layers of (mean over tokens of `Σ_j |h_j|`): the L1 penalty term.
     pub l1: Tensor,
-    /// The residual stream after each block, `[b · t, hidden]` per layer.
-    pub residuals: Vec<Tensor>,
 }
 
 impl Llama {
@@ -643,17 +626,15 @@ impl Llama {
         self.embed_tokens.embeddings().device()
     }
 
-    /// Runs the blocks; returns the final hidden states, for training each layer's mean
-    /// L1 term, and with `keep_residuals` the residual stream after each block (`[b · t,
-    /// hidden]` rows; kept only on request, since a long prefill's would be large).
+    /// Runs the blocks; returns the final hidden states and, for training, each
+    /// layer's mean L1 term.
     fn run(
         &self,
         tokens: &Tensor,
         index_pos: usize,
         mut cache: Option<&mut Cache>,
         pass: Pass,
-        keep_residuals: bool,
-    ) -> Result<(Tensor, Vec<Tensor>, Vec<Tensor>)> {
+    ) -> Result<(Tensor, Vec<Tensor>)> {
         let (b, t) = tokens.dims2()?;
         if pass == Pass::Train && self.is_qkv_fused() {
             candle_core::bail!(
@@ -682,7 +663,7 @@ impl Llama {
         // Training takes our embedding op for its one-pass backward (candle's is an
         // `index_add` on two thread blocks); it checks the ids, a read-back per pass.
         let mut x = match pass {
-            Pass::Train => twell::ops::embedding(&ids, self.embed_tokens.embeddings())?,
+            Pass::Train => fused_ops::embedding(&ids, self.embed_tokens.embeddings())?,
             Pass::Inference => self.embed_tokens.forward(&ids)?,
         };
         let rows_to_batch = |h: Tensor| h.reshape((b, t, self.config.hidden_size));
@@ -724,13 +705,7 @@ impl Llama {
         // `h` (the next sublayer's normalised input) is carried from one step to the next.
         let mut h = match self.blocks.first() {
             Some(block) => block.input_layernorm.forward(&x, pass)?,
-            None => return Ok((rows_to_batch(self.norm.forward(&x, pass)?)?, l1, Vec::new())),
-        };
-        let mut residuals = Vec::new();
-        let mut keep = |x: &Tensor| {
-            if keep_residuals {
-                residuals.push(x.clone());
-            }
+            None => return Ok((rows_to_batch(self.norm.forward(&x, pass)?)?, l1)),
         };
         for (i, block) in self.blocks.iter().enumerate() {
             let kv = match cache.as_deref_mut() {
@@ -755,13 +730,12 @@ impl Llama {
                 && block.mlp.pre_norm_folded()
                 && o_proj.bias().is_none()
             {
-                let s = twell::ops::residual_add_linear(x, &y, o_proj.weight())?;
+                let s = fused_ops::residual_add_linear(x, &y, o_proj.weight())?;
                 (x, h) = block.mlp.forward_sublayer_from_sum(
                     &s,
                     block.post_attention_layernorm.eps,
                     (&next.weight, next.eps),
                 )?;
-                keep(&x);
                 continue;
             }
             let attn = o_proj.forward(&y)?;
@@ -799,68 +773,33 @@ impl Llama {
                     };
                 }
             }
-            keep(&x);
         }
-        Ok((rows_to_batch(h)?, l1, residuals))
+        Ok((rows_to_batch(h)?, l1))
     }
 
     /// Logits of the last position, `[b, vocab]` in f32 (as candle-transformers).
     pub fn forward(&self, x: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
         let (_, t) = x.dims2()?;
-        let (h, _, _) = self.run(x, index_pos, Some(cache), Pass::Inference, false)?;
+        let (h, _) = self.run(x, index_pos, Some(cache), Pass::Inference)?;
         let last = h.i((.., t - 1, ..))?.contiguous()?;
         self.lm_head.forward(&last)?.to_dtype(DType::F32)
     }
 
     /// Logits of every position, `[b, t, vocab]` in f32.
     pub fn forward_all(&self, x: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
-        Ok(self
-            .forward_all_with_residuals(x, index_pos, cache, false)?
-            .0)
+        let (h, _) = self.run(x, index_pos, Some(cache), Pass::Inference)?;
+        self.lm_head.forward(&h)?.to_dtype(DType::F32)
     }
 
-    /// [`Self::forward_all`], and with `keep_residuals` the residual stream after each
-    /// block, `[b · t, hidden]` per layer: what a student matches when it distills the
-    /// hidden states ([`crate::distill::residual_distance`]).
-    pub fn forward_all_with_residuals(
-        &self,
-        x: &Tensor,
-        index_pos: usize,
-        cache: &mut Cache,
-        keep_residuals: bool,
-    ) -> Result<(Tensor, Vec<Tensor>)> {
-        let (h, _, residuals) =
-            self.run(x, index_pos, Some(cache), Pass::Inference, keep_residuals)?;
-        Ok((self.lm_head.forward(&h)?.to_dtype(DType::F32)?, residuals))
-    }
-
-    /// The residual stream after each block alone (no output head): what a teacher gives
-    /// when only its residuals are distilled.
-    pub fn residuals(
-        &self,
-        x: &Tensor,
-        index_pos: usize,
-        cache: &mut Cache,
-    ) -> Result<Vec<Tensor>> {
-        Ok(self
-            .run(x, index_pos, Some(cache), Pass::Inference, true)?
-            .2)
-    }
-
-    /// Differentiable forward over whole sequences (no cache): all logits, the L1 term
-    /// averaged over layers and the residual stream after each block.
+    /// Differentiable forward over whole sequences (no cache): all logits and the L1 term
+    /// averaged over layers.
     pub fn forward_train(&self, x: &Tensor) -> Result<TrainOutput> {
-        // The residuals are views the backward holds anyway: keeping them costs nothing.
-        let (h, l1, residuals) = self.run(x, 0, None, Pass::Train, true)?;
-        // In the model's dtype: the loss reads bf16 logits itself (`twell::ops::
+        let (h, l1) = self.run(x, 0, None, Pass::Train)?;
+        // In the model's dtype: the loss reads bf16 logits itself (`fused_ops::
         // cross_entropy`), where an f32 copy would be the largest tensor of the step.
         let logits = self.lm_head.forward(&h)?;
         let l1 = Tensor::stack(&l1, 0)?.mean_all()?;
-        Ok(TrainOutput {
-            logits,
-            l1,
-            residuals,
-        })
+        Ok(TrainOutput { logits, l1 })
     }
 
     /// Sets every layer's sparsity term (see [`SparseMlp::set_l1_term`]).
@@ -868,23 +807,6 @@ impl Llama {
         for b in &mut self.blocks {
             b.mlp.set_l1_term(term);
         }
-    }
-
-    /// Sets every layer's ε of the `gate-l0` term (see [`SparseMlp::set_gate_l0_eps`]).
-    pub fn set_gate_l0_eps(&mut self, eps: f64) -> Result<()> {
-        for b in &mut self.blocks {
-            b.mlp.set_gate_l0_eps(eps)?;
-        }
-        Ok(())
-    }
-
-    /// Sets every layer's gradient window below the ReLU's zero (see
-    /// [`SparseMlp::set_relu_grad_window`]).
-    pub fn set_relu_grad_window(&mut self, window: f64) -> Result<()> {
-        for b in &mut self.blocks {
-            b.mlp.set_relu_grad_window(window)?;
-        }
-        Ok(())
     }
 
     /// Sets the feed-forward path of every layer.

@@ -19,7 +19,7 @@ pub struct ConvertArgs {
 
 pub fn run(args: &ConvertArgs) -> Result<()> {
     let ck = args.model.open()?;
-    let dtype = args.model.dtype(&Device::Cpu)?;
+    let dtype = args.model.dtype(&Device::Cpu);
     let opts = LoadOptions {
         activation: args.model.relu.then_some(twell::Activation::Relu),
         ffn_mode: None,

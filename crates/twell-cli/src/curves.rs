@@ -1,6 +1,6 @@
 //! `twell curves`: validation perplexity and mean L0 against step, from the JSON-lines
 //! logs `twell finetune` writes, several runs in one chart. The validation batches' L0
-//! (in the logs since the twenty-sixth session) shows as dots beside the training line.
+//! (where a log has it) shows as dots beside the training line.
 
 use std::path::{Path, PathBuf};
 

@@ -1,52 +1,120 @@
-//! `--device` and `--dtype` flags shared by the subcommands.
+//! `--device` and `--dtype`: where and in what precision a subcommand computes.
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
+
+/// `--device`: `cpu`, `cuda` or `cuda:N`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(Self::Cuda(n)),
+                _ => Err(format!("'{other}': want cpu, cuda or cuda:N")),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl DeviceSpec {
+    /// The device, opened and (CUDA) tuned: the memory pool keeps what it frees, cuBLAS
+    /// gets a workspace, per-buffer event tracking is off (`fused_ops::cuda::configure`).
+    pub fn open(self) -> Result<Device> {
+        match self {
+            Self::Cpu => Ok(Device::Cpu),
+            Self::Cuda(ordinal) => {
+                if !candle_core::utils::cuda_is_available() {
+                    bail!(
+                        "--device cuda: this build has no CUDA support (rebuild with \
+                         --features cuda)"
+                    );
+                }
+                let dev = Device::new_cuda(ordinal)?;
+                #[cfg(feature = "cuda")]
+                if let Device::Cuda(c) = &dev {
+                    fused_ops::cuda::configure(c)?;
+                }
+                Ok(dev)
+            }
+        }
+    }
+}
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct DeviceArg {
     /// cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
-    pub device: String,
+    pub device: DeviceSpec,
 }
 
 impl DeviceArg {
     pub fn device(&self) -> Result<Device> {
-        parse_device(&self.device)
+        self.device.open()
     }
 }
 
-pub fn parse_device(s: &str) -> Result<Device> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => cuda(0),
-        other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(n)) => cuda(n),
-            _ => bail!("--device '{other}': want cpu, cuda or cuda:N"),
-        },
-    }
+/// `--dtype`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DtypeArg {
+    F32,
+    Bf16,
+    F16,
 }
 
-fn cuda(ordinal: usize) -> Result<Device> {
-    if !candle_core::utils::cuda_is_available() {
-        bail!("--device cuda: this build has no CUDA support (rebuild with --features cuda)");
-    }
-    let dev = Device::new_cuda(ordinal)?;
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(c) = &dev {
-        // TWELL_NO_TUNE=1 keeps candle's defaults (to measure what tuning changes).
-        if std::env::var_os("TWELL_NO_TUNE").is_none() {
-            twell::cuda::configure(c)?;
+impl DtypeArg {
+    pub fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+            Self::F16 => DType::F16,
         }
     }
-    Ok(dev)
 }
 
-pub fn parse_dtype(s: &str) -> Result<DType> {
-    match s {
-        "f32" => Ok(DType::F32),
-        "bf16" => Ok(DType::BF16),
-        "f16" => Ok(DType::F16),
-        other => bail!("--dtype '{other}': want f32, bf16 or f16"),
+impl std::fmt::Display for DtypeArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        })
+    }
+}
+
+/// `--ffn`: [`twell::FfnMode`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FfnArg {
+    /// candle's dense MLP, the reference.
+    Dense,
+    /// The TwELL kernels at every call.
+    Sparse,
+    /// Sparse while the measured density is below the break-even, dense above it.
+    Auto,
+}
+
+impl FfnArg {
+    pub fn mode(self) -> twell::FfnMode {
+        match self {
+            Self::Dense => twell::FfnMode::Dense,
+            Self::Sparse => twell::FfnMode::Sparse,
+            Self::Auto => twell::FfnMode::Auto,
+        }
     }
 }

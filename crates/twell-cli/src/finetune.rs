@@ -8,7 +8,8 @@ use candle_core::DType;
 use indicatif::{ProgressBar, ProgressStyle};
 use sparse_llama::checkpoint::LoadOptions;
 use sparse_llama::corpus::Corpus;
-use sparse_llama::train::{DensityText, L1Penalty, PackedData, TrainConfig, Trainer};
+use sparse_llama::Llama;
+use sparse_train::{DensityText, PackedData, Penalty, StepLog, TrainConfig, Trainer};
 use twell::{Activation, FfnMode};
 
 use crate::corpus_args::CorpusArgs;
@@ -63,51 +64,25 @@ pub struct FinetuneArgs {
     /// --l1-warmup) geometrically down to --l1-target-density over this many steps.
     #[arg(long, default_value_t = 0)]
     pub l1_target_anneal: usize,
-    /// The text --l1-target-density is read on: `training` (the training batches, every
-    /// step) or `validation` (the training batches' density scaled by the ratio between
-    /// the validation split's and theirs at the last --eval-every validation; needs
+    /// The text --l1-target-density is read on: the training batches, every step, or the
+    /// validation split (the training batches' density scaled by the ratio between the
+    /// validation split's and theirs at the last --eval-every validation; needs
     /// --eval-every > 0). Sampled training text can be sparser than held-out text.
-    #[arg(long, default_value = "training")]
-    pub l1_target_text: String,
-    /// The L1 term: `plain` (Σ|h_j|), `down-norm` (Σ|h_j|·‖Wd_j‖, which rescaling a
-    /// neuron's weights cannot lower), `hoyer` ((Σ|h_j|)² / Σh_j² per token, which a
-    /// common scale of all neurons cannot lower) or `gate-l0` (a smooth count of the
-    /// positive gates, each as a cosine); all but `plain` need --ffn dense.
-    #[arg(long, default_value = "plain")]
-    pub l1_penalty: String,
-    /// ε of `gate-l0`'s smooth count φ(z) = z / (z + ε), in units of a gate's spread
-    /// (default 0.1): smaller counts more sharply and pulls only on the gates nearest
-    /// zero; larger pulls on more of the positive gates, more like L1.
-    #[arg(long)]
-    pub l1_gate_eps: Option<f64>,
+    #[arg(long, value_enum, default_value_t = TargetTextArg::Training)]
+    pub l1_target_text: TargetTextArg,
+    /// The sparsity term λ weighs.
+    #[arg(long, visible_alias = "l1-penalty", value_enum, default_value_t = PenaltyArg::L1)]
+    pub penalty: PenaltyArg,
     /// Distill from a teacher (--teacher, else the --model checkpoint as loaded: its own
     /// activation, dense, frozen, the same one when resuming): the loss becomes
     /// (1 - α)·CE + α·KL(teacher ‖ student) + λ·L1. α in [0, 1]; 0 is off.
     #[arg(long, default_value_t = 0.0)]
     pub distill: f64,
-    /// β of residual distillation: adds β · (mean over layers and tokens of ‖s - t‖² /
-    /// ‖t‖²), the relative distance between the student's and the teacher's residual
-    /// stream after each block, so that each layer learns what its output should be. The
-    /// teacher is the same as for --distill and needs the student's depth and width.
-    /// 0 is off.
-    #[arg(long, default_value_t = 0.0)]
-    pub distill_residual: f64,
     /// The model to distill from (an HF directory, a .gguf file or a hub id), when it is
     /// not --model: e.g. the original model while fine-tuning an already sparse one. It
     /// must share the tokenizer's vocabulary.
     #[arg(long)]
     pub teacher: Option<String>,
-    /// Give the MLP projections biases starting at zero (HF `mlp_bias`; no weight
-    /// decay): a per-neuron gate threshold the sparsity term can lower directly. Such a
-    /// model runs the dense FFN (the TwELL kernels apply no biases yet).
-    #[arg(long)]
-    pub mlp_bias: bool,
-    /// Let the loss's gradient reach the gates within this many times each layer's mean
-    /// |gate| below zero, as if those neurons were on (a straight-through ReLU): the loss
-    /// can then ask for a neuron that is off, while the forward stays the plain ReLU.
-    /// 0 is off; needs --ffn dense.
-    #[arg(long, default_value_t = 0.0)]
-    pub relu_grad_window: f64,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Validate every N steps (0: only at the end).
@@ -134,164 +109,133 @@ pub struct FinetuneArgs {
     pub time_limit: Option<f64>,
 }
 
-pub fn run(args: &FinetuneArgs) -> Result<()> {
-    if args.corpus.holdout == 0 {
-        bail!("--holdout must be at least 1: validation needs held-out text");
-    }
-    if args.eval_batches == 0 {
-        bail!("--eval-batches must be at least 1");
-    }
-    if args.lr == 0.0 {
-        bail!("--lr 0 would train nothing: give a positive learning rate");
-    }
-    let distilling = args.distill > 0.0 || args.distill_residual > 0.0;
-    if args.teacher.is_some() && !distilling {
-        bail!("--teacher is only read with --distill α > 0 or --distill-residual β > 0");
-    }
-    if let Some(limit) = args.time_limit {
-        if !(limit > 0.0 && limit.is_finite()) {
-            bail!("--time-limit must be a positive number of seconds, not {limit}");
+/// `--penalty`: [`sparse_train::Penalty`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PenaltyArg {
+    /// Σ|h_j|, the paper's L1; on either FFN path.
+    #[value(alias = "plain")]
+    L1,
+    /// A smooth count of the positive gates, each as a cosine (the recipe of
+    /// docs/finetuning.md); needs --ffn dense.
+    GateL0,
+}
+
+/// `--l1-target-text`: [`sparse_train::DensityText`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TargetTextArg {
+    Training,
+    Validation,
+}
+
+impl FinetuneArgs {
+    /// The run's settings, checked.
+    fn train_config(&self, dtype: DType) -> Result<TrainConfig> {
+        let cfg = TrainConfig {
+            seq_len: self.seq_len,
+            batch_size: self.batch,
+            grad_accum: self.accum,
+            steps: self.steps,
+            lr: self.lr,
+            min_lr_ratio: self.min_lr_ratio,
+            warmup_steps: self.warmup,
+            weight_decay: self.weight_decay,
+            clip_norm: self.clip,
+            l1: self.l1,
+            l1_warmup_steps: self.l1_warmup,
+            penalty: match self.penalty {
+                PenaltyArg::L1 => Penalty::L1,
+                PenaltyArg::GateL0 => Penalty::GateL0,
+            },
+            seed: self.seed,
+            dead_window_steps: 50,
+            bf16: dtype == DType::BF16,
+            profile: self.profile,
+            no_activity_stats: false,
+            l1_target_density: self.l1_target_density,
+            l1_target_anneal_steps: self.l1_target_anneal,
+            l1_target_text: match self.l1_target_text {
+                TargetTextArg::Training => DensityText::Training,
+                TargetTextArg::Validation => DensityText::Validation,
+            },
+            distill: self.distill,
+        };
+        cfg.validate()?;
+        if cfg.l1_target_text == DensityText::Validation && self.eval_every == 0 {
+            bail!(
+                "--l1-target-text validation reads the density at each validation: give \
+                 --eval-every > 0"
+            );
         }
+        Ok(cfg)
     }
-    if args.l1_gate_eps.is_some() && args.l1_penalty != "gate-l0" {
-        bail!("--l1-gate-eps is a setting of --l1-penalty gate-l0");
+
+    /// The checks that need no file.
+    fn check(&self) -> Result<()> {
+        if self.corpus.holdout == 0 {
+            bail!("--holdout must be at least 1: validation needs held-out text");
+        }
+        if self.eval_batches == 0 {
+            bail!("--eval-batches must be at least 1");
+        }
+        if self.lr == 0.0 {
+            bail!("--lr 0 would train nothing: give a positive learning rate");
+        }
+        if self.teacher.is_some() && self.distill == 0.0 {
+            bail!("--teacher is only read with --distill α > 0");
+        }
+        if let Some(limit) = self.time_limit {
+            if !(limit > 0.0 && limit.is_finite()) {
+                bail!("--time-limit must be a positive number of seconds, not {limit}");
+            }
+        }
+        if self.penalty == PenaltyArg::GateL0 && self.model.ffn_mode() != FfnMode::Dense {
+            bail!("--penalty gate-l0 is computed on the dense FFN: add --ffn dense");
+        }
+        Ok(())
     }
+
+    /// The frozen, dense model to distill from: --teacher, else --model itself (not the
+    /// checkpoint being resumed).
+    fn teacher(&self, dtype: DType, device: &candle_core::Device) -> Result<Llama> {
+        let mut teacher_args = self.model.clone();
+        if let Some(t) = &self.teacher {
+            teacher_args.model = Some(t.clone());
+        }
+        let options = LoadOptions {
+            activation: None,
+            ffn_mode: Some(FfnMode::Dense),
+        };
+        teacher_args
+            .open()?
+            .load_model(dtype, device, &options)
+            .context("loading the distillation teacher")
+    }
+}
+
+pub fn run(args: &FinetuneArgs) -> Result<()> {
+    args.check()?;
     let device = args.model.device()?;
-    let dtype = args.model.dtype(&device)?;
-    let cfg = TrainConfig {
-        seq_len: args.seq_len,
-        batch_size: args.batch,
-        grad_accum: args.accum,
-        steps: args.steps,
-        lr: args.lr,
-        min_lr_ratio: args.min_lr_ratio,
-        warmup_steps: args.warmup,
-        weight_decay: args.weight_decay,
-        clip_norm: args.clip,
-        l1: args.l1,
-        l1_warmup_steps: args.l1_warmup,
-        l1_penalty: args
-            .l1_penalty
-            .parse()
-            .map_err(|e| anyhow::anyhow!("--l1-penalty {e}"))?,
-        gate_l0_eps: args.l1_gate_eps.unwrap_or(twell::GATE_L0_EPS),
-        seed: args.seed,
-        dead_window_steps: 50,
-        bf16: dtype == DType::BF16,
-        profile: args.profile,
-        no_activity_stats: false,
-        l1_target_density: args.l1_target_density,
-        l1_target_anneal_steps: args.l1_target_anneal,
-        l1_target_text: args
-            .l1_target_text
-            .parse()
-            .map_err(|e| anyhow::anyhow!("--l1-target-text {e}"))?,
-        distill: args.distill,
-        distill_residual: args.distill_residual,
-        mlp_bias: args.mlp_bias,
-        relu_grad_window: args.relu_grad_window,
-    };
-    cfg.validate()?;
-    if cfg.l1_target_text == DensityText::Validation && args.eval_every == 0 {
-        anyhow::bail!(
-            "--l1-target-text validation reads the density at each validation: give \
-             --eval-every > 0"
-        );
-    }
+    let dtype = args.model.dtype(&device);
+    let cfg = args.train_config(dtype)?;
     // Resuming reads the weights from the checkpoint being resumed.
     let mut model_args = args.model.clone();
     if let Some(r) = &args.resume {
         model_args.model = Some(r.to_string_lossy().into_owned());
     }
     let ck = model_args.open()?;
-    let ffn: FfnMode = args
-        .model
-        .ffn
-        .parse()
-        .map_err(|e| anyhow::anyhow!("--ffn: {e}"))?;
+    let ffn = args.model.ffn_mode();
     let mut model_cfg = ck.runtime_config(&LoadOptions {
         activation: Some(Activation::Relu),
         ffn_mode: Some(ffn),
     })?;
     model_cfg.ffn_mode = ffn;
-    if args.mlp_bias && ffn == FfnMode::Sparse {
-        // One wording with the library's, which a sparse load of a biased checkpoint gives.
-        bail!("--mlp-bias: {}", twell::TwellError::SparseBias);
-    }
-    if cfg.relu_grad_window > 0.0 && ffn != FfnMode::Dense {
-        bail!("--relu-grad-window is applied on the dense FFN: add --ffn dense");
-    }
-    if cfg.l1_penalty != L1Penalty::Plain && ffn != FfnMode::Dense {
-        bail!(
-            "--l1-penalty {:?} is computed on the dense FFN: add --ffn dense",
-            cfg.l1_penalty
-        );
-    }
-
     // Opened before the corpus is read, so a bad --teacher fails fast.
-    let teacher = if distilling {
-        // The teacher is --teacher, or --model itself: not the checkpoint being resumed.
-        let mut teacher_args = args.model.clone();
-        if let Some(t) = &args.teacher {
-            teacher_args.model = Some(t.clone());
-        }
-        let teacher = teacher_args
-            .open()?
-            .load_model(
-                dtype,
-                &device,
-                &LoadOptions {
-                    activation: None,
-                    ffn_mode: Some(FfnMode::Dense),
-                },
-            )
-            .context("loading the distillation teacher")?;
-        Some(teacher)
-    } else {
-        None
+    let teacher = match args.distill > 0.0 {
+        true => Some(args.teacher(dtype, &device)?),
+        false => None,
     };
-
-    let (train_docs, val_docs) = args.corpus.split()?;
     let eos = model_cfg.eos_ids().first().copied();
-    let mut train_tokens = train_docs.tokenize(&ck.tokenizer, eos)?;
-    if args.max_train_tokens > 0 {
-        train_tokens.truncate(args.max_train_tokens);
-    }
-    let mut extra_docs = 0;
-    if let Some(spec) = &args.extra_data {
-        let extra = Corpus::open(spec).with_context(|| format!("opening --extra-data {spec}"))?;
-        let held_out: std::collections::HashSet<_> = val_docs
-            .files
-            .iter()
-            .filter_map(|v| std::fs::canonicalize(v).ok())
-            .collect();
-        if let Some(f) = extra
-            .files
-            .iter()
-            .find(|f| std::fs::canonicalize(f).is_ok_and(|f| held_out.contains(&f)))
-        {
-            bail!(
-                "--extra-data includes {}, a held-out document: validation text must never be trained on",
-                f.display()
-            );
-        }
-        extra_docs = extra.files.len();
-        if let Some(e) = eos {
-            train_tokens.push(e);
-        }
-        train_tokens.extend(extra.tokenize(&ck.tokenizer, eos)?);
-    }
-    let train = PackedData::new(&train_tokens, args.seq_len)?;
-    let val = PackedData::new(&val_docs.tokenize(&ck.tokenizer, eos)?, args.seq_len)?;
-    eprintln!(
-        "finetune: {} training sequences of {} tokens ({} documents, {} of them --extra-data), {} validation sequences ({} documents)",
-        train.len(),
-        args.seq_len,
-        train_docs.files.len() + extra_docs,
-        extra_docs,
-        val.len(),
-        val_docs.files.len()
-    );
+    let (train, val) = training_text(args, &ck.tokenizer, eos)?;
 
     let d_ff = model_cfg.intermediate_size;
     let mut trainer = Trainer::new(model_cfg, ck.tensors(DType::F32, &device)?, cfg, &device)?;
@@ -324,6 +268,9 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     } else {
         DType::BF16
     };
+    let save = |trainer: &Trainer, dir: &std::path::Path| {
+        trainer.save(dir, &ck.tokenizer, ck.chat_template.as_deref(), save_dtype)
+    };
     let started = std::time::Instant::now();
     while trainer.step() < args.steps {
         let mut entry = trainer.train_step(&train)?;
@@ -333,34 +280,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
             (entry.val_ce, entry.val_l0) = (Some(v.ce), v.mean_l0);
         }
         writeln!(log, "{}", serde_json::to_string(&entry)?)?;
-        bar.set_message(format!(
-            "ce {:.3}{} l1 {:.1} λ {:.1e} L0 {:.1}{} dead {:.1}% lr {:.1e} {:.0} tok/s{}",
-            entry.ce,
-            entry.kl.map(|v| format!(" kl {v:.3}")).unwrap_or_default()
-                + &entry
-                    .residual_distance
-                    .map(|v| format!(" rd {v:.3}"))
-                    .unwrap_or_default(),
-            entry.l1,
-            entry.l1_coefficient,
-            entry.mean_l0,
-            // The steered target as an L0, to read against the one measured.
-            entry
-                .l1_target
-                .map(|t| format!(" (target {:.1})", t * d_ff as f64))
-                .unwrap_or_default(),
-            100.0 * entry.dead_fraction,
-            entry.lr,
-            entry.tokens_per_sec,
-            entry
-                .val_ce
-                .map(|v| format!(" val {v:.3}"))
-                .unwrap_or_default()
-                + &entry
-                    .val_l0
-                    .map(|v| format!(" (L0 {v:.1})"))
-                    .unwrap_or_default()
-        ));
+        bar.set_message(progress_line(&entry, d_ff));
         bar.set_position(step as u64);
         let out_of_time = args
             .time_limit
@@ -368,7 +288,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         let scheduled = args.save_every > 0 && step % args.save_every == 0;
         if (scheduled || out_of_time) && step < args.steps {
             let dir = args.out.join(format!("step-{step}"));
-            trainer.save(&dir, &ck.tokenizer, ck.chat_template.as_deref(), save_dtype)?;
+            save(&trainer, &dir)?;
             if out_of_time {
                 bar.abandon();
                 eprintln!(
@@ -382,12 +302,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     }
     bar.finish();
     let final_dir = args.out.join("final");
-    trainer.save(
-        &final_dir,
-        &ck.tokenizer,
-        ck.chat_template.as_deref(),
-        save_dtype,
-    )?;
+    save(&trainer, &final_dir)?;
     let curve_path = args.out.join("train_curve.svg");
     crate::chart::training_curves(&curve_path, &[crate::curves::read(&log_path, None)?])?;
     eprintln!(
@@ -397,4 +312,83 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         curve_path.display()
     );
     Ok(())
+}
+
+/// The training and validation sequences: the corpus' training documents (at most
+/// --max-train-tokens of them) and --extra-data, which may never include a held-out
+/// document; the held-out documents for validation.
+fn training_text(
+    args: &FinetuneArgs,
+    tokenizer: &tokenizers::Tokenizer,
+    eos: Option<u32>,
+) -> Result<(PackedData, PackedData)> {
+    let (train_docs, val_docs) = args.corpus.split()?;
+    let mut train_tokens = train_docs.tokenize(tokenizer, eos)?;
+    if args.max_train_tokens > 0 {
+        train_tokens.truncate(args.max_train_tokens);
+    }
+    let mut extra_docs = 0;
+    if let Some(spec) = &args.extra_data {
+        let extra = Corpus::open(spec).with_context(|| format!("opening --extra-data {spec}"))?;
+        let held_out: std::collections::HashSet<_> = val_docs
+            .files
+            .iter()
+            .filter_map(|v| std::fs::canonicalize(v).ok())
+            .collect();
+        if let Some(f) = extra
+            .files
+            .iter()
+            .find(|f| std::fs::canonicalize(f).is_ok_and(|f| held_out.contains(&f)))
+        {
+            bail!(
+                "--extra-data includes {}, a held-out document: validation text must never be trained on",
+                f.display()
+            );
+        }
+        extra_docs = extra.files.len();
+        if let Some(e) = eos {
+            train_tokens.push(e);
+        }
+        train_tokens.extend(extra.tokenize(tokenizer, eos)?);
+    }
+    let train = PackedData::new(&train_tokens, args.seq_len)?;
+    let val = PackedData::new(&val_docs.tokenize(tokenizer, eos)?, args.seq_len)?;
+    eprintln!(
+        "finetune: {} training sequences of {} tokens ({} documents, {} of them --extra-data), {} validation sequences ({} documents)",
+        train.len(),
+        args.seq_len,
+        train_docs.files.len() + extra_docs,
+        extra_docs,
+        val.len(),
+        val_docs.files.len()
+    );
+    Ok((train, val))
+}
+
+/// The progress bar's message after a step.
+fn progress_line(entry: &StepLog, d_ff: usize) -> String {
+    let kl = entry.kl.map(|v| format!(" kl {v:.3}")).unwrap_or_default();
+    // The steered target as an L0, to read against the one measured.
+    let target = entry
+        .l1_target
+        .map(|t| format!(" (target {:.1})", t * d_ff as f64))
+        .unwrap_or_default();
+    let val = entry
+        .val_ce
+        .map(|v| format!(" val {v:.3}"))
+        .unwrap_or_default()
+        + &entry
+            .val_l0
+            .map(|v| format!(" (L0 {v:.1})"))
+            .unwrap_or_default();
+    format!(
+        "ce {:.3}{kl} l1 {:.1} λ {:.1e} L0 {:.1}{target} dead {:.1}% lr {:.1e} {:.0} tok/s{val}",
+        entry.ce,
+        entry.l1,
+        entry.l1_coefficient,
+        entry.mean_l0,
+        100.0 * entry.dead_fraction,
+        entry.lr,
+        entry.tokens_per_sec,
+    )
 }

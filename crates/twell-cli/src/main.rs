@@ -2,7 +2,6 @@
 
 mod bench;
 mod chart;
-mod check_gpu;
 mod convert;
 mod corpus_args;
 mod curves;
@@ -10,6 +9,7 @@ mod device;
 mod eval;
 mod finetune;
 mod generate;
+mod host_tuning;
 mod model_args;
 mod sample;
 
@@ -23,6 +23,11 @@ use clap::{Parser, Subcommand};
     about = "Sparse (TwELL) feed-forward layers for Candle Llama models"
 )]
 struct Cli {
+    /// Leave the host as the system has it: glibc's malloc thresholds, 4 KB pages for the
+    /// CPU weights, and rayon workers that sleep between one-token calls (by default
+    /// `twell` tunes all three for speed; see `docs/design.md`).
+    #[arg(long, global = true)]
+    no_host_tuning: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -42,8 +47,6 @@ enum Command {
     Convert(convert::ConvertArgs),
     /// Training curves (validation perplexity, mean L0) of `finetune` logs as one SVG.
     Curves(curves::CurvesArgs),
-    /// Check the CUDA kernels against a dense f32 reference on the GPU.
-    CheckGpu(check_gpu::CheckGpuArgs),
     /// Benchmarks, dense and sparse side by side.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -65,10 +68,10 @@ enum BenchCommand {
 }
 
 fn main() -> Result<()> {
-    // Before any tensor exists: candle's host temporaries are then reused, not faulted
-    // in and zeroed again each step (`twell::cpu::host_memory`).
-    twell::cpu::host_memory::keep_freed_host_memory();
     let cli = Cli::parse();
+    // Before any tensor exists: candle's host temporaries are then reused, not faulted
+    // in and zeroed again each step.
+    host_tuning::tune_host(!cli.no_host_tuning);
     match cli.command {
         Command::Generate(args) => generate::run(&args)?,
         Command::Finetune(args) => finetune::run(&args)?,
@@ -76,7 +79,6 @@ fn main() -> Result<()> {
         Command::Sample(args) => sample::run(&args)?,
         Command::Convert(args) => convert::run(&args)?,
         Command::Curves(args) => curves::run(&args)?,
-        Command::CheckGpu(args) => check_gpu::run(&args)?,
         Command::Bench(BenchCommand::Model(args)) => {
             let report = bench::model::run(&args)?;
             bench::model::print(&report);

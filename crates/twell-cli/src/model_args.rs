@@ -8,7 +8,7 @@ use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
 use sparse_llama::Llama;
 use twell::{Activation, FfnMode};
 
-use crate::device::{parse_device, parse_dtype};
+use crate::device::{DeviceSpec, DtypeArg, FfnArg};
 
 /// The default model, as fetched by `scripts/setup.sh`.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -31,19 +31,19 @@ pub struct ModelArgs {
     /// Default: the SmolLM2-135M-Instruct GGUF in the data directory.
     #[arg(long)]
     pub model: Option<String>,
-    /// Feed-forward path: dense, sparse or auto.
-    #[arg(long, default_value = "auto")]
-    pub ffn: String,
+    /// Feed-forward path.
+    #[arg(long, value_enum, default_value_t = FfnArg::Auto)]
+    pub ffn: FfnArg,
     /// Run the MLP gate with ReLU instead of the checkpoint's activation (a
     /// ReLU-converted model; quality needs fine-tuning).
     #[arg(long)]
     pub relu: bool,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
-    #[arg(long)]
-    pub dtype: Option<String>,
+    pub device: DeviceSpec,
+    /// Compute dtype (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
 }
 
 impl ModelArgs {
@@ -64,26 +64,26 @@ impl ModelArgs {
     }
 
     pub fn device(&self) -> Result<Device> {
-        parse_device(&self.device)
+        self.device.open()
     }
 
-    pub fn dtype(&self, device: &Device) -> Result<DType> {
-        match &self.dtype {
-            Some(d) => parse_dtype(d),
-            None if device.is_cuda() => Ok(DType::BF16),
-            None => Ok(DType::F32),
+    pub fn dtype(&self, device: &Device) -> DType {
+        match self.dtype {
+            Some(d) => d.dtype(),
+            None if device.is_cuda() => DType::BF16,
+            None => DType::F32,
         }
     }
 
-    pub fn load_options(&self) -> Result<LoadOptions> {
-        let ffn_mode: FfnMode = self
-            .ffn
-            .parse()
-            .map_err(|e| anyhow::anyhow!("--ffn: {e}"))?;
-        Ok(LoadOptions {
+    pub fn ffn_mode(&self) -> FfnMode {
+        self.ffn.mode()
+    }
+
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions {
             activation: self.relu.then_some(Activation::Relu),
-            ffn_mode: Some(ffn_mode),
-        })
+            ffn_mode: Some(self.ffn_mode()),
+        }
     }
 
     pub fn open(&self) -> Result<Checkpoint> {
@@ -95,13 +95,11 @@ impl ModelArgs {
     /// (inference: `eval`, `generate`, `sample`).
     pub fn open_for_inference(&self) -> Result<(Checkpoint, Llama)> {
         let device = self.device()?;
-        let dtype = self.dtype(&device)?;
+        let dtype = self.dtype(&device);
         let ck = self.open()?;
-        let mut model = ck.load_model(dtype, &device, &self.load_options()?)?;
+        let mut model = ck.load_model(dtype, &device, &self.load_options())?;
         model.fuse_qkv()?;
-        if twell::mlp::fold_norms_wanted()? {
-            model.fold_mlp_norms()?;
-        }
+        model.fold_mlp_norms()?;
         Ok((ck, model))
     }
 }

@@ -1,7 +1,7 @@
 //! `twell sample`: text from a model's own distribution, to train on.
 //!
 //! Fine-tuning on the 2M-token default corpus overfits within a few epochs, for the
-//! λ = 0 run and the sparse one alike (docs/results.md). Continuations sampled from
+//! λ = 0 run and the sparse one alike (docs/finetuning.md). Continuations sampled from
 //! the teacher, prompted with windows of the training documents only, add text that
 //! follows the teacher's distribution without touching the held-out documents.
 
@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use sparse_llama::sample::{sample_batch, BatchSampling};
+use sparse_train::sample::{sample_batch, BatchSampling};
 
 use crate::corpus_args::CorpusArgs;
 use crate::model_args::ModelArgs;

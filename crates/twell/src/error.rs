@@ -22,19 +22,6 @@ pub enum TwellError {
     ShapeMismatch { what: &'static str, detail: String },
     #[error("{what}: unsupported dtype {dtype:?} (TwELL values are f32, bf16 or f16)")]
     BadDtype { what: &'static str, dtype: DType },
-    #[error("{what}: dtypes differ ({a:?} vs {b:?}); convert the inputs to one dtype first")]
-    DtypeMismatch {
-        what: &'static str,
-        a: DType,
-        b: DType,
-    },
-    #[error("{what}: inputs live on different devices")]
-    DeviceMismatch { what: &'static str },
-    #[error("{what}: empty dimension in shape {shape:?}")]
-    Empty {
-        what: &'static str,
-        shape: Vec<usize>,
-    },
     #[error("{what}: a matrix of {rows} x {cols} is too large for 32-bit TwELL offsets")]
     TooLarge {
         what: &'static str,

@@ -14,15 +14,15 @@
 //!   Its slots stay empty, so every nonzero is stored exactly once.
 //!
 //! The value array is `[M · n_tiles · C]` slot values followed by `[n_overflow · T]`
-//! dense overflow tiles (in row order). `docs/format.md` draws the layout.
+//! dense overflow tiles (in row order). `docs/design.md` draws the layout.
 
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::float::{is_value_dtype, Float};
 use crate::error::{err, TwellError};
+use fused_ops::host::{is_value_dtype, Float};
 
 /// The default tile width: 256 columns, so a tile-local index fits a `u8`.
 pub const DEFAULT_TILE: usize = 256;
@@ -30,11 +30,13 @@ pub const DEFAULT_TILE: usize = 256;
 /// far above the 0.5–3% densities a sparsity-trained FFN runs at.
 pub const DEFAULT_COMPRESSION: usize = 8;
 
-/// Tile width `T` and compression factor `CF` of a TwELL matrix.
+/// Tile width `T` and compression factor `CF` of a TwELL matrix, and which CUDA kernels
+/// the sparse MLP runs with it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TwellConfig {
     tile: usize,
     compression: usize,
+    paths: KernelPaths,
 }
 
 impl Default for TwellConfig {
@@ -42,8 +44,44 @@ impl Default for TwellConfig {
         Self {
             tile: DEFAULT_TILE,
             compression: DEFAULT_COMPRESSION,
+            paths: KernelPaths::default(),
         }
     }
+}
+
+/// Which kernels the CUDA sparse MLP's forward runs where more than one computes the same
+/// result. `Default` is the measured best for each size; the other choices exist so that
+/// the tests check every path and `twell bench mlp` can time them side by side.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct KernelPaths {
+    pub gate: GateGemm,
+    pub walk: RowWalk,
+}
+
+/// How the gate GEMM runs on CUDA.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GateGemm {
+    /// cuBLASLt with the ReLU mask from 4,096 rows, cuBLAS below.
+    #[default]
+    Auto,
+    /// cuBLASLt with its ReLU epilogue writing a bit mask of the positives (an error
+    /// where cuBLASLt has no algorithm for the shape).
+    Masked,
+    /// cuBLAS's plain GEMM; the positives are found by reading the whole gate.
+    Plain,
+}
+
+/// How the CUDA prefill row kernels find each row's active neurons at inference, where a
+/// warp takes a whole token row. Elsewhere (a row split over several warps, or a pass
+/// that keeps state for its backward) they walk the slots.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RowWalk {
+    /// A bit mask of the gate's positives (cuBLASLt's, or one a sign kernel makes from
+    /// the plain gate), with `h` left in the gate: no pack launch and no slots.
+    #[default]
+    Mask,
+    /// The TwELL slots the pack writes.
+    Slots,
 }
 
 impl TwellConfig {
@@ -55,7 +93,21 @@ impl TwellConfig {
         if !matches!(compression, 2 | 4 | 8) {
             return err(TwellError::BadCompression(compression));
         }
-        Ok(Self { tile, compression })
+        Ok(Self {
+            tile,
+            compression,
+            paths: KernelPaths::default(),
+        })
+    }
+
+    /// The same format with the CUDA kernels chosen by `paths`.
+    pub fn with_paths(mut self, paths: KernelPaths) -> Self {
+        self.paths = paths;
+        self
+    }
+
+    pub fn paths(&self) -> KernelPaths {
+        self.paths
     }
 
     pub fn tile(&self) -> usize {

@@ -12,7 +12,7 @@ use candle_nn::VarBuilder;
 use crate::cpu::screen::{GateScreen, SCREEN_MAX_DENSITY, SCREEN_MAX_ROWS};
 use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
-use crate::ops::{twell_mlp_screened, twell_mlp_with_backward_path, up_down_matrix, BackwardPath};
+use crate::{twell_mlp_screened, twell_mlp_with_backward_path, up_down_matrix, BackwardPath};
 
 /// Not a trainable variable nor part of an autograd graph: a copy made of it once
 /// stays valid.
@@ -28,7 +28,7 @@ pub enum FfnMode {
     /// Gate GEMM + ReLU + TwELL pack, then the sparse up/down projections.
     Sparse,
     /// Sparse while the measured density stays below the break-even, dense above it (on
-    /// a GPU, for inference, dense by [`crate::ops::twell_mlp_products`]).
+    /// a GPU, for inference, dense by [`crate::twell_mlp_products`]).
     #[default]
     Auto,
 }
@@ -90,11 +90,11 @@ impl Activation {
 pub const DEFAULT_BREAK_EVEN_DENSITY: f64 = 0.15;
 
 /// The same on CUDA (H200, hidden 2048 / d_ff 5632), against `Auto`'s dense side at
-/// inference ([`crate::ops::twell_mlp_products`], 1.15–1.38x of candle's dense MLP at
+/// inference ([`crate::twell_mlp_products`], 1.15–1.38x of candle's dense MLP at
 /// every density measured from 1.5% to 50%): at 2k / 16k / 65k tokens the TwELL kernels reach
 /// 1.64x / 1.93x / 2.05x at 0.5%, 1.23x / 1.44x / 1.50x at 1% and 0.99x / 1.12x /
-/// 1.16x at 1.5%, so the two cross at 0.95% / 1.13% / 1.18% (docs/benchmarks.md,
-/// twenty-ninth session). Against candle's dense MLP alone it was 1.5–1.8% (fifth).
+/// 1.16x at 1.5%, so the two cross at 0.95% / 1.13% / 1.18% (2026-12-03). Against
+/// candle's dense MLP alone the crossing was 1.5–1.8%.
 pub const CUDA_BREAK_EVEN_DENSITY: f64 = 0.011;
 
 /// From 2 tokens up to this many the CUDA sparse path lost to dense (or tied, at 256
@@ -104,10 +104,9 @@ pub const CUDA_AUTO_MIN_TOKENS: usize = 512;
 
 /// Below this many tokens (and from [`CUDA_AUTO_MIN_TOKENS`]) the prefill kernels split
 /// each row over four warps, and the sparse path wins by less: 1.16–1.26x at 0.5%,
-/// 1.04–1.06x at 1%, 0.61–0.66x at 3% (512 and 1,024 tokens, fourteenth session), so
-/// `Auto` takes [`CUDA_FEW_TOKENS_BREAK_EVEN_DENSITY`] there. (`Auto`'s dense side at
-/// inference reaches 1.06x at 512 tokens, twenty-ninth session: level with the sparse
-/// path's 1% there.)
+/// 1.04–1.06x at 1%, 0.61–0.66x at 3% (512 and 1,024 tokens), so `Auto` takes
+/// [`CUDA_FEW_TOKENS_BREAK_EVEN_DENSITY`] there. (`Auto`'s dense side at inference
+/// reaches 1.06x at 512 tokens: level with the sparse path's 1% there.)
 pub const CUDA_FEW_TOKENS: usize = 2048;
 
 /// The break-even density for [`CUDA_AUTO_MIN_TOKENS`] ..  [`CUDA_FEW_TOKENS`] tokens.
@@ -115,7 +114,7 @@ pub const CUDA_FEW_TOKENS_BREAK_EVEN_DENSITY: f64 = 0.01;
 
 /// Single-token decode on CUDA (the one-launch kernel): sparse won 2.1–2.3x up to 3%
 /// density and 1.4x at 10%, and lost at 50% (0.52x); interpolating puts the break-even
-/// near 19% (docs/benchmarks.md, fifth session), so this keeps a margin.
+/// near 19%, so this keeps a margin.
 pub const CUDA_DECODE_BREAK_EVEN_DENSITY: f64 = 0.15;
 
 /// In `Auto` mode on a GPU, the density is re-measured every this many calls.
@@ -163,17 +162,8 @@ pub enum L1Term {
     /// `Σ_j |h_j|`, as in the paper; computed on either path.
     #[default]
     Plain,
-    /// `Σ_j |h_j|·‖Wd_j‖₂`: unchanged by the rescaling described at
-    /// [`SparseMlp::set_l1_term`]. Dense path only.
-    DownNorm,
-    /// `(Σ_j |h_j|)² / Σ_j h_j²` (Hoyer's measure): unchanged when a token's whole `h`
-    /// scales, so it too ignores that rescaling, and it does not touch `Wd` directly.
-    /// It counts active neurons (equal to L0 when they are equally large); its pull on a
-    /// small `h_j`, `2·Σ|h| / Σh²`, fades as the other activations grow. Dense path only.
-    Hoyer,
     /// `Σ_j φ(z_j)` with `z_j = relu(g_j)·√d / (‖x‖·‖Wg_j‖)` (the gate as a cosine,
-    /// scaled to unit spread) and `φ(z) = z / (z + ε)`, ε = [`GATE_L0_EPS`] unless
-    /// [`SparseMlp::set_gate_l0_eps`] says otherwise: a smooth
+    /// scaled to unit spread) and `φ(z) = z / (z + ε)`, ε = [`GATE_L0_EPS`]: a smooth
     /// count of the positive gates. Scaling `x` or a gate row changes nothing, and its
     /// pull, `ε / (z + ε)²`, is strongest on the gates just above zero, the ones that
     /// need the least to switch off; the large ones are barely touched. Dense path only.
@@ -181,8 +171,9 @@ pub enum L1Term {
 }
 
 /// ε of [`L1Term::GateL0`], in units of a gate's spread (`z` of a random gate is about
-/// a standard normal): a gate at z = ε counts one half.
-pub const GATE_L0_EPS: f64 = 0.1;
+/// a standard normal): a gate at z = ε counts one half. The fine-tune recipe's value
+/// (docs/finetuning.md): 0.1 trained the same, 0.03 worse.
+pub const GATE_L0_EPS: f64 = 0.3;
 
 /// Which path the last forward took and what it saw.
 #[derive(Clone, Debug)]
@@ -201,14 +192,14 @@ pub struct MlpStats {
     /// empty after a CUDA forward, which counts per tile only.
     pub fired: Vec<u32>,
     /// Whether the forward ran the TwELL kernels (else candle's dense MLP, or on a GPU
-    /// `Auto`'s dense side, [`crate::ops::twell_mlp_products`], whose tile counts fill
+    /// `Auto`'s dense side, [`crate::twell_mlp_products`], whose tile counts fill
     /// the overflow fields all the same).
     pub sparse: bool,
 }
 
 impl MlpStats {
-    /// `sparse`: whether the TwELL kernels ran (not [`crate::ops::twell_mlp_products`]).
-    fn from_output(res: &crate::ops::MlpOutput, sparse: bool) -> Result<Self> {
+    /// `sparse`: whether the TwELL kernels ran (not [`crate::twell_mlp_products`]).
+    fn from_output(res: &crate::MlpOutput, sparse: bool) -> Result<Self> {
         let (tokens, ffn) = (res.out.dim(0)?, res.ffn);
         let nnz = res.nnz()?;
         let (overflow_tiles, overflow_rows) = res.overflow()?;
@@ -269,21 +260,10 @@ fn count_nonzero(h: &Tensor) -> Result<u64> {
 
 /// What the sparse path leaves behind to be turned into [`MlpStats`] on request.
 enum LastForward {
-    Sparse(crate::ops::MlpOutput),
-    /// `Auto`'s dense side on a GPU ([`crate::ops::twell_mlp_products`]).
-    Products(crate::ops::MlpOutput),
+    Sparse(crate::MlpOutput),
+    /// `Auto`'s dense side on a GPU ([`crate::twell_mlp_products`]).
+    Products(crate::MlpOutput),
     Dense(Tensor),
-}
-
-/// The `TWELL_FOLD_NORMS` knob (`1`, the default, or `0`): whether the CLI folds each
-/// MLP's norm weight into its gate and up weights for inference (the model's
-/// `fold_mlp_norms`), read once a process, to measure both ways on one build.
-pub fn fold_norms_wanted() -> Result<bool> {
-    static KNOB: crate::knobs::Cell = crate::knobs::Cell::new();
-    let choice = crate::knobs::read_once(&KNOB, || {
-        crate::knobs::env_choice("TWELL_FOLD_NORMS", &["1", "0"])
-    })?;
-    Ok(choice != Some(1))
 }
 
 /// A gated MLP (`gate_proj`, `up_proj`, `down_proj`, no biases) with a dense and a
@@ -306,12 +286,10 @@ pub struct SparseMlp {
     /// `None`: the device's default break-even.
     break_even: Option<f64>,
     record_stats: bool,
+    /// `None`: the backward path follows the measured density.
+    backward_path: Option<BackwardPath>,
     /// The per-token sparsity term (see [`SparseMlp::set_l1_term`]).
     l1_term: L1Term,
-    /// ε of [`L1Term::GateL0`] (see [`SparseMlp::set_gate_l0_eps`]).
-    gate_l0_eps: f64,
-    /// See [`SparseMlp::set_relu_grad_window`]; 0 is off.
-    relu_grad_window: f64,
     calls: std::sync::atomic::AtomicUsize,
     last: Mutex<Option<LastForward>>,
     /// The last measured density, and the rows it was measured on.
@@ -365,9 +343,9 @@ impl SparseMlp {
         activation: Activation,
         mode: FfnMode,
     ) -> Result<Self> {
-        let (f, d) = crate::ops::matrix_dims("gate_proj", &gate)?;
+        let (f, d) = fused_ops::checks::matrix_dims("gate_proj", &gate)?;
         for (name, t, want) in [("up_proj", &up, (f, d)), ("down_proj", &down, (d, f))] {
-            let got = crate::ops::matrix_dims(name, t)?;
+            let got = fused_ops::checks::matrix_dims(name, t)?;
             if got != want {
                 return err(TwellError::ShapeMismatch {
                     what: "SparseMlp",
@@ -376,7 +354,7 @@ impl SparseMlp {
                     ),
                 });
             }
-            crate::ops::same_dtype_and_device("SparseMlp", &gate, t)?;
+            fused_ops::checks::same_dtype_and_device("SparseMlp", &gate, t)?;
         }
         if mode == FfnMode::Sparse && activation == Activation::Silu {
             return err(TwellError::SparseNeedsRelu);
@@ -394,9 +372,8 @@ impl SparseMlp {
             config: TwellConfig::default(),
             break_even: None,
             record_stats: false,
+            backward_path: None,
             l1_term: L1Term::Plain,
-            gate_l0_eps: GATE_L0_EPS,
-            relu_grad_window: 0.0,
             calls: std::sync::atomic::AtomicUsize::new(0),
             last: Mutex::new(None),
             last_density: Mutex::new(None),
@@ -421,7 +398,7 @@ impl SparseMlp {
                     detail: format!("{name} is {:?}, expected [{want}]", t.dims()),
                 });
             }
-            crate::ops::same_dtype_and_device("SparseMlp::with_bias", &self.gate, t)?;
+            fused_ops::checks::same_dtype_and_device("SparseMlp::with_bias", &self.gate, t)?;
         }
         if self.mode == FfnMode::Sparse {
             return err(TwellError::SparseBias);
@@ -459,8 +436,8 @@ impl SparseMlp {
         activation: Activation,
         mode: FfnMode,
     ) -> Result<Self> {
-        let (f, d) = crate::ops::matrix_dims("gate_proj", &gate)?;
-        let got = crate::ops::matrix_dims("up_down", &up_down)?;
+        let (f, d) = fused_ops::checks::matrix_dims("gate_proj", &gate)?;
+        let got = fused_ops::checks::matrix_dims("up_down", &up_down)?;
         if got != (f, 2 * d) {
             return err(TwellError::ShapeMismatch {
                 what: "SparseMlp::from_up_down",
@@ -479,6 +456,13 @@ impl SparseMlp {
 
     pub fn with_twell_config(mut self, config: TwellConfig) -> Self {
         self.config = config;
+        self
+    }
+
+    /// Fixes the CUDA backward's path ([`BackwardPath`]) instead of choosing it by the
+    /// measured density: to time the paths against each other.
+    pub fn with_backward_path(mut self, path: BackwardPath) -> Self {
+        self.backward_path = Some(path);
         self
     }
 
@@ -507,45 +491,11 @@ impl SparseMlp {
     /// Why not always `Σ_j |h_j|`: a ReLU MLP computes the same function after
     /// `Wg_j → a·Wg_j`, `Wu_j → b·Wu_j`, `Wd_j → Wd_j/(a·b)` (a, b > 0), which scales
     /// `h_j` by `a·b`. The plain term can therefore be lowered by shrinking `h` and
-    /// growing `Wd`, without a single new zero. [`L1Term::DownNorm`] weighs each `|h_j|`
-    /// by `‖Wd_j‖` (the size of neuron j's contribution to the output, which only turning
-    /// the neuron off removes); [`L1Term::Hoyer`] is a ratio that a common scale of `h`
-    /// cancels out of; [`L1Term::GateL0`] counts the positive gates, each read as a
-    /// cosine. Those three are computed on the dense path only (the TwELL kernels
-    /// compute the plain term).
+    /// growing `Wd`, without a single new zero. [`L1Term::GateL0`] counts the positive
+    /// gates instead, each read as a cosine, which no rescaling changes. It is computed
+    /// on the dense path only (the TwELL kernels compute the plain term).
     pub fn set_l1_term(&mut self, term: L1Term) {
         self.l1_term = term;
-    }
-
-    /// ε of [`L1Term::GateL0`]'s `φ(z) = z / (z + ε)` (default [`GATE_L0_EPS`]): a
-    /// smaller ε counts more sharply (closer to L0) and pulls on a narrower band of gates
-    /// just above zero; a larger one pulls on more of the positive gates, more like L1.
-    pub fn set_gate_l0_eps(&mut self, eps: f64) -> Result<()> {
-        if !(eps > 0.0 && eps.is_finite()) {
-            return err(TwellError::Invalid(format!(
-                "the gate-l0 term's ε must be a positive number, not {eps}"
-            )));
-        }
-        self.gate_l0_eps = eps;
-        Ok(())
-    }
-
-    /// Lets the loss's gradient reach the gates that lie within `window` times the
-    /// layer's mean `|gate|` below zero, as if those neurons were on
-    /// ([`crate::ops::relu_grad_window`]): through a plain ReLU the loss cannot ask for a
-    /// neuron that is off, and only the sparsity term chooses which few fire. The
-    /// forward is unchanged; 0 (the default) is the plain ReLU. Dense path only (the
-    /// TwELL kernels' backward is the plain ReLU's), on a ReLU MLP.
-    pub fn set_relu_grad_window(&mut self, window: f64) -> Result<()> {
-        crate::ops::check_relu_grad_window(window)?;
-        if window > 0.0 && self.activation != Activation::Relu {
-            return err(TwellError::Invalid(format!(
-                "a gradient window below the ReLU's zero needs a ReLU MLP, this one is {:?}",
-                self.activation
-            )));
-        }
-        self.relu_grad_window = window;
-        Ok(())
     }
 
     pub fn set_mode(&mut self, mode: FfnMode) -> Result<()> {
@@ -622,7 +572,7 @@ impl SparseMlp {
     }
 
     /// Whether a call that `Auto` sends to the dense side runs
-    /// [`crate::ops::twell_mlp_products`] (cuBLAS GEMMs around one element-wise kernel
+    /// [`crate::twell_mlp_products`] (cuBLAS GEMMs around one element-wise kernel
     /// that also counts the active neurons) instead of candle's three matmuls: on a GPU,
     /// for inference (the op has no backward), with ReLU and the plain L1 term. `Dense`
     /// stays candle's own MLP, the reference the benchmarks compare against.
@@ -633,7 +583,7 @@ impl SparseMlp {
             && (!want_l1 || self.l1_term == L1Term::Plain)
             && !x2.track_op()
             && [&self.gate, &self.up, &self.down].into_iter().all(frozen)
-            && crate::ops::products_run(x2, self.ffn())
+            && crate::products_run(x2, self.ffn())
     }
 
     /// Whether this call should measure the density: always on the host (free), and
@@ -690,7 +640,7 @@ impl SparseMlp {
         if let Some(s) = self.gate_screen.get() {
             return Ok(Some(s.clone()));
         }
-        let s = Arc::new(crate::ops::gate_screen(&self.gate)?);
+        let s = Arc::new(crate::gate_screen(&self.gate)?);
         crate::cpu::huge_pages::collapse(&self.gate);
         Ok(Some(self.gate_screen.get_or_init(|| s).clone()))
     }
@@ -711,8 +661,8 @@ impl SparseMlp {
     /// them: `(residual + mlp(x), rms_norm(residual + mlp(x)) · alpha)` (`alpha [d]`, the
     /// next norm's weight). Inference on the sparse CUDA path folds the add and the norm
     /// into the MLP's last launch, for one token and for prefill rows
-    /// ([`crate::ops::twell_mlp_add_norm`], the same arithmetic up to the order of f32
-    /// sums); everything else is [`Module::forward`] then [`crate::ops::add_rms_norm`].
+    /// ([`crate::twell_mlp_add_norm`], the same arithmetic up to the order of f32
+    /// sums); everything else is [`Module::forward`] then [`fused_ops::add_rms_norm`].
     pub fn forward_add_norm(
         &self,
         x: &Tensor,
@@ -740,7 +690,7 @@ impl SparseMlp {
                 detail: format!("alpha is {:?}, expected [{d}]", alpha.dims()),
             });
         }
-        crate::ops::same_dtype_and_device("SparseMlp::fold_pre_norm", &self.gate, alpha)?;
+        fused_ops::checks::same_dtype_and_device("SparseMlp::fold_pre_norm", &self.gate, alpha)?;
         if self.unit_pre_norm.is_some() {
             return err(TwellError::Invalid(
                 "SparseMlp::fold_pre_norm: the norm's weight is folded in already".into(),
@@ -780,8 +730,8 @@ impl SparseMlp {
     /// see `ops::residual_add_linear`), after [`SparseMlp::fold_pre_norm`]: returns
     /// `(out, rms_norm(out) · alpha)` with `out = s + mlp(rms_norm(s))` (unit weight,
     /// `pre_eps`; `alpha`, `eps`: the next norm). Prefill rows on the sparse CUDA path run
-    /// as [`crate::ops::twell_mlp_norm_add_norm`]: the gate GEMM reads `s` and the up
-    /// kernel normalises its rows in registers. Elsewhere: [`crate::ops::rms_norm`],
+    /// as [`crate::twell_mlp_norm_add_norm`]: the gate GEMM reads `s` and the up
+    /// kernel normalises its rows in registers. Elsewhere: [`fused_ops::rms_norm`],
     /// then [`SparseMlp::forward_add_norm`]'s path.
     pub fn forward_sublayer_from_sum(
         &self,
@@ -797,10 +747,10 @@ impl SparseMlp {
             ));
         };
         let measure = self.measure_now(s.device(), rows(s));
-        if crate::ops::norm_add_norm_runs(s) && self.folds_add_norm(s, s, &[alpha], measure) {
+        if crate::norm_add_norm_runs(s) && self.folds_add_norm(s, s, &[alpha], measure) {
             let d = self.hidden();
-            let rows = crate::ops::reshaped(s, &[s.elem_count() / d, d])?;
-            let (sum, normed) = crate::ops::twell_mlp_norm_add_norm(
+            let rows = fused_ops::checks::reshaped(s, &[s.elem_count() / d, d])?;
+            let (sum, normed) = crate::twell_mlp_norm_add_norm(
                 &rows,
                 &self.gate,
                 &self.up_down()?,
@@ -809,11 +759,11 @@ impl SparseMlp {
                 (alpha, eps),
             )?;
             return Ok((
-                crate::ops::reshaped(&sum, s.dims())?,
-                crate::ops::reshaped(&normed, s.dims())?,
+                fused_ops::checks::reshaped(&sum, s.dims())?,
+                fused_ops::checks::reshaped(&normed, s.dims())?,
             ));
         }
-        let normed = crate::ops::rms_norm(s, unit, pre_eps)?;
+        let normed = fused_ops::rms_norm(s, unit, pre_eps)?;
         self.add_norm_measured(&normed, s, (alpha, eps), measure)
     }
 
@@ -823,7 +773,7 @@ impl SparseMlp {
     /// `alpha`, the next one's). One token of inference on the sparse CUDA path runs it
     /// as one launch, the same arithmetic as the three steps (up to the order of the
     /// MLP's f32 atomic sums); everything else is
-    /// [`crate::ops::add_rms_norm`], then [`Self::forward_add_norm`].
+    /// [`fused_ops::add_rms_norm`], then [`Self::forward_add_norm`].
     pub fn forward_sublayer(
         &self,
         residual: &Tensor,
@@ -832,13 +782,12 @@ impl SparseMlp {
         (alpha, eps): (&Tensor, f64),
     ) -> Result<(Tensor, Tensor)> {
         let measure = self.measure_now(y.device(), rows(y));
-        if crate::ops::pre_norm_folds()
-            && y.elem_count() == self.hidden()
+        if y.elem_count() == self.hidden()
             && self.folds_add_norm(y, residual, &[pre_alpha, alpha], measure)
         {
             return self.folded_add_norm(y, residual, (alpha, eps), Some((pre_alpha, pre_eps)));
         }
-        let (h, normed) = crate::ops::add_rms_norm(residual, y, pre_alpha, pre_eps)?;
+        let (h, normed) = fused_ops::add_rms_norm(residual, y, pre_alpha, pre_eps)?;
         self.add_norm_measured(&normed, &h, (alpha, eps), measure)
     }
 
@@ -854,7 +803,7 @@ impl SparseMlp {
             return self.folded_add_norm(x, residual, (alpha, eps), None);
         }
         let (out, _) = self.run_measured(x, false, measure)?;
-        crate::ops::add_rms_norm(residual, &out, alpha, eps)
+        fused_ops::add_rms_norm(residual, &out, alpha, eps)
     }
 
     /// Whether a call on `x` (and `residual`, and the norm weights) runs as the one
@@ -870,7 +819,7 @@ impl SparseMlp {
         let d = x.dims().last().copied().unwrap_or(0);
         !measure
             && !self.record_stats
-            && crate::ops::add_norm_fuses(x)
+            && crate::add_norm_fuses(x)
             && d == self.hidden()
             && residual.dims() == x.dims()
             && [x, residual, &self.gate, &self.up, &self.down]
@@ -889,8 +838,8 @@ impl SparseMlp {
         pre: Option<(&Tensor, f64)>,
     ) -> Result<(Tensor, Tensor)> {
         let d = self.hidden();
-        let rows = |t: &Tensor| crate::ops::reshaped(t, &[t.elem_count() / d, d]);
-        let (sum, normed) = crate::ops::twell_mlp_add_norm(
+        let rows = |t: &Tensor| fused_ops::checks::reshaped(t, &[t.elem_count() / d, d]);
+        let (sum, normed) = crate::twell_mlp_add_norm(
             &rows(x)?,
             &self.gate,
             &self.up_down()?,
@@ -899,8 +848,8 @@ impl SparseMlp {
             pre,
         )?;
         Ok((
-            crate::ops::reshaped(&sum, x.dims())?,
-            crate::ops::reshaped(&normed, x.dims())?,
+            fused_ops::checks::reshaped(&sum, x.dims())?,
+            fused_ops::checks::reshaped(&normed, x.dims())?,
         ))
     }
 
@@ -927,7 +876,7 @@ impl SparseMlp {
         }
         let lead = &dims[..dims.len() - 1];
         let rows = x.elem_count() / d.max(1);
-        let x2 = crate::ops::reshaped(x, &[rows, d])?;
+        let x2 = fused_ops::checks::reshaped(x, &[rows, d])?;
         let sparse = self.use_sparse(x2.dim(0)?, x.device());
         if sparse && want_l1 && self.l1_term != L1Term::Plain {
             return err(TwellError::Invalid(format!(
@@ -935,13 +884,6 @@ impl SparseMlp {
                  dense FFN (--ffn dense)",
                 self.l1_term
             )));
-        }
-        if sparse && want_l1 && self.relu_grad_window > 0.0 {
-            return err(TwellError::Invalid(
-                "the ReLU's gradient window is applied on the dense path only: train with \
-                 the dense FFN (--ffn dense)"
-                    .into(),
-            ));
         }
         if sparse {
             let res = match self.screen_for(x2.dim(0)?)? {
@@ -955,15 +897,15 @@ impl SparseMlp {
                         &self.gate,
                         &self.up_down()?,
                         self.config,
-                        BackwardPath::for_density(last)?,
+                        self.backward_path
+                            .unwrap_or_else(|| BackwardPath::for_density(last)),
                     )?
                 }
             };
             return self.keep_op_output(res, LastForward::Sparse, measure, lead, want_l1);
         }
         if self.dense_side_runs_products(&x2, want_l1) {
-            let res =
-                crate::ops::twell_mlp_products(&x2, &self.gate, &self.up_down()?, self.config)?;
+            let res = crate::twell_mlp_products(&x2, &self.gate, &self.up_down()?, self.config)?;
             return self.keep_op_output(res, LastForward::Products, measure, lead, want_l1);
         }
         let add_bias = |t: Tensor, pick: fn(&MlpBias) -> &Tensor| match &self.bias {
@@ -975,43 +917,19 @@ impl SparseMlp {
         // separate weights are contiguous already and not copied.
         let (up, down) = (self.up.contiguous()?, self.down.contiguous()?);
         let up = add_bias(x2.matmul(&up.t()?)?, |b| &b.up)?;
-        let act = if self.relu_grad_window > 0.0 {
-            crate::ops::relu_grad_window(&gate, self.relu_grad_window)?
-        } else {
-            self.activation.apply(&gate)?
-        };
-        let h = (act * up)?;
+        let h = (self.activation.apply(&gate)? * up)?;
         let out = add_bias(h.matmul(&down.t()?)?, |b| &b.down)?;
         let l1 = match (want_l1, self.l1_term) {
             (false, _) => None,
             (true, L1Term::Plain) => Some(h.abs()?.sum(D::Minus1)?),
-            (true, L1Term::DownNorm) => {
-                // ‖Wd_j‖ of each neuron (a column of down [d, f]); the epsilon keeps
-                // the gradient of the square root finite at a zero column.
-                let norms = (self.down.sqr()?.sum(0)? + 1e-12)?.sqrt()?;
-                Some(h.abs()?.broadcast_mul(&norms)?.sum(D::Minus1)?)
-            }
-            (true, L1Term::Hoyer) => {
-                // In f32: Σh² of small bf16 activations would lose the ratio's digits.
-                // The epsilon makes an all-zero row 0 (its gradient is 0 there too).
-                let h32 = h.to_dtype(DType::F32)?;
-                let s1 = h32.abs()?.sum(D::Minus1)?;
-                let s2 = (h32.sqr()?.sum(D::Minus1)? + 1e-12)?;
-                Some(s1.sqr()?.div(&s2)?.to_dtype(h.dtype())?)
-            }
             (true, L1Term::GateL0) => {
                 // The norms in f32 (two small passes); the count over [tokens, d_ff] is
                 // one op (`ops::gate_l0`).
                 let norm =
                     |t: &Tensor| (t.to_dtype(DType::F32)?.sqr()?.sum(D::Minus1)? + 1e-12)?.sqrt();
                 let (x_norm, w_norm) = (norm(&x2)?, norm(&self.gate)?);
-                let count = crate::ops::gate_l0(
-                    &gate,
-                    &x_norm,
-                    &w_norm,
-                    (d as f64).sqrt(),
-                    self.gate_l0_eps,
-                )?;
+                let count =
+                    crate::gate_l0(&gate, &x_norm, &w_norm, (d as f64).sqrt(), GATE_L0_EPS)?;
                 Some(count.to_dtype(h.dtype())?)
             }
         };
@@ -1025,10 +943,10 @@ impl SparseMlp {
         let mut out_dims = lead.to_vec();
         out_dims.push(d);
         let l1 = match l1 {
-            Some(l1) => Some(crate::ops::reshaped(&l1, lead)?),
+            Some(l1) => Some(fused_ops::checks::reshaped(&l1, lead)?),
             None => None,
         };
-        Ok((crate::ops::reshaped(&out, &out_dims)?, l1))
+        Ok((fused_ops::checks::reshaped(&out, &out_dims)?, l1))
     }
 
     /// What a forward through one of the MLP ops leaves behind: the measured density
@@ -1037,8 +955,8 @@ impl SparseMlp {
     /// L1 term as views in `x`'s leading shape (neither costs a copy kernel).
     fn keep_op_output(
         &self,
-        res: crate::ops::MlpOutput,
-        as_last: fn(crate::ops::MlpOutput) -> LastForward,
+        res: crate::MlpOutput,
+        as_last: fn(crate::MlpOutput) -> LastForward,
         measure: bool,
         lead: &[usize],
         want_l1: bool,
@@ -1054,7 +972,7 @@ impl SparseMlp {
         }
         let out = res.out_with_lead(lead)?;
         let l1 = if want_l1 {
-            Some(crate::ops::reshaped(&res.l1, lead)?)
+            Some(fused_ops::checks::reshaped(&res.l1, lead)?)
         } else {
             None
         };

@@ -4,7 +4,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
-use twell::ops::{gate_l0, gate_l0_reference};
+use twell::{gate_l0, gate_l0_reference};
 
 type Count = fn(&Tensor, &Tensor, &Tensor, f64, f64) -> candle_core::Result<Tensor>;
 

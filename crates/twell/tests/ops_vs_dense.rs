@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use common::{dense_reglu, probe_loss, rel_l2, Vars};
 use proptest::prelude::*;
 use twell::density::{synthetic_input, synthetic_mlp};
-use twell::ops::gate_screen;
+use twell::gate_screen;
 use twell::{gate_pack, gated_t2d, twell_mlp, twell_mlp_screened, up_down_matrix, TwellConfig};
 
 struct Case {
@@ -380,7 +380,7 @@ fn output_rows_and_l1_terms_differentiate_alone() {
 #[test]
 fn products_entry_is_the_twell_mlp_on_the_host() {
     // On the host `twell_mlp_products` hands over to `twell_mlp` (its GPU path is
-    // checked by `twell check-gpu`): the same rows, L1 terms and counts.
+    // checked by the GPU tests, `tests/gpu`): the same rows, L1 terms and counts.
     let w = synthetic_mlp(64, 512, 0.2, DType::F32, &Device::Cpu, 8).unwrap();
     let x = synthetic_input(9, 64, DType::F32, &Device::Cpu, 9).unwrap();
     let w_ud = up_down_matrix(&w.up, &w.down).unwrap();

@@ -12,7 +12,7 @@ use serde::Serialize;
 use super::memory::MemoryProbe;
 use super::random_tokens;
 use super::timing::{interleaved_medians, Rounds};
-use crate::device::{parse_dtype, DeviceArg};
+use crate::device::{DeviceArg, DtypeArg};
 
 #[derive(clap::Args, Debug)]
 pub struct LossBenchArgs {
@@ -24,8 +24,8 @@ pub struct LossBenchArgs {
     pub vocab: usize,
     /// The student logits' dtype: bf16 (the CUDA kernels' dtype), f16 or f32. The
     /// teacher's logits are f32, as a fine-tune's teacher gives them.
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    #[arg(long, value_enum, default_value_t = DtypeArg::Bf16)]
+    pub dtype: DtypeArg,
     #[command(flatten)]
     pub device: DeviceArg,
     #[command(flatten)]
@@ -91,7 +91,7 @@ fn peak(device: &Device, loss: &LossFn, logits: &Var) -> Result<Option<u64>> {
 
 pub fn run(args: &LossBenchArgs) -> Result<LossReport> {
     let device = args.device.device()?;
-    let dtype = parse_dtype(&args.dtype)?;
+    let dtype = args.dtype.dtype();
     if args.tokens.is_empty() || args.tokens.contains(&0) {
         bail!("--tokens: token counts must be at least 1");
     }
@@ -110,9 +110,9 @@ pub fn run(args: &LossBenchArgs) -> Result<LossReport> {
         let targets = random_tokens(1, n, args.vocab, &device)?.flatten_all()?;
         let ce_candle =
             |s: &Tensor| candle_nn::loss::cross_entropy(&s.to_dtype(DType::F32)?, &targets);
-        let ce_fused = |s: &Tensor| twell::ops::cross_entropy(s, &targets);
-        let kl_candle = |s: &Tensor| twell::ops::kl_divergence_reference(s, &teacher);
-        let kl_fused = |s: &Tensor| twell::ops::kl_divergence_fused(s, &teacher);
+        let ce_fused = |s: &Tensor| fused_ops::cross_entropy(s, &targets);
+        let kl_candle = |s: &Tensor| fused_ops::kl_divergence_reference(s, &teacher);
+        let kl_fused = |s: &Tensor| fused_ops::kl_divergence_fused(s, &teacher);
         let cases: [(&'static str, &LossFn, &LossFn); 2] = [
             ("cross_entropy", &ce_candle, &ce_fused),
             ("kl_divergence", &kl_candle, &kl_fused),
@@ -133,7 +133,7 @@ pub fn run(args: &LossBenchArgs) -> Result<LossReport> {
     }
     Ok(LossReport {
         device: format!("{device:?}"),
-        dtype: args.dtype.clone(),
+        dtype: args.dtype.to_string(),
         rows,
     })
 }

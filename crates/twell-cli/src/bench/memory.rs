@@ -15,8 +15,8 @@ impl<'a> MemoryProbe<'a> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(c) = device {
             device.synchronize()?;
-            twell::cuda::reset_pool_peak(c)?;
-            let (current, _) = twell::cuda::pool_usage(c)?;
+            fused_ops::cuda::reset_pool_peak(c)?;
+            let (current, _) = fused_ops::cuda::pool_usage(c)?;
             return Ok(Self {
                 device,
                 base: current,
@@ -30,7 +30,7 @@ impl<'a> MemoryProbe<'a> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(c) = self.device {
             self.device.synchronize()?;
-            let (_, high) = twell::cuda::pool_usage(c)?;
+            let (_, high) = fused_ops::cuda::pool_usage(c)?;
             return Ok(Some(high.saturating_sub(self.base)));
         }
         let _ = (self.device, self.base);

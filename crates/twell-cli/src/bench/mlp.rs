@@ -13,7 +13,7 @@ use twell::{FfnMode, SparseMlp};
 
 use super::memory::MemoryProbe;
 use super::timing::{host_read_bandwidth, interleaved_medians, Rounds};
-use crate::device::{parse_dtype, DeviceArg};
+use crate::device::{DeviceArg, DtypeArg};
 
 #[derive(clap::Args, Debug)]
 pub struct MlpBenchArgs {
@@ -27,8 +27,8 @@ pub struct MlpBenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "0.005,0.01,0.03,0.1")]
     pub density: Vec<f64>,
     /// f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    pub dtype: DtypeArg,
     #[command(flatten)]
     pub device: DeviceArg,
     #[command(flatten)]
@@ -57,6 +57,50 @@ pub struct MlpBenchArgs {
     /// device events; this synchronises after every sparse call.
     #[arg(long)]
     pub stages: bool,
+    /// The CUDA gate GEMM of the sparse variants (`twell::GateGemm`).
+    #[arg(long, value_enum, default_value_t = GateArg::Auto)]
+    pub gate: GateArg,
+    /// How the CUDA prefill row kernels of the sparse variants find a row's active
+    /// neurons (`twell::RowWalk`).
+    #[arg(long, value_enum, default_value_t = WalkArg::Mask)]
+    pub walk: WalkArg,
+}
+
+/// `--gate`: [`twell::GateGemm`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateArg {
+    /// cuBLASLt with the ReLU mask from 4,096 rows, cuBLAS below.
+    Auto,
+    /// cuBLASLt with the ReLU mask at every size.
+    Masked,
+    /// cuBLAS's plain GEMM at every size.
+    Plain,
+}
+
+/// `--walk`: [`twell::RowWalk`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WalkArg {
+    /// A bit mask of the gate's positives.
+    Mask,
+    /// The TwELL slots the pack writes.
+    Slots,
+}
+
+impl MlpBenchArgs {
+    /// The TwELL configuration of the sparse variants.
+    pub fn twell_config(&self) -> twell::TwellConfig {
+        twell::TwellConfig::default().with_paths(twell::KernelPaths {
+            gate: match self.gate {
+                GateArg::Auto => twell::GateGemm::Auto,
+                GateArg::Masked => twell::GateGemm::Masked,
+                GateArg::Plain => twell::GateGemm::Plain,
+            },
+            walk: match self.walk {
+                WalkArg::Mask => twell::RowWalk::Mask,
+                WalkArg::Slots => twell::RowWalk::Slots,
+            },
+        })
+    }
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -176,7 +220,7 @@ impl DenseMlp {
 
 pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
     let device = args.device.device()?;
-    let dtype = parse_dtype(&args.dtype)?;
+    let dtype = args.dtype.dtype();
     let shapes = check_sweep(&args.shape, &args.density, &args.tokens)?;
     args.rounds.check()?;
     if args.weight_sets == 0 {
@@ -192,7 +236,11 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
     }
     let chain = args.chain;
     if args.stages {
-        std::env::set_var("TWELL_PROFILE", "1");
+        if !device.is_cuda() {
+            bail!("--stages times the CUDA kernels: give --device cuda");
+        }
+        #[cfg(feature = "cuda")]
+        twell::cuda::set_stage_profiling(true);
     }
     let host_bw = if device.is_cpu() {
         host_read_bandwidth()
@@ -212,107 +260,18 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     let w = synthetic_mlp(hidden, ffn, density, dtype, &device, 1000 + k as u64)?;
                     let sparse = w
                         .relu_mlp(FfnMode::Sparse)?
-                        .with_gate_screen(!args.no_screen);
-                    let auto = w.relu_mlp(FfnMode::Auto)?.with_gate_screen(!args.no_screen);
+                        .with_gate_screen(!args.no_screen)
+                        .with_twell_config(args.twell_config());
+                    let auto = w
+                        .relu_mlp(FfnMode::Auto)?
+                        .with_gate_screen(!args.no_screen)
+                        .with_twell_config(args.twell_config());
                     Ok((DenseMlp::new(&w), sparse, auto))
                 })
                 .collect::<candle_core::Result<_>>()?;
             for &m in &args.tokens {
                 bar.set_message(format!("{hidden}x{ffn} density {density} M={m}"));
-                let x = synthetic_input(m, hidden, dtype, &device, 7)?;
-                // Density actually reached, and the union of active neurons.
-                let probe = probe(&x, &sets[0].1)?;
-                // The union of active neurons needs per-neuron counts, which only the
-                // host op keeps; on a GPU it is estimated from the density (uniform).
-                let nnz = probe.nnz()?;
-                let union = match probe.fired_per_neuron() {
-                    Some(fired) => fired.iter().filter(|&&c| c > 0).count(),
-                    None => {
-                        let p = nnz as f64 / (m * ffn) as f64;
-                        (ffn as f64 * (1.0 - (1.0 - p).powi(m as i32))).round() as usize
-                    }
-                };
-                // Every variant once on every set before any timing: a `SparseMlp` builds
-                // its gate screen and up/down matrix on its first call, and with more sets
-                // than warm-up rounds that build would land in the timed calls.
-                for (dense, sparse, auto) in &sets {
-                    std::hint::black_box(dense.forward(&x)?);
-                    std::hint::black_box(sparse.forward(&x)?);
-                    std::hint::black_box(auto.forward(&x)?);
-                }
-                // Variant v of round r runs layers on sets r + v, r + v + 1, ...: its own
-                // sets, not the ones the variant before it just read.
-                let set = |round: usize, variant: usize, layer: usize| {
-                    &sets[(round * chain + variant + layer) % sets.len()]
-                };
-                let mut dense_run = |round: usize| -> candle_core::Result<()> {
-                    for layer in 0..chain {
-                        std::hint::black_box(set(round, 0, layer).0.forward(&x)?);
-                    }
-                    Ok(())
-                };
-                let mut sparse_run = |round: usize| -> candle_core::Result<()> {
-                    for layer in 0..chain {
-                        std::hint::black_box(set(round, 1, layer).1.forward(&x)?);
-                    }
-                    Ok(())
-                };
-                let mut auto_run = |round: usize| -> candle_core::Result<()> {
-                    for layer in 0..chain {
-                        std::hint::black_box(set(round, 2, layer).2.forward(&x)?);
-                    }
-                    Ok(())
-                };
-                take_stages();
-                let t: Vec<f64> = interleaved_medians(
-                    &device,
-                    args.rounds,
-                    &mut [&mut dense_run, &mut sparse_run, &mut auto_run],
-                )?
-                .into_iter()
-                .map(|call| call / chain as f64)
-                .collect();
-                let stages_ms = take_stages();
-                let memory = MemoryProbe::start(&device)?;
-                std::hint::black_box(sets[0].0.forward(&x)?);
-                let dense_peak_bytes = memory.peak_extra()?;
-                let memory = MemoryProbe::start(&device)?;
-                std::hint::black_box(sets[0].1.forward(&x)?);
-                let sparse_peak_bytes = memory.peak_extra()?;
-                let memory = MemoryProbe::start(&device)?;
-                std::hint::black_box(sets[0].2.forward(&x)?);
-                let auto_peak_bytes = memory.peak_extra()?;
-                let elem = dtype.size_in_bytes() as f64;
-                let dense_bytes = 3.0 * (hidden * ffn) as f64 * elem;
-                // With the int8 gate screen (host, few tokens) the gate costs one byte per
-                // weight plus the f32 rows of the neurons that fire (a lower bound: the
-                // screen's inactive candidates are not counted).
-                let screened = sets[0].1.uses_gate_screen(m);
-                let sparse_bytes = if screened {
-                    (hidden * ffn) as f64 + (union * 3 * hidden) as f64 * elem
-                } else {
-                    ((hidden * ffn) + union * 2 * hidden) as f64 * elem
-                };
-                rows.push(MlpRow {
-                    hidden,
-                    ffn,
-                    tokens: m,
-                    target_density: density,
-                    measured_density: nnz as f64 / (m * ffn) as f64,
-                    mean_l0: nnz as f64 / m as f64,
-                    dense_ms: t[0] * 1e3,
-                    sparse_ms: t[1] * 1e3,
-                    speedup: t[0] / t[1],
-                    auto_ms: t[2] * 1e3,
-                    auto_speedup: t[0] / t[2],
-                    dense_gbps: dense_bytes / t[0] / 1e9,
-                    sparse_gbps: sparse_bytes / t[1] / 1e9,
-                    dense_gflops: 6.0 * (m * hidden * ffn) as f64 / t[0] / 1e9,
-                    dense_peak_bytes,
-                    sparse_peak_bytes,
-                    auto_peak_bytes,
-                    stages_ms,
-                });
+                rows.push(measure(args, &sets, (hidden, ffn, density), m)?);
                 bar.inc(1);
             }
         }
@@ -320,7 +279,7 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
     bar.finish_and_clear();
     let report = MlpReport {
         device: format!("{:?}", device.location()),
-        dtype: args.dtype.clone(),
+        dtype: args.dtype.to_string(),
         threads: rayon::current_num_threads(),
         host_read_gbps: host_bw / 1e9,
         chain,
@@ -335,6 +294,113 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
         crate::chart::speedup_vs_density(path, "TwELL sparse MLP: speed-up over dense", &points)?;
     }
     Ok(report)
+}
+
+/// One row of the table: the dense, sparse and `Auto` variants of `sets` timed side by
+/// side on `m` tokens of hidden `hidden`, with their memory and read rates.
+fn measure(
+    args: &MlpBenchArgs,
+    sets: &[(DenseMlp, SparseMlp, SparseMlp)],
+    (hidden, ffn, density): (usize, usize, f64),
+    m: usize,
+) -> Result<MlpRow> {
+    let device = sets[0].1.gate_proj().device().clone();
+    let dtype = args.dtype.dtype();
+    let chain = args.chain;
+    let x = synthetic_input(m, hidden, dtype, &device, 7)?;
+    // Density actually reached, and the union of active neurons.
+    let probe = probe(&x, &sets[0].1)?;
+    // The union of active neurons needs per-neuron counts, which only the
+    // host op keeps; on a GPU it is estimated from the density (uniform).
+    let nnz = probe.nnz()?;
+    let union = match probe.fired_per_neuron() {
+        Some(fired) => fired.iter().filter(|&&c| c > 0).count(),
+        None => {
+            let p = nnz as f64 / (m * ffn) as f64;
+            (ffn as f64 * (1.0 - (1.0 - p).powi(m as i32))).round() as usize
+        }
+    };
+    // Every variant once on every set before any timing: a `SparseMlp` builds
+    // its gate screen and up/down matrix on its first call, and with more sets
+    // than warm-up rounds that build would land in the timed calls.
+    for (dense, sparse, auto) in sets {
+        std::hint::black_box(dense.forward(&x)?);
+        std::hint::black_box(sparse.forward(&x)?);
+        std::hint::black_box(auto.forward(&x)?);
+    }
+    // Variant v of round r runs layers on sets r + v, r + v + 1, ...: its own
+    // sets, not the ones the variant before it just read.
+    let set = |round: usize, variant: usize, layer: usize| {
+        &sets[(round * chain + variant + layer) % sets.len()]
+    };
+    let mut dense_run = |round: usize| -> candle_core::Result<()> {
+        for layer in 0..chain {
+            std::hint::black_box(set(round, 0, layer).0.forward(&x)?);
+        }
+        Ok(())
+    };
+    let mut sparse_run = |round: usize| -> candle_core::Result<()> {
+        for layer in 0..chain {
+            std::hint::black_box(set(round, 1, layer).1.forward(&x)?);
+        }
+        Ok(())
+    };
+    let mut auto_run = |round: usize| -> candle_core::Result<()> {
+        for layer in 0..chain {
+            std::hint::black_box(set(round, 2, layer).2.forward(&x)?);
+        }
+        Ok(())
+    };
+    take_stages();
+    let t: Vec<f64> = interleaved_medians(
+        &device,
+        args.rounds,
+        &mut [&mut dense_run, &mut sparse_run, &mut auto_run],
+    )?
+    .into_iter()
+    .map(|call| call / chain as f64)
+    .collect();
+    let stages_ms = take_stages();
+    let memory = MemoryProbe::start(&device)?;
+    std::hint::black_box(sets[0].0.forward(&x)?);
+    let dense_peak_bytes = memory.peak_extra()?;
+    let memory = MemoryProbe::start(&device)?;
+    std::hint::black_box(sets[0].1.forward(&x)?);
+    let sparse_peak_bytes = memory.peak_extra()?;
+    let memory = MemoryProbe::start(&device)?;
+    std::hint::black_box(sets[0].2.forward(&x)?);
+    let auto_peak_bytes = memory.peak_extra()?;
+    let elem = dtype.size_in_bytes() as f64;
+    let dense_bytes = 3.0 * (hidden * ffn) as f64 * elem;
+    // With the int8 gate screen (host, few tokens) the gate costs one byte per
+    // weight plus the f32 rows of the neurons that fire (a lower bound: the
+    // screen's inactive candidates are not counted).
+    let screened = sets[0].1.uses_gate_screen(m);
+    let sparse_bytes = if screened {
+        (hidden * ffn) as f64 + (union * 3 * hidden) as f64 * elem
+    } else {
+        ((hidden * ffn) + union * 2 * hidden) as f64 * elem
+    };
+    Ok(MlpRow {
+        hidden,
+        ffn,
+        tokens: m,
+        target_density: density,
+        measured_density: nnz as f64 / (m * ffn) as f64,
+        mean_l0: nnz as f64 / m as f64,
+        dense_ms: t[0] * 1e3,
+        sparse_ms: t[1] * 1e3,
+        speedup: t[0] / t[1],
+        auto_ms: t[2] * 1e3,
+        auto_speedup: t[0] / t[2],
+        dense_gbps: dense_bytes / t[0] / 1e9,
+        sparse_gbps: sparse_bytes / t[1] / 1e9,
+        dense_gflops: 6.0 * (m * hidden * ffn) as f64 / t[0] / 1e9,
+        dense_peak_bytes,
+        sparse_peak_bytes,
+        auto_peak_bytes,
+        stages_ms,
+    })
 }
 
 /// The CUDA stage profile gathered since the last call, if profiling.

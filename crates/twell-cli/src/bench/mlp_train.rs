@@ -14,7 +14,7 @@ use twell::{Activation, FfnMode, SparseMlp};
 use super::memory::MemoryProbe;
 use super::mlp::{check_sweep, probe};
 use super::timing::{interleaved_medians, Rounds};
-use crate::device::{parse_dtype, DeviceArg};
+use crate::device::{DeviceArg, DtypeArg};
 
 #[derive(clap::Args, Debug)]
 pub struct MlpTrainBenchArgs {
@@ -28,8 +28,8 @@ pub struct MlpTrainBenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "0.005,0.01,0.03")]
     pub density: Vec<f64>,
     /// f32, bf16 or f16 (the CUDA kernels take bf16).
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    #[arg(long, value_enum, default_value_t = DtypeArg::Bf16)]
+    pub dtype: DtypeArg,
     #[command(flatten)]
     pub device: DeviceArg,
     /// L1 coefficient of the sparse variant's loss (its L1 term is part of the step;
@@ -38,12 +38,39 @@ pub struct MlpTrainBenchArgs {
     pub l1: f64,
     #[command(flatten)]
     pub rounds: Rounds,
+    /// The sparse variant's CUDA backward: chosen by the measured density (`auto`), or
+    /// fixed, to time the paths against each other.
+    #[arg(long, value_enum, default_value_t = BackwardArg::Auto)]
+    pub backward: BackwardArg,
     /// Write the rows as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Write an SVG chart of speed-up against density here.
     #[arg(long)]
     pub svg: Option<PathBuf>,
+}
+
+/// `--backward`: [`twell::BackwardPath`], or the density's choice.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackwardArg {
+    Auto,
+    /// dx and the weight gradients per active pair.
+    Sparse,
+    /// dx through dense GEMMs, the weight gradients per pair.
+    DenseDx,
+    /// Everything through dense GEMMs.
+    Dense,
+}
+
+impl BackwardArg {
+    fn path(self) -> Option<twell::BackwardPath> {
+        match self {
+            Self::Auto => None,
+            Self::Sparse => Some(twell::BackwardPath::Sparse),
+            Self::DenseDx => Some(twell::BackwardPath::DenseDx),
+            Self::Dense => Some(twell::BackwardPath::Dense),
+        }
+    }
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -81,7 +108,10 @@ struct Layer {
 }
 
 impl Layer {
-    fn new(w: twell::density::MlpWeights) -> candle_core::Result<Self> {
+    fn new(
+        w: twell::density::MlpWeights,
+        backward: Option<twell::BackwardPath>,
+    ) -> candle_core::Result<Self> {
         let vars = [
             Var::from_tensor(&w.gate)?,
             Var::from_tensor(&w.up)?,
@@ -90,6 +120,15 @@ impl Layer {
         // The sparse variant trains the fused up/down matrix, as a sparse fine-tune does
         // (`sparse_llama::fused_mlp`); same values, its own variable.
         let up_down = Var::from_tensor(&twell::up_down_matrix(&w.up, &w.down)?)?;
+        let mut sparse = SparseMlp::from_up_down(
+            vars[0].as_tensor().clone(),
+            up_down.as_tensor().clone(),
+            Activation::Relu,
+            FfnMode::Sparse,
+        )?;
+        if let Some(path) = backward {
+            sparse = sparse.with_backward_path(path);
+        }
         Ok(Self {
             dense: SparseMlp::new(
                 vars[0].as_tensor().clone(),
@@ -98,12 +137,7 @@ impl Layer {
                 Activation::Relu,
                 FfnMode::Dense,
             )?,
-            sparse: SparseMlp::from_up_down(
-                vars[0].as_tensor().clone(),
-                up_down.as_tensor().clone(),
-                Activation::Relu,
-                FfnMode::Sparse,
-            )?,
+            sparse,
         })
     }
 }
@@ -126,7 +160,7 @@ fn step(mlp: &SparseMlp, x: &Var, l1: Option<f64>) -> candle_core::Result<()> {
 
 pub fn run(args: &MlpTrainBenchArgs) -> Result<MlpTrainReport> {
     let device = args.device.device()?;
-    let dtype = parse_dtype(&args.dtype)?;
+    let dtype = args.dtype.dtype();
     let shapes = check_sweep(&args.shape, &args.density, &args.tokens)?;
     args.rounds.check()?;
     if !(args.l1 >= 0.0 && args.l1.is_finite()) {
@@ -143,14 +177,8 @@ pub fn run(args: &MlpTrainBenchArgs) -> Result<MlpTrainReport> {
             // Two weight sets, one per variant, swapped every round.
             let layers = (0..2)
                 .map(|k| {
-                    Layer::new(synthetic_mlp(
-                        hidden,
-                        ffn,
-                        density,
-                        dtype,
-                        &device,
-                        2000 + k,
-                    )?)
+                    let weights = synthetic_mlp(hidden, ffn, density, dtype, &device, 2000 + k)?;
+                    Layer::new(weights, args.backward.path())
                 })
                 .collect::<candle_core::Result<Vec<_>>>()?;
             for &m in &args.tokens {
@@ -195,7 +223,7 @@ pub fn run(args: &MlpTrainBenchArgs) -> Result<MlpTrainReport> {
     bar.finish_and_clear();
     let report = MlpTrainReport {
         device: format!("{:?}", device.location()),
-        dtype: args.dtype.clone(),
+        dtype: args.dtype.to_string(),
         l1: args.l1,
         rows,
     };

@@ -2,23 +2,25 @@
 //! for prefill, decode and a training step; tokens/s, peak GPU memory, energy per
 //! token, and the FFN density measured during the run.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use sparse_llama::checkpoint::LoadOptions;
-use sparse_llama::train::{PackedData, TrainConfig, Trainer};
-use sparse_llama::{synthetic, Cache, Llama};
+use sparse_llama::{synthetic, Cache, Config, Llama};
+use sparse_train::{PackedData, TrainConfig, Trainer};
 use twell::FfnMode;
 
 use super::energy::EnergyMeter;
 use super::memory::MemoryProbe;
 use super::random_tokens;
 use super::timing::median;
+use crate::device::FfnArg;
 use crate::model_args::ModelArgs;
 
 #[derive(clap::Args, Debug)]
@@ -73,8 +75,13 @@ pub struct ModelBenchArgs {
     pub svg: Option<PathBuf>,
     /// FFN paths to run: some of dense, sparse and auto (`SparseMlp`'s own choice per
     /// call); one alone, to profile or trace it.
-    #[arg(long, value_delimiter = ',', default_value = "dense,sparse")]
-    pub ffn_paths: Vec<String>,
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "dense,sparse"
+    )]
+    pub ffn_paths: Vec<FfnArg>,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -90,7 +97,7 @@ pub struct Measurement {
     pub mj_per_token: Option<f64>,
     /// Training: where one extra, synchronised step spends its time.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub phase_ms: Option<sparse_llama::train::PhaseMs>,
+    pub phase_ms: Option<sparse_train::train::PhaseMs>,
     /// Training: MLP backward passes of the timed steps that ran on the CUDA kernels
     /// (the rest fell back to the host).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -116,10 +123,6 @@ pub struct ModelReport {
     /// Whether the inference phases ran one q, k, v product per layer (`--split-qkv`
     /// off).
     pub fused_qkv: bool,
-    /// Whether each MLP's norm weight was folded into its weights (`TWELL_FOLD_NORMS`,
-    /// on unless `0`): the prefill then adds the output projection into the residual and
-    /// the sparse MLP normalises in its kernels.
-    pub folded_mlp_norms: bool,
     pub measurements: Vec<Measurement>,
 }
 
@@ -166,49 +169,8 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
         bail!("--decode-batch sizes must be at least 1");
     }
     let device = args.model.device()?;
-    let dtype = args.model.dtype(&device)?;
-    let (cfg, weights, name) = match &args.shape {
-        Some(shape) => {
-            let parts: Vec<usize> = shape
-                .split('x')
-                .map(|p| p.parse::<usize>())
-                .collect::<std::result::Result<_, _>>()
-                .with_context(|| format!("--shape '{shape}' is not HIDDENxFFNxLAYERS"))?;
-            let [h, f, l] = parts[..] else {
-                bail!("--shape '{shape}' is not HIDDENxFFNxLAYERS")
-            };
-            let cfg = synthetic::config(
-                h,
-                f,
-                l,
-                args.heads,
-                args.kv_heads.unwrap_or(args.heads),
-                args.vocab,
-            )?;
-            let w = synthetic::weights(&cfg, args.density, 0, dtype, &device)?;
-            (
-                cfg,
-                w,
-                format!(
-                    "random {shape} (density {} by constant feature + gate bias)",
-                    args.density
-                ),
-            )
-        }
-        None => {
-            let ck = args.model.open()?;
-            let opts = LoadOptions {
-                activation: Some(twell::Activation::Relu),
-                ffn_mode: Some(FfnMode::Sparse),
-            };
-            let cfg = ck.runtime_config(&opts)?;
-            (
-                cfg,
-                ck.tensors(dtype, &device)?,
-                ck.source.display().to_string(),
-            )
-        }
-    };
+    let dtype = args.model.dtype(&device);
+    let (cfg, weights, name) = model_source(args, dtype, &device)?;
     let mut model = Llama::load(
         VarBuilder::from_tensors(weights.clone(), dtype, &device),
         &cfg,
@@ -216,9 +178,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
     if !args.split_qkv {
         model.fuse_qkv()?;
     }
-    if twell::mlp::fold_norms_wanted()? {
-        model.fold_mlp_norms()?;
-    }
+    model.fold_mlp_norms()?;
     let meter = EnergyMeter::new(match &device {
         Device::Cuda(_) => Some(0),
         _ => None,
@@ -247,179 +207,35 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
     model.record_ffn_stats(false);
 
     let mut measurements = Vec::new();
+    let mut bench = Bench {
+        args,
+        model,
+        modes,
+        device: device.clone(),
+        meter,
+        cfg: cfg.clone(),
+        dtype,
+    };
     for &(b, t) in &prefill {
         bar.set_message(format!("prefill {b}x{t}"));
-        let x = random_tokens(b, t, cfg.vocab_size, &device)?;
+        let x = random_tokens(b, t, bench.cfg.vocab_size, &device)?;
+        let (cfg, dev) = (bench.cfg.clone(), device.clone());
         let mut run = |model: &Llama| -> candle_core::Result<()> {
-            let mut cache = Cache::new(true, dtype, &cfg, &device)?;
+            let mut cache = Cache::new(true, dtype, &cfg, &dev)?;
             model.forward(&x, 0, &mut cache)?;
             Ok(())
         };
-        measurements.extend(measure(
-            &mut model,
-            &modes,
-            args,
-            &device,
-            &meter,
-            "prefill",
-            b,
-            t,
-            b * t,
-            true,
-            &mut run,
-        )?);
+        measurements.extend(bench.measure("prefill", (b, t), b * t, &mut run)?);
         bar.inc(1);
     }
     for &b in &args.decode_batch {
         bar.set_message(format!("decode batch {b} at context {}", args.context));
-        let ctx = random_tokens(b, args.context, cfg.vocab_size, &device)?;
-        let step_tokens = random_tokens(b, 1, cfg.vocab_size, &device)?;
-        let steps = args.decode_steps;
-        // The host's time to enqueue the steps, one entry per call of `run`.
-        let host_secs = std::cell::RefCell::new(Vec::new());
-        // Decode time is (context prefill + steps) minus the context prefill alone, both
-        // measured the same way: the cache must be rebuilt for every repetition.
-        let mut run = |model: &Llama| -> candle_core::Result<()> {
-            let mut cache = Cache::new(true, dtype, &cfg, &device)?;
-            model.forward(&ctx, 0, &mut cache)?;
-            device.synchronize()?;
-            let t0 = Instant::now();
-            for s in 0..steps {
-                model.forward(&step_tokens, args.context + s, &mut cache)?;
-            }
-            host_secs.borrow_mut().push(t0.elapsed().as_secs_f64());
-            Ok(())
-        };
-        let mut prefill_only = |model: &Llama| -> candle_core::Result<()> {
-            let mut cache = Cache::new(true, dtype, &cfg, &device)?;
-            model.forward(&ctx, 0, &mut cache)?;
-            Ok(())
-        };
-        let with = measure(
-            &mut model,
-            &modes,
-            args,
-            &device,
-            &meter,
-            "decode",
-            b,
-            args.context,
-            b * steps,
-            true,
-            &mut run,
-        )?;
-        let without = measure(
-            &mut model,
-            &modes,
-            args,
-            &device,
-            &meter,
-            "decode-prefill",
-            b,
-            args.context,
-            b,
-            true,
-            &mut prefill_only,
-        )?;
-        let host_secs = host_secs.into_inner();
-        for (k, (w, p)) in with.into_iter().zip(without).enumerate() {
-            let ms = decode_ms(w.ms, p.ms);
-            let host_ms = timed_runs_of(&host_secs, modes.len(), k, args.warmup, args.reps)
-                .map(|runs| 1e3 * median(runs) / steps.max(1) as f64);
-            if ms.is_nan() {
-                eprintln!(
-                    "warning: decode batch {b} ({}): {steps} steps took no measurable time \
-                     beyond the {}-token context prefill ({:.3} against {:.3} ms); raise \
-                     --decode-steps or --reps",
-                    w.ffn, args.context, w.ms, p.ms
-                );
-            }
-            let mj_per_token = decode_mj_per_token(w.mj_per_token, p.mj_per_token, b, steps);
-            measurements.push(Measurement {
-                tokens_per_sec: (b * steps) as f64 / (ms / 1e3),
-                ms: ms / steps as f64,
-                mj_per_token,
-                phase_ms: None,
-                device_backward_passes: None,
-                train_density: None,
-                host_ms,
-                ..w
-            });
-        }
+        measurements.extend(decode_phase(&mut bench, b)?);
         bar.inc(1);
     }
     for &(b, t) in &train {
         bar.set_message(format!("train {b}x{t}"));
-        let tokens: Vec<u32> = (0..(b * (t + 1) * 4))
-            .map(|i| ((i as u64 * 40503) % cfg.vocab_size as u64) as u32)
-            .collect();
-        let data = PackedData::new(&tokens, t)?;
-        let tc = TrainConfig {
-            seq_len: t,
-            batch_size: b,
-            steps: 1_000_000,
-            warmup_steps: 1,
-            // bf16 compute on f32 masters where the model runs in bf16 (the CUDA
-            // kernels take bf16).
-            bf16: dtype == DType::BF16,
-            // A zero learning rate keeps the weights, and so the density, as set: AdamW
-            // still does all its work, but a real rate moves a random model's gate
-            // biases within a few steps, and the FFN goes dense under the timer.
-            lr: 0.0,
-            ..Default::default()
-        };
-        for &(mode, label) in &modes {
-            // A trainer per path, as `twell finetune --ffn` builds it: the sparse one
-            // trains each layer's fused up/down matrix (`sparse_llama::fused_mlp`).
-            let mut mode_cfg = cfg.clone();
-            mode_cfg.ffn_mode = mode;
-            let mut trainer = Trainer::new(mode_cfg, weights.clone(), tc.clone(), &device)?;
-            for _ in 0..args.warmup {
-                trainer.train_step(&data)?;
-            }
-            device.synchronize()?;
-            let probe = MemoryProbe::start(&device)?;
-            let e0 = meter.read_mj();
-            let calls = twell::device_backward_calls();
-            let mut times = Vec::new();
-            // The timed steps are forward + backward + AdamW alone: the fine-tuning
-            // loop's activity statistics (the dense FFN counts fired neurons over
-            // `[tokens, d_ff]` each step) are off, and the density is read after them.
-            trainer.set_activity_stats(false);
-            for _ in 0..args.reps {
-                let t0 = Instant::now();
-                trainer.train_step(&data)?;
-                device.synchronize()?;
-                times.push(t0.elapsed().as_secs_f64());
-            }
-            trainer.set_activity_stats(true);
-            let e1 = meter.read_mj();
-            let device_backward_passes = Some(twell::device_backward_calls() - calls);
-            let peak_extra_bytes = probe.peak_extra()?;
-            // One more step, synchronised between phases, to show where the time goes
-            // and at what density the FFN ran (the weights do not move: learning rate 0).
-            trainer.set_profile(true);
-            let probe_step = trainer.train_step(&data)?;
-            trainer.set_profile(false);
-            let phase_ms = probe_step.phase_ms;
-            let train_density = probe_step.mean_l0 / cfg.intermediate_size as f64;
-            let tokens = (b * t * args.reps) as f64;
-            let secs = median(times);
-            measurements.push(Measurement {
-                phase: "train".into(),
-                batch: b,
-                seq: t,
-                ffn: label.into(),
-                tokens_per_sec: (b * t) as f64 / secs,
-                ms: secs * 1e3,
-                peak_extra_bytes,
-                mj_per_token: e0.zip(e1).map(|(a, z)| (z - a) as f64 / tokens),
-                phase_ms,
-                device_backward_passes,
-                train_density: Some(train_density),
-                host_ms: None,
-            });
-        }
+        measurements.extend(train_phase(&bench, &weights, b, t)?);
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -430,28 +246,258 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
         parameters: cfg.num_parameters(),
         density_per_layer,
         fused_qkv: !args.split_qkv,
-        folded_mlp_norms: model.are_mlp_norms_folded(),
         measurements,
     })
 }
 
+/// The model to time: a random one of `--shape` at `--density`, or `--model`'s checkpoint
+/// with its MLPs on ReLU. Returns its config, weights and a name for the report.
+fn model_source(
+    args: &ModelBenchArgs,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Config, HashMap<String, Tensor>, String)> {
+    Ok(match &args.shape {
+        Some(shape) => {
+            let parts: Vec<usize> = shape
+                .split('x')
+                .map(|p| p.parse::<usize>())
+                .collect::<std::result::Result<_, _>>()
+                .with_context(|| format!("--shape '{shape}' is not HIDDENxFFNxLAYERS"))?;
+            let [h, f, l] = parts[..] else {
+                bail!("--shape '{shape}' is not HIDDENxFFNxLAYERS")
+            };
+            let cfg = synthetic::config(
+                h,
+                f,
+                l,
+                args.heads,
+                args.kv_heads.unwrap_or(args.heads),
+                args.vocab,
+            )?;
+            let w = synthetic::weights(&cfg, args.density, 0, dtype, device)?;
+            (
+                cfg,
+                w,
+                format!(
+                    "random {shape} (density {} by constant feature + gate bias)",
+                    args.density
+                ),
+            )
+        }
+        None => {
+            let ck = args.model.open()?;
+            let opts = LoadOptions {
+                activation: Some(twell::Activation::Relu),
+                ffn_mode: Some(FfnMode::Sparse),
+            };
+            let cfg = ck.runtime_config(&opts)?;
+            (
+                cfg,
+                ck.tensors(dtype, device)?,
+                ck.source.display().to_string(),
+            )
+        }
+    })
+}
+
+/// What every phase of the benchmark times with: the model, the FFN paths, the device and
+/// its energy meter.
+struct Bench<'a> {
+    args: &'a ModelBenchArgs,
+    model: Llama,
+    modes: Vec<(FfnMode, &'static str)>,
+    device: Device,
+    meter: EnergyMeter,
+    cfg: Config,
+    dtype: DType,
+}
+
+impl Bench<'_> {
+    /// [`measure`] of `run` on every FFN path.
+    fn measure(
+        &mut self,
+        phase: &str,
+        (b, t): (usize, usize),
+        tokens: usize,
+        run: &mut dyn FnMut(&Llama) -> candle_core::Result<()>,
+    ) -> Result<Vec<Measurement>> {
+        measure(
+            &mut self.model,
+            &self.modes,
+            self.args,
+            &self.device,
+            &self.meter,
+            phase,
+            b,
+            t,
+            tokens,
+            true,
+            run,
+        )
+    }
+}
+
+/// Decode at batch `b`: `--decode-steps` one-token steps after a `--context` prefill,
+/// timed as (prefill + steps) less the prefill alone, with the host's enqueue time.
+fn decode_phase(bench: &mut Bench, b: usize) -> Result<Vec<Measurement>> {
+    let (args, dtype) = (bench.args, bench.dtype);
+    let (cfg, device) = (bench.cfg.clone(), bench.device.clone());
+    let mut measurements = Vec::new();
+    let ctx = random_tokens(b, args.context, cfg.vocab_size, &device)?;
+    let step_tokens = random_tokens(b, 1, cfg.vocab_size, &device)?;
+    let steps = args.decode_steps;
+    // The host's time to enqueue the steps, one entry per call of `run`.
+    let host_secs = std::cell::RefCell::new(Vec::new());
+    // Decode time is (context prefill + steps) minus the context prefill alone, both
+    // measured the same way: the cache must be rebuilt for every repetition.
+    let mut run = |model: &Llama| -> candle_core::Result<()> {
+        let mut cache = Cache::new(true, dtype, &cfg, &device)?;
+        model.forward(&ctx, 0, &mut cache)?;
+        device.synchronize()?;
+        let t0 = Instant::now();
+        for s in 0..steps {
+            model.forward(&step_tokens, args.context + s, &mut cache)?;
+        }
+        host_secs.borrow_mut().push(t0.elapsed().as_secs_f64());
+        Ok(())
+    };
+    let mut prefill_only = |model: &Llama| -> candle_core::Result<()> {
+        let mut cache = Cache::new(true, dtype, &cfg, &device)?;
+        model.forward(&ctx, 0, &mut cache)?;
+        Ok(())
+    };
+    let with = bench.measure("decode", (b, args.context), b * steps, &mut run)?;
+    let without = bench.measure("decode-prefill", (b, args.context), b, &mut prefill_only)?;
+    let host_secs = host_secs.into_inner();
+    for (k, (w, p)) in with.into_iter().zip(without).enumerate() {
+        let ms = decode_ms(w.ms, p.ms);
+        let host_ms = timed_runs_of(&host_secs, bench.modes.len(), k, args.warmup, args.reps)
+            .map(|runs| 1e3 * median(runs) / steps.max(1) as f64);
+        if ms.is_nan() {
+            eprintln!(
+                "warning: decode batch {b} ({}): {steps} steps took no measurable time \
+                 beyond the {}-token context prefill ({:.3} against {:.3} ms); raise \
+                 --decode-steps or --reps",
+                w.ffn, args.context, w.ms, p.ms
+            );
+        }
+        let mj_per_token = decode_mj_per_token(w.mj_per_token, p.mj_per_token, b, steps);
+        measurements.push(Measurement {
+            tokens_per_sec: (b * steps) as f64 / (ms / 1e3),
+            ms: ms / steps as f64,
+            mj_per_token,
+            phase_ms: None,
+            device_backward_passes: None,
+            train_density: None,
+            host_ms,
+            ..w
+        });
+    }
+    Ok(measurements)
+}
+
+/// A training step on batches of `b × t` tokens (forward, backward and AdamW at a zero
+/// learning rate, so the density holds) on every FFN path, each through its own trainer.
+fn train_phase(
+    bench: &Bench,
+    weights: &HashMap<String, Tensor>,
+    b: usize,
+    t: usize,
+) -> Result<Vec<Measurement>> {
+    let (args, dtype, cfg, device, meter) = (
+        bench.args,
+        bench.dtype,
+        &bench.cfg,
+        &bench.device,
+        &bench.meter,
+    );
+    let mut measurements = Vec::new();
+    let tokens: Vec<u32> = (0..(b * (t + 1) * 4))
+        .map(|i| ((i as u64 * 40503) % cfg.vocab_size as u64) as u32)
+        .collect();
+    let data = PackedData::new(&tokens, t)?;
+    let tc = TrainConfig {
+        seq_len: t,
+        batch_size: b,
+        steps: 1_000_000,
+        warmup_steps: 1,
+        // bf16 compute on f32 masters where the model runs in bf16 (the CUDA
+        // kernels take bf16).
+        bf16: dtype == DType::BF16,
+        // A zero learning rate keeps the weights, and so the density, as set: AdamW
+        // still does all its work, but a real rate moves a random model's gate
+        // biases within a few steps, and the FFN goes dense under the timer.
+        lr: 0.0,
+        ..Default::default()
+    };
+    for &(mode, label) in &bench.modes {
+        // A trainer per path, as `twell finetune --ffn` builds it: the sparse one
+        // trains each layer's fused up/down matrix (`sparse_llama::fused_mlp`).
+        let mut mode_cfg = cfg.clone();
+        mode_cfg.ffn_mode = mode;
+        let mut trainer = Trainer::new(mode_cfg, weights.clone(), tc.clone(), device)?;
+        for _ in 0..args.warmup {
+            trainer.train_step(&data)?;
+        }
+        device.synchronize()?;
+        let probe = MemoryProbe::start(device)?;
+        let e0 = meter.read_mj();
+        let calls = twell::device_backward_calls();
+        let mut times = Vec::new();
+        // The timed steps are forward + backward + AdamW alone: the fine-tuning
+        // loop's activity statistics (the dense FFN counts fired neurons over
+        // `[tokens, d_ff]` each step) are off, and the density is read after them.
+        trainer.set_activity_stats(false);
+        for _ in 0..args.reps {
+            let t0 = Instant::now();
+            trainer.train_step(&data)?;
+            device.synchronize()?;
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        trainer.set_activity_stats(true);
+        let e1 = meter.read_mj();
+        let device_backward_passes = Some(twell::device_backward_calls() - calls);
+        let peak_extra_bytes = probe.peak_extra()?;
+        // One more step, synchronised between phases, to show where the time goes
+        // and at what density the FFN ran (the weights do not move: learning rate 0).
+        trainer.set_profile(true);
+        let probe_step = trainer.train_step(&data)?;
+        trainer.set_profile(false);
+        let phase_ms = probe_step.phase_ms;
+        let train_density = probe_step.mean_l0 / cfg.intermediate_size as f64;
+        let tokens = (b * t * args.reps) as f64;
+        let secs = median(times);
+        measurements.push(Measurement {
+            phase: "train".into(),
+            batch: b,
+            seq: t,
+            ffn: label.into(),
+            tokens_per_sec: (b * t) as f64 / secs,
+            ms: secs * 1e3,
+            peak_extra_bytes,
+            mj_per_token: e0.zip(e1).map(|(a, z)| (z - a) as f64 / tokens),
+            phase_ms,
+            device_backward_passes,
+            train_density: Some(train_density),
+            host_ms: None,
+        });
+    }
+    Ok(measurements)
+}
+
 /// The `--ffn-paths` list as FFN modes with their labels, in the order dense, sparse,
 /// auto (`Auto` picks per call, as `SparseMlp` does for a user who leaves it to it).
-fn ffn_paths(paths: &[String]) -> Result<Vec<(FfnMode, &'static str)>> {
-    const PATHS: [(FfnMode, &str); 3] = [
-        (FfnMode::Dense, "dense"),
-        (FfnMode::Sparse, "sparse"),
-        (FfnMode::Auto, "auto"),
+fn ffn_paths(paths: &[FfnArg]) -> Result<Vec<(FfnMode, &'static str)>> {
+    const PATHS: [(FfnArg, &str); 3] = [
+        (FfnArg::Dense, "dense"),
+        (FfnArg::Sparse, "sparse"),
+        (FfnArg::Auto, "auto"),
     ];
-    if let Some(bad) = paths
-        .iter()
-        .find(|p| !PATHS.iter().any(|(_, label)| label == p))
-    {
-        bail!("--ffn-paths '{bad}': want some of dense, sparse, auto (e.g. dense,sparse)");
-    }
     let modes: Vec<_> = PATHS
         .into_iter()
-        .filter(|(_, label)| paths.iter().any(|p| p == label))
+        .filter(|(arg, _)| paths.contains(arg))
+        .map(|(arg, label)| (arg.mode(), label))
         .collect();
     if modes.is_empty() {
         bail!("--ffn-paths: name at least one of dense, sparse, auto");
@@ -680,22 +726,17 @@ mod tests {
     }
 
     #[test]
-    fn ffn_paths_come_in_a_fixed_order_and_bad_names_are_refused() {
-        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let labels = |v: &[&str]| {
-            super::ffn_paths(&names(v))
+    fn ffn_paths_come_in_a_fixed_order() {
+        use crate::device::FfnArg::{Auto, Dense, Sparse};
+        let labels = |v: &[crate::device::FfnArg]| {
+            super::ffn_paths(v)
                 .unwrap()
                 .into_iter()
                 .map(|(_, l)| l)
                 .collect::<Vec<_>>()
         };
-        assert_eq!(labels(&["auto", "dense"]), ["dense", "auto"]);
-        assert_eq!(
-            labels(&["sparse", "auto", "dense"]),
-            ["dense", "sparse", "auto"]
-        );
-        let err = super::ffn_paths(&names(&["dense", "fast"])).unwrap_err();
-        assert!(err.to_string().contains("'fast'"), "{err}");
+        assert_eq!(labels(&[Auto, Dense]), ["dense", "auto"]);
+        assert_eq!(labels(&[Sparse, Auto, Dense]), ["dense", "sparse", "auto"]);
         assert!(super::ffn_paths(&[]).is_err());
     }
 

@@ -13,6 +13,10 @@ pub struct Rounds {
     /// Timed rounds; the median is reported.
     #[arg(long, default_value_t = 11)]
     pub reps: usize,
+    /// Also print every timed call of each variant (microseconds, in round order) to
+    /// stderr: shows a variant whose calls are bimodal.
+    #[arg(long)]
+    pub print_times: bool,
 }
 
 impl Rounds {
@@ -49,7 +53,11 @@ pub fn round_order(round: usize, n: usize) -> Vec<usize> {
 /// median in seconds.
 pub fn interleaved_medians(
     device: &Device,
-    Rounds { warmup, reps }: Rounds,
+    Rounds {
+        warmup,
+        reps,
+        print_times,
+    }: Rounds,
     variants: &mut [&mut dyn FnMut(usize) -> Result<()>],
 ) -> Result<Vec<f64>> {
     for round in 0..warmup {
@@ -72,8 +80,7 @@ pub fn interleaved_medians(
             times[k].push(t0.elapsed().as_secs_f64());
         }
     }
-    if std::env::var_os("TWELL_BENCH_TIMES").is_some() {
-        // Every timed call, in round order: shows a variant whose calls are bimodal.
+    if print_times {
         for (k, t) in times.iter().enumerate() {
             let us: Vec<String> = t.iter().map(|s| format!("{:.0}", s * 1e6)).collect();
             eprintln!("variant {k} times (us): {}", us.join(" "));

@@ -8,8 +8,8 @@
 
 use rayon::prelude::*;
 
-use super::float::Rows;
 use super::simd::{dot, dot_2x4};
+use fused_ops::host::Rows;
 
 /// Up to this many tokens the weight-streaming GEMV beats `gemm` (measured by
 /// `twell bench --cpu`: at 16 tokens and d=2048 it is still bandwidth-bound).

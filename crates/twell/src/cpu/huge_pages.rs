@@ -1,17 +1,24 @@
 //! 2 MB pages for the host buffers a one-token pass reads. That pass streams the int8
 //! gate screen and picks scattered rows out of the weights; on 4 KB pages every 4 KB of
 //! it costs a TLB miss and a page-table walk, which is a large part of a call that moves
-//! only ~13 MB. Linux only; elsewhere, and with `TWELL_NO_HUGE_PAGES` set (to measure
-//! both), nothing changes. The kernel may refuse: the buffers then stay as they are.
+//! only ~13 MB. Linux only; elsewhere, and after [`set_huge_pages`]`(false)`, nothing
+//! changes. The kernel may refuse: the buffers then stay as they are.
 
 use candle_core::{Storage, Tensor};
 
 const HUGE: usize = 2 << 20;
 
+static ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether the buffers made from now on ask for 2 MB pages (on by default). Process-wide:
+/// the `twell` binary turns it off with the rest of its host tuning (`--no-host-tuning`).
+pub fn set_huge_pages(on: bool) {
+    ENABLED.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("TWELL_NO_HUGE_PAGES").is_none())
+    ENABLED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The 2 MB-aligned part of `[start, start + bytes)`, if any.

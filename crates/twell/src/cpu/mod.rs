@@ -2,9 +2,7 @@
 //! a fast path of its own (rayon threads, AVX2 inner loops, work proportional to the
 //! nonzeros).
 
-pub mod float;
 pub mod gate;
-pub mod host_memory;
 pub mod huge_pages;
 pub mod int8;
 pub mod screen;

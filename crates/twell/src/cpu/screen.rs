@@ -21,10 +21,10 @@
 
 use rayon::prelude::*;
 
-use super::float::Rows;
 use super::gate::token_major;
 use super::int8::{self, TOKEN_MAX};
 use super::simd::dot;
+use fused_ops::host::Rows;
 
 /// Up to this many tokens the screen beats streaming the f32 rows: each token pays
 /// for widening every row's bytes and for its own candidates, so with more tokens the

@@ -15,10 +15,10 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::float::{Float, Rows};
 use super::simd::{add_assign, axpy, dot};
 use crate::format::TwellPattern;
-use crate::ops::mlp_result_len;
+use crate::output::mlp_result_len;
+use fused_ops::host::{Float, Rows};
 
 /// Tokens per block: large enough that hot neurons are reused, small enough that
 /// the per-thread partial outputs stay in cache.

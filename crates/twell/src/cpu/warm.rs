@@ -14,11 +14,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use crate::knobs;
-
 /// How long the workers stay awake after a host decode call, unless
-/// `TWELL_HOST_WARM_MS` says otherwise (0 turns it off).
+/// [`set_warm_window`] says otherwise.
 pub const DEFAULT_WARM_WINDOW: Duration = Duration::from_millis(20);
+
+/// The window in milliseconds ([`set_warm_window`]).
+static WINDOW_MS: AtomicU64 = AtomicU64::new(DEFAULT_WARM_WINDOW.as_millis() as u64);
 
 /// Nanoseconds since [`epoch`] until which the workers poll.
 static WARM_UNTIL: AtomicU64 = AtomicU64::new(0);
@@ -34,16 +35,17 @@ fn now_ns() -> u64 {
     epoch().elapsed().as_nanos() as u64
 }
 
-/// The window: `TWELL_HOST_WARM_MS` (whole milliseconds; anything else is an error
-/// naming the knob), else [`DEFAULT_WARM_WINDOW`].
-pub fn warm_window() -> candle_core::Result<Duration> {
-    static CELL: knobs::Cell = knobs::Cell::new();
-    let ms = knobs::read_once(&CELL, || knobs::env_count(KNOB, KNOB_EXPECTS, |_| true))?;
-    Ok(ms.map_or(DEFAULT_WARM_WINDOW, |ms| Duration::from_millis(ms as u64)))
+/// Sets how long the workers poll after a host decode call (whole milliseconds; zero
+/// turns the polling off). Process-wide: the `twell` binary turns it off with the rest of
+/// its host tuning (`--no-host-tuning`).
+pub fn set_warm_window(window: Duration) {
+    WINDOW_MS.store(window.as_millis() as u64, Ordering::Relaxed);
 }
 
-const KNOB: &str = "TWELL_HOST_WARM_MS";
-const KNOB_EXPECTS: &str = "whole milliseconds";
+/// The window now in force.
+pub fn warm_window() -> Duration {
+    Duration::from_millis(WINDOW_MS.load(Ordering::Relaxed))
+}
 
 /// Workers polling now: for tests and diagnostics.
 pub fn polling_workers() -> usize {
@@ -80,18 +82,6 @@ fn poll_until_deadline() {
 mod tests {
     use super::*;
     use rayon::prelude::*;
-
-    /// The knob takes whole milliseconds; anything else is an error that names it.
-    #[test]
-    fn the_window_knob_refuses_what_is_not_a_count() {
-        let parse = |raw| knobs::parse_count(KNOB, Some(raw), KNOB_EXPECTS, |_| true);
-        assert_eq!(parse("0"), Ok(Some(0)));
-        assert_eq!(parse(" 25 "), Ok(Some(25)));
-        for bad in ["2.5", "-1", "ten", ""] {
-            let msg = parse(bad).unwrap_err();
-            assert!(msg.contains(KNOB) && msg.contains(KNOB_EXPECTS), "{msg}");
-        }
-    }
 
     /// Work handed to the pool while its workers poll still runs (they take it), and
     /// the workers stop polling once the window has passed.

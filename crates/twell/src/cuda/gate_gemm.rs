@@ -1,16 +1,11 @@
 //! The gate GEMM `g = x · Wgᵀ` of the sparse MLP, two ways:
 //!
 //! * cuBLASLt with its ReLU epilogue writing a bit mask of the positives beside the gate
-//!   (`CUBLASLT_EPILOGUE_RELU_AUX`, one bit per value). The pack then reads the mask and
-//!   only the positive values (`twell_gate_pack_mask_bf16`), not the whole `[m, f]` gate:
-//!   that full read was the pack's time (38 µs of a 4 × 2048 prefill layer on the H200).
-//! * cuBLAS (`cublasGemmEx`): the plain gate, packed by reading all of it. Used below
-//!   [`MASK_MIN_ROWS`] rows (where cuBLAS's GEMM is the faster one), where cuBLASLt has no
-//!   algorithm for the shape, and under `TWELL_GATE=plain` (to measure both on one build).
-//! * Under `TWELL_GATE=lt`, the plain gate through cuBLASLt, the fastest of its timed
-//!   candidates: to measure whether an algorithm that balances the card better than
-//!   `cublasGemmEx`'s choice beats it where the output tiles fill it unevenly (2,048 ×
-//!   5,632 in tiles of 128 × 256, for one, is 2.7 waves of 132 multiprocessors).
+//!   (`CUBLASLT_EPILOGUE_RELU_AUX`, one bit per value). The row kernels then walk the mask
+//!   (or the pack reads it and only the positive values, not the whole `[m, f]` gate:
+//!   that full read was the pack's time, 38 µs of a 4 × 2048 prefill layer on the H200).
+//! * cuBLAS (`cublasGemmEx`): the plain gate. Used below [`MASK_MIN_ROWS`] rows (where
+//!   cuBLAS's GEMM is the faster one) and where cuBLASLt has no algorithm for the shape.
 
 use std::collections::HashMap;
 
@@ -21,12 +16,12 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
 use half::bf16;
 
-use super::per_key::PerKey;
 use crate::error::{err, TwellError};
-use crate::knobs;
+use crate::format::GateGemm;
+use fused_ops::cuda::PerKey;
 
 /// The gate, `[m, f]` bf16, and, from cuBLASLt, the mask of its positives.
-pub(super) struct Gate {
+pub(crate) struct Gate {
     pub values: CudaSlice<bf16>,
     /// `[m, words_per_row]` u32 words, bit j of row r set where `g[r, j] > 0`; `None` when
     /// the plain GEMM ran (then negative values are kept too).
@@ -34,37 +29,29 @@ pub(super) struct Gate {
 }
 
 /// `g = x · Wgᵀ` (`x [m, d]`, `wg [f, d]`, bf16): through cuBLASLt with the mask (see the
-/// module doc) as [`gate_knob`] says where a mask pack can take the shape
-/// (`mask_packs`), else plain cuBLAS.
-pub(super) fn gate_gemm(
+/// module doc) as `choice` says, where a mask consumer can take the shape (`mask_fits`),
+/// else plain cuBLAS.
+pub(crate) fn gate_gemm(
     dev: &CudaDevice,
     x: &CudaView<bf16>,
     wg: &CudaView<bf16>,
     (m, d, f): (usize, usize, usize),
-    mask_packs: bool,
+    mask_fits: bool,
+    choice: GateGemm,
 ) -> Result<Gate> {
-    let knob = gate_knob()?;
-    if knob == Some(GateKnob::Lt) {
-        return match gate_gemm_lt(dev, x, wg, (m, d, f), Epilogue::Plain)? {
-            Some(gate) => Ok(gate),
-            None => err(TwellError::Invalid(format!(
-                "TWELL_GATE=lt: cuBLASLt has no GEMM for [{m}, {d}] x [{f}, {d}]"
-            ))),
-        };
-    }
-    let use_mask = mask_packs
-        && match knob {
-            Some(GateKnob::Plain) => false,
-            Some(GateKnob::Mask) => true,
-            _ => m >= MASK_MIN_ROWS,
+    let use_mask = mask_fits
+        && match choice {
+            GateGemm::Plain => false,
+            GateGemm::Masked => true,
+            GateGemm::Auto => m >= MASK_MIN_ROWS,
         };
     if use_mask {
-        if let Some(gate) = gate_gemm_lt(dev, x, wg, (m, d, f), Epilogue::ReluMask)? {
+        if let Some(gate) = gate_gemm_masked(dev, x, wg, (m, d, f))? {
             return Ok(gate);
         }
-        if knob == Some(GateKnob::Mask) {
+        if choice == GateGemm::Masked {
             return err(TwellError::Invalid(format!(
-                "TWELL_GATE=mask: cuBLASLt has no ReLU-mask GEMM for [{m}, {d}] x [{f}, {d}]"
+                "GateGemm::Masked: cuBLASLt has no ReLU-mask GEMM for [{m}, {d}] x [{f}, {d}]"
             )));
         }
     }
@@ -75,40 +62,11 @@ pub(super) fn gate_gemm(
 }
 
 /// From this many rows on the masked GEMM is the default. Measured on the H200 at
-/// 2048 × 5632, 0.5% (docs/kernel-notes.md, "The gate's ReLU mask"): the pack is 1.5–2x
-/// faster from the mask at every size, but the masked GEMM, even with the fastest of
-/// cuBLASLt's candidates, runs up to 10% slower than `cublasGemmEx` at 2048 rows and
-/// 0–5% slower above, so the two cancel at 8192 rows and the mask gains 1–1.4% of a
-/// 16 × 2048 prefill.
+/// 2048 × 5632, 0.5%: the pack is 1.5–2x faster from the mask at every size, but the
+/// masked GEMM, even with the fastest of cuBLASLt's candidates, runs up to 10% slower
+/// than `cublasGemmEx` at 2048 rows and 0–5% slower above, so the two cancel at 8192
+/// rows and the mask gains 1–1.4% of a 16 × 2048 prefill.
 const MASK_MIN_ROWS: usize = 4096;
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum GateKnob {
-    Mask,
-    Plain,
-    Lt,
-}
-
-/// `TWELL_GATE`: `mask` insists on the cuBLASLt GEMM with the mask at every size (an
-/// error where it has no algorithm), `plain` takes cuBLAS, `lt` the plain gate through
-/// cuBLASLt's fastest timed candidate at every size; unset, the mask from
-/// [`MASK_MIN_ROWS`] rows where cuBLASLt has an algorithm.
-fn gate_knob() -> Result<Option<GateKnob>> {
-    static KNOB: knobs::Cell = knobs::Cell::new();
-    let choice = knobs::read_once(&KNOB, || {
-        knobs::env_choice("TWELL_GATE", &["mask", "plain", "lt"])
-    })?;
-    Ok(choice.map(|i| [GateKnob::Mask, GateKnob::Plain, GateKnob::Lt][i]))
-}
-
-/// What a cuBLASLt gate GEMM writes besides the gate.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-enum Epilogue {
-    /// The gate with its negatives set to 0, and the bit mask of its positives.
-    ReluMask,
-    /// The gate alone (negatives kept, as `cublasGemmEx` writes it).
-    Plain,
-}
 
 /// `g = x · Wgᵀ` into a fresh `[m, f]` bf16 buffer, through cuBLAS.
 fn gate_gemm_plain(
@@ -123,7 +81,7 @@ fn gate_gemm_plain(
 /// `x · Wᵀ` (`x [m, d]`, `W [f, d]` with its rows `w_stride` elements apart, bf16) into a
 /// fresh `[m, f]` bf16 buffer through cuBLAS: the plain gate, and the up projection
 /// read in place from `w_ud [f, 2d]` (stride 2d).
-pub(super) fn x_times_wt(
+pub(crate) fn x_times_wt(
     dev: &CudaDevice,
     x: &CudaView<bf16>,
     w: &CudaView<bf16>,
@@ -152,7 +110,7 @@ pub(super) fn x_times_wt(
 
 /// u32 words of mask per token row: cuBLASLt wants the mask's leading dimension a
 /// multiple of 128 bits.
-pub(super) fn mask_words_per_row(f: usize) -> usize {
+pub(crate) fn mask_words_per_row(f: usize) -> usize {
     f.div_ceil(128) * 4
 }
 
@@ -165,7 +123,6 @@ struct Plan {
     c: lt_sys::cublasLtMatrixLayout_t,
     algo: lt_sys::cublasLtMatmulAlgo_t,
     workspace_bytes: usize,
-    epilogue: Epilogue,
 }
 
 impl Plan {
@@ -179,7 +136,6 @@ impl Plan {
             c: std::ptr::null_mut(),
             algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
             workspace_bytes: 0,
-            epilogue: Epilogue::Plain,
         }
     }
 }
@@ -200,11 +156,10 @@ impl Drop for Plan {
     }
 }
 
-/// A device's cuBLASLt handle and its plans by `(m, d, f)` and epilogue (`None`: no
-/// algorithm).
+/// A device's cuBLASLt handle and its plans by `(m, d, f)` (`None`: no algorithm).
 struct LtDevice {
     handle: lt_sys::cublasLtHandle_t,
-    plans: HashMap<(usize, usize, usize, Epilogue), Option<Plan>>,
+    plans: HashMap<(usize, usize, usize), Option<Plan>>,
 }
 
 // SAFETY: the raw cuBLASLt objects are only used under the `LT` lock, and cuBLASLt
@@ -214,23 +169,13 @@ unsafe impl Send for LtDevice {}
 /// Each device's cuBLASLt handle and plans, by ordinal.
 static LT: PerKey<usize, LtDevice> = PerKey::new();
 
-/// The cuBLAS workspace that [`super::configure`] gave each device (by ordinal), shared
-/// with cuBLASLt: both run on candle's one stream, so never at once.
-static WORKSPACES: PerKey<usize, CudaSlice<u8>> = PerKey::new();
-
-/// Keeps `workspace` for the life of the process as the device's cuBLAS(Lt) workspace.
-pub(super) fn keep_workspace(dev: &CudaDevice, workspace: CudaSlice<u8>) {
-    WORKSPACES.put(dev.cuda_stream().context().ordinal(), workspace);
-}
-
-/// The GEMM through cuBLASLt with `epilogue`; `None` when cuBLASLt has no algorithm for
-/// it.
-fn gate_gemm_lt(
+/// The GEMM through cuBLASLt with the ReLU mask; `None` when cuBLASLt has no algorithm
+/// for it.
+fn gate_gemm_masked(
     dev: &CudaDevice,
     x: &CudaView<bf16>,
     wg: &CudaView<bf16>,
     (m, d, f): (usize, usize, usize),
-    epilogue: Epilogue,
 ) -> Result<Option<Gate>> {
     let stream = dev.cuda_stream();
     let ordinal = stream.context().ordinal();
@@ -248,28 +193,17 @@ fn gate_gemm_lt(
         make_handle,
         |lt_dev| {
             // A shape cuBLASLt was found to have no algorithm for needs no buffers.
-            let key = (m, d, f, epilogue);
+            let key = (m, d, f);
             if matches!(lt_dev.plans.get(&key), Some(None)) {
                 return Ok(None);
             }
             // SAFETY: cuBLASLt writes every value and, for rows of the mask, every bit the
-            // pack reads (bits 0..f of each row). A new shape's plan times its candidates on
-            // them. The plain epilogue writes no mask.
+            // consumers read (bits 0..f of each row). A new shape's plan times its
+            // candidates on them.
             let mut gate = unsafe { dev.alloc::<bf16>(m * f)? };
-            let mut mask = match epilogue {
-                Epilogue::ReluMask => Some(unsafe { dev.alloc::<u32>(m * words_per_row)? }),
-                Epilogue::Plain => None,
-            };
-            let (workspace_ptr, workspace_bytes) = WORKSPACES.peek(&ordinal, |w| {
-                w.map_or((0, 0), |w| (w.device_ptr(&stream).0, w.len()))
-            });
-            let (mask_ptr, _mask_guard) = match mask.as_mut() {
-                Some(mask) => {
-                    let (ptr, guard) = mask.device_ptr_mut(&stream);
-                    (ptr, Some(guard))
-                }
-                None => (0, None),
-            };
+            let mut mask = unsafe { dev.alloc::<u32>(m * words_per_row)? };
+            let (workspace_ptr, workspace_bytes) = fused_ops::cuda::cublas_workspace(dev);
+            let (mask_ptr, _mask_guard) = mask.device_ptr_mut(&stream);
             let handle = lt_dev.handle;
             let (x_ptr, _x_guard) = x.device_ptr(&stream);
             let (wg_ptr, _wg_guard) = wg.device_ptr(&stream);
@@ -285,7 +219,7 @@ fn gate_gemm_lt(
             let plan = match lt_dev.plans.entry(key) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(make_plan(handle, &stream, (m, d, f), epilogue, &buffers)?)
+                    e.insert(make_plan(handle, &stream, (m, d, f), &buffers)?)
                 }
             };
             let Some(plan) = plan.as_ref() else {
@@ -305,7 +239,7 @@ fn gate_gemm_lt(
             drop((_mask_guard, _gate_guard));
             Ok(Some(Gate {
                 values: gate,
-                mask: mask.map(|mask| (mask, words_per_row)),
+                mask: Some((mask, words_per_row)),
             }))
         },
     )
@@ -316,7 +250,6 @@ struct Buffers {
     wg: u64,
     x: u64,
     gate: u64,
-    /// 0 for [`Epilogue::Plain`], which writes no mask.
     mask: u64,
     workspace: u64,
     workspace_bytes: usize,
@@ -325,9 +258,9 @@ struct Buffers {
 /// Enqueues the masked GEMM of `plan` with `algo` on `stream`.
 ///
 /// # Safety
-/// `buffers` must hold `wg [f, d]`, `x [m, d]`, `gate [m, f]` (row-major bf16), with
-/// [`Epilogue::ReluMask`] a mask of `m` rows of the plan's leading dimension, for the
-/// plan's `(m, d, f)`, and a workspace of at least `workspace_bytes`.
+/// `buffers` must hold `wg [f, d]`, `x [m, d]`, `gate [m, f]` (row-major bf16) and a mask
+/// of `m` rows of the plan's leading dimension, for the plan's `(m, d, f)`, and a
+/// workspace of at least `workspace_bytes`.
 unsafe fn launch(
     handle: lt_sys::cublasLtHandle_t,
     stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
@@ -337,13 +270,11 @@ unsafe fn launch(
     buffers: &Buffers,
 ) -> Result<()> {
     let (alpha, beta) = (1f32, 0f32);
-    if plan.epilogue == Epilogue::ReluMask {
-        set_attr(
-            plan.desc,
-            lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-            &buffers.mask,
-        )?;
-    }
+    set_attr(
+        plan.desc,
+        lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+        &buffers.mask,
+    )?;
     lt::matmul(
         handle,
         plan.desc,
@@ -365,41 +296,28 @@ unsafe fn launch(
     .map_err(lt_error)
 }
 
-/// cuBLASLt candidates a plan is picked from, unless `TWELL_GATE_CANDIDATES` (1–64)
-/// says otherwise (1: the heuristic's first, untimed).
+/// cuBLASLt candidates a plan is picked from.
 const CANDIDATES: usize = 8;
 
-fn candidates() -> Result<usize> {
-    static KNOB: knobs::Cell = knobs::Cell::new();
-    let n = knobs::read_once(&KNOB, || {
-        knobs::env_count("TWELL_GATE_CANDIDATES", "1 to 64", |n| {
-            (1..=64).contains(&n)
-        })
-    })?;
-    Ok(n.unwrap_or(CANDIDATES))
-}
 /// From this many rows on, a new shape's plan times cuBLASLt's candidates (one host
 /// synchronisation, once per shape) instead of taking its first: the first one ran
 /// 5–8% slower than `cublasGemmEx` at prefill sizes on the H200, the fastest of eight
-/// 0–10% faster than the first. Below it (decode, generation's varying prompt lengths,
-/// both only under `TWELL_GATE=mask`) a sync per new shape costs more than it gains.
+/// 0–10% faster than the first. Below it (only with [`GateGemm::Masked`]) a sync per new
+/// shape costs more than it gains.
 const TUNE_MIN_ROWS: usize = 1024;
 
 /// Descriptor, layouts and algorithm of `Gᵀ [f, m] = Wg [f, d] · xᵀ [d, m]` in
 /// column-major terms (row-major `wg`, `x`, `g`), with the ReLU and the mask's leading
-/// dimension set for [`Epilogue::ReluMask`]; runs the GEMM into `buffers` while it times
-/// candidates.
+/// dimension set; runs the GEMM into `buffers` while it times candidates.
 fn make_plan(
     handle: lt_sys::cublasLtHandle_t,
     stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
     (m, d, f): (usize, usize, usize),
-    epilogue: Epilogue,
     buffers: &Buffers,
 ) -> Result<Option<Plan>> {
     use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
     let bf = lt_sys::cudaDataType_t::CUDA_R_16BF;
     let mut plan = Plan::empty();
-    plan.epilogue = epilogue;
     plan.desc = lt::create_matmul_desc(
         lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         lt_sys::cudaDataType_t::CUDA_R_32F,
@@ -416,18 +334,16 @@ fn make_plan(
     unsafe {
         set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &transpose)?;
         set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_TRANSB, &keep)?;
-        if epilogue == Epilogue::ReluMask {
-            let relu_aux = lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_AUX;
-            set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, &relu_aux)?;
-            set_attr(
-                desc,
-                Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                &buffers.mask,
-            )?;
-            set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &mask_ld)?;
-        }
+        let relu_aux = lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_AUX;
+        set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, &relu_aux)?;
+        set_attr(
+            desc,
+            Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+            &buffers.mask,
+        )?;
+        set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &mask_ld)?;
     }
-    let wanted = candidates()?;
+    let wanted = CANDIDATES;
     let mut found: Vec<lt_sys::cublasLtMatmulHeuristicResult_t> = Vec::with_capacity(wanted);
     let mut count: i32 = 0;
     let pref = lt::create_matmul_pref().map_err(lt_error)?;
@@ -464,7 +380,7 @@ fn make_plan(
     }
     found.retain(|h| h.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS);
     if found.is_empty() {
-        // No algorithm for this epilogue and shape: the plain GEMM takes it (the plan's
+        // No algorithm for this shape: the plain GEMM takes it (the plan's
         // objects are destroyed as it drops).
         return Ok(None);
     }
@@ -491,7 +407,7 @@ fn fastest(
     let mut times = Vec::with_capacity(found.len());
     for h in found {
         let mut runs = Vec::with_capacity(3);
-        // SAFETY: as in `gate_gemm_lt`: the plan describes `buffers`.
+        // SAFETY: as in `gate_gemm_masked`: the plan describes `buffers`.
         unsafe { launch(handle, stream, plan, &h.algo, h.workspaceSize, buffers)? };
         for _ in 0..3 {
             let start = stream
@@ -511,13 +427,6 @@ fn fastest(
     let best = (0..times.len())
         .min_by(|&i, &j| times[i].total_cmp(&times[j]))
         .expect("at least one candidate");
-    if std::env::var_os("TWELL_PROFILE").is_some() {
-        let shown: Vec<String> = times.iter().map(|t| format!("{:.1}", t * 1e3)).collect();
-        eprintln!(
-            "twell: gate GEMM candidates (µs): {}; picked {best}",
-            shown.join(" / ")
-        );
-    }
     Ok(best)
 }
 

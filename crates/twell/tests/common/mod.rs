@@ -6,7 +6,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use twell::density::gaussian;
 
-pub use twell::compare::rel_l2;
+pub use fused_ops::compare::rel_l2;
 
 /// Gaussian tensor with a fixed seed.
 pub fn randn(shape: (usize, usize), std: f64, seed: u64, dtype: DType) -> Result<Tensor> {

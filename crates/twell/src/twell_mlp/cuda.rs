@@ -1,0 +1,927 @@
+//! The TwELL MLP's forward on the device: the gate GEMM (`gate_gemm`), the pack
+//! (`gate_pack.cu`), then the up and down kernels of `gated_t2d.cu`, as a warp (or a few)
+//! per row for prefill or spread over slots and tiles for a few rows; one row of
+//! inference takes the one-launch `twell_mlp_decode` kernel instead. With the residual
+//! add and norm after it folded into its last launch for inference. An inference prefill
+//! whose rows take a warp each skips the pack: the up and down row kernels read each row's
+//! neurons from a bit mask of the gate (cuBLASLt's, or a sign kernel's), and `h` stays in
+//! the gate buffer (`RowWalk::Mask`).
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape};
+use half::bf16;
+
+use fused_ops::cuda::{
+    bf16_view, context_key, grid_1d, multiprocessors, output_buffer, warp_launch, PerContext,
+    ADD_RMS_NORM_MAX_HIDDEN, BLOCK_THREADS,
+};
+
+use super::cuda_decode::{twell_mlp_decode, use_fused_decode, AddNorm, PreNorm};
+use crate::cuda::{
+    gate_gemm, row_vectors, KernelDims, DECODE_MAX_TOKENS, DEFAULT_SHARED_BYTES, WARP_CHUNK,
+};
+use crate::error::{err, TwellError};
+use crate::format::{RowWalk, TwellConfig};
+use crate::output::mlp_result_len;
+
+const GATED_T2D_PTX: &str = twell_kernels::GATED_T2D;
+
+/// (row, tile) units per warp of `twell_gate_pack_vec_bf16` (`PACK_UNITS` in the .cu).
+const PACK_UNITS: usize = 4;
+/// (row, 32-word) units per warp of `twell_gate_pack_mask_bf16` (`MASK_UNITS` there).
+const MASK_UNITS: usize = 8;
+/// (row, 256-column) units per warp of `twell_gate_sign_mask_bf16` (`SIGN_UNITS` there).
+const SIGN_UNITS: usize = 4;
+/// Whether `m` token rows of hidden `d` take [`twell_mlp_add_norm`], the residual add
+/// and norm after the MLP folded into its last launch: one row into the one-launch decode
+/// kernel, prefill rows into the down row kernel's epilogue.
+pub fn add_norm_folds(m: usize, d: usize) -> bool {
+    if !d.is_multiple_of(8) || d > ADD_RMS_NORM_MAX_HIDDEN {
+        false
+    } else if m == 1 {
+        use_fused_decode(1, d, false)
+    } else {
+        folds_into_down_rows(m, d)
+    }
+}
+
+/// Whether the forward of `m` rows of hidden `d` runs the prefill row kernels (whose
+/// down kernel can fold the add and norm after it).
+fn folds_into_down_rows(m: usize, d: usize) -> bool {
+    m > DECODE_MAX_TOKENS && row_vectors(d).is_some()
+}
+
+/// How many consecutive warps share a token row in the prefill row kernels: the most of
+/// 4 and 2 whose parts still fit one wave of the kernels (up to 528 and 1,056 tokens on
+/// the H200), else one. With a warp per row and fewer rows than the card holds warps,
+/// the loads in flight are few and the kernel lasts as long as its longest row. Measured
+/// on the H200: four warps a row took 128-512 tokens to
+/// 0.06-0.14 ms from 0.10-0.25 with one, and two warps a row beat four at 768 and 1,024
+/// tokens (0.09-0.24 ms against 0.10-0.25) and tied with one at 2,048. `v`: the row
+/// kernels' vectors a lane for hidden `d` (`row_vectors`).
+fn row_split(dev: &CudaDevice, m: usize, d: usize, v: usize) -> Result<usize> {
+    let wave = multiprocessors(dev)? * row_kernel_warps_per_sm(dev, v)?;
+    let split = ROW_SPLITS
+        .into_iter()
+        .find(|&split| m * split <= wave)
+        .unwrap_or(1);
+    // The down kernel's parts meet in shared memory, which must fit a block.
+    Ok(if down_split_bytes(split, d) <= DEFAULT_SHARED_BYTES {
+        split
+    } else {
+        1
+    })
+}
+
+/// Warps of the one-warp-a-row up kernel for rows of `v` vectors a lane (`row_vectors`)
+/// that one multiprocessor holds at once, as the driver's occupancy calculator gives it
+/// (two blocks of eight at the kernels' 124-128 registers on the H200): a split row's
+/// parts should fit one such wave. Asked once per context and row width.
+fn row_kernel_warps_per_sm(dev: &CudaDevice, v: usize) -> Result<usize> {
+    static VALUES: PerContext = PerContext::new();
+    VALUES.once((context_key(dev), v), || {
+        let name = format!("gated_t2d_up_rows_bf16_v{v}_s1");
+        let up = dev.get_or_load_custom_func(&name, "gated_t2d", GATED_T2D_PTX)?;
+        let blocks = up
+            .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)
+            .w()? as usize;
+        Ok((blocks * (BLOCK_THREADS / 32) as usize).max(1))
+    })
+}
+
+/// The splits the prefill row kernels are built for besides one warp a row, most first
+/// (their `SPLIT`: `_s4`, `_s2`; each divides a block's 8 warps).
+const ROW_SPLITS: [usize; 2] = [4, 2];
+
+/// The dynamic shared memory the down row kernel needs for a row split `split` ways:
+/// the f32 sums of parts 1.. of each of a block's rows.
+fn down_split_bytes(split: usize, d: usize) -> usize {
+    let rows_per_block = (BLOCK_THREADS / 32) as usize / split;
+    rows_per_block * (split - 1) * d * std::mem::size_of::<f32>()
+}
+
+/// Stages of the forward pass, as [`set_stage_profiling`] times them (with the mask walk,
+/// "pack" is the sign kernel where one runs, else nothing).
+pub const STAGES: [&str; 4] = ["gate GEMM", "pack", "up", "down"];
+
+static PROFILE: std::sync::Mutex<([f64; 4], usize)> = std::sync::Mutex::new(([0.0; 4], 0));
+static PROFILING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Times each stage of every prefill forward with events, synchronising after each call,
+/// until turned off: for `twell bench mlp --stages`. Process-wide.
+pub fn set_stage_profiling(on: bool) {
+    PROFILING.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn profiling() -> bool {
+    PROFILING.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Adds the times between the five events of one forward (while profiling; none
+/// otherwise) to the stages' sums.
+fn record_profile(
+    stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
+    marks: &[candle_core::cuda_backend::cudarc::driver::CudaEvent],
+) -> Result<()> {
+    if !profiling() {
+        return Ok(());
+    }
+    stream.synchronize().w()?;
+    let mut p = PROFILE.lock().expect("profile lock");
+    for k in 0..4 {
+        p.0[k] += marks[k].elapsed_ms(&marks[k + 1]).w()? as f64;
+    }
+    p.1 += 1;
+    Ok(())
+}
+
+/// Mean milliseconds per call of each stage since the last call (while profiling only).
+pub fn take_profile() -> Option<[f64; 4]> {
+    let mut p = PROFILE.lock().expect("profile lock");
+    let (sums, n) = *p;
+    *p = ([0.0; 4], 0);
+    (n > 0).then(|| sums.map(|s| s / n as f64))
+}
+
+/// What the forward pass leaves on the device besides the output.
+pub struct Activity {
+    /// `[M, n_tiles]`: nonzeros of each (token, tile), true counts.
+    pub counts: CudaSlice<u32>,
+    /// Kept only when a backward pass may follow.
+    pub backward: Option<BackwardState>,
+}
+
+/// What a device backward pass needs from the forward besides the counts: the
+/// pattern's slot indices and the `g` and `u` of every listed slot, so the backward
+/// recomputes neither gate nor up products (only overflowing tiles are recomputed).
+pub struct BackwardState {
+    /// `[M, n_tiles, cap]` tile-local neuron indices.
+    pub indices: CudaSlice<u8>,
+    /// `[M, n_tiles, cap]` gate values `g` of the listed slots.
+    pub g_slots: CudaSlice<bf16>,
+    /// `[M, n_tiles, cap]` up values `u = x · Wu_j` of the listed slots.
+    pub u_slots: CudaSlice<bf16>,
+}
+
+/// The MLP (`x [m, d]`, `wg [f, d]`, `w_ud [f, 2d]`, bf16) with the residual add and RMS
+/// norm after it folded into its last launch: returns `[2 · m · d]`, the sums `residual +
+/// mlp(x)` then their norms with weight `alpha [d]`, as `add_rms_norm` writes them. One
+/// row runs as the one-launch decode kernel (see `use_fused_decode`); there, with `pre`
+/// (a norm weight and its eps), `x` is the previous sublayer's output `y`: the MLP's
+/// input is `rms_norm(residual + y)` and the sum adds to `residual + y` (see `PreNorm`).
+/// Prefill rows (see [`add_norm_folds`]) fold it into the down row kernel. Inference only.
+#[allow(clippy::too_many_arguments)]
+pub fn twell_mlp_add_norm(
+    (x, xl): (&CudaStorage, &Layout),
+    (wg, wl): (&CudaStorage, &Layout),
+    (w_ud, ul): (&CudaStorage, &Layout),
+    (residual, rl): (&CudaStorage, &Layout),
+    (alpha, al): (&CudaStorage, &Layout),
+    config: TwellConfig,
+    eps: f32,
+    pre: Option<((&CudaStorage, &Layout), f32)>,
+) -> Result<CudaStorage> {
+    let (m, d) = xl.shape().dims2()?;
+    let f = wl.shape().dims2()?.0;
+    if m > 1 && pre.is_none() && d % 8 == 0 && folds_into_down_rows(m, d) {
+        let fold = RowFold {
+            residual: bf16_view("residual", residual, rl)?,
+            alpha: bf16_view("alpha", alpha, al)?,
+            eps,
+            pre_norm_eps: None,
+        };
+        let (sum_normed, _, _) =
+            mlp_forward((x, xl), (wg, wl), (w_ud, ul), config, false, Some(fold))?;
+        return Ok(sum_normed);
+    }
+    if !use_fused_decode(m, d, false) || d % 8 != 0 {
+        return err(TwellError::Invalid(format!(
+            "twell_mlp_add_norm takes one token row whose hidden size the one-launch \
+             decode kernel takes (the norm before the MLP folded in too, or not), or more \
+             than {DECODE_MAX_TOKENS} rows of hidden up to 4096 (without it); got [{m}, {d}]"
+        )));
+    }
+    let dev = x.device().clone();
+    let dims = KernelDims::new(1, d, f, config);
+    // SAFETY: the kernel's last block writes every element.
+    let mut sum_normed = unsafe { output_buffer(&dev, 2 * d)? };
+    let pre = match pre {
+        Some(((s, l), eps)) => Some(PreNorm {
+            alpha: bf16_view("pre_alpha", s, l)?,
+            eps,
+        }),
+        None => None,
+    };
+    twell_mlp_decode(
+        &dev,
+        &bf16_view("x", x, xl)?,
+        &bf16_view("gate_proj", wg, wl)?,
+        &bf16_view("w_ud", w_ud, ul)?,
+        None,
+        false,
+        &dims,
+        Some(AddNorm {
+            residual: bf16_view("residual", residual, rl)?,
+            alpha: bf16_view("alpha", alpha, al)?,
+            eps,
+            sum_normed: &mut sum_normed,
+            pre,
+        }),
+    )?;
+    Ok(CudaStorage::wrap_cuda_slice(sum_normed, dev))
+}
+
+/// The prefill MLP sublayer from the residual sum `s [m, d]` with the norm before the MLP
+/// folded in: `(s + mlp(rms_norm(s)), its norm · alpha)`, where `wg` and `w_ud`'s up half
+/// already carry the pre-norm's weight (so the norm's own weight is one). The gate GEMM
+/// reads `s` itself, and the up row kernel normalises its row in registers and scales the
+/// gate by the norm's factor (`gated_t2d_up_rows_norm`): no normalised copy of `s` is
+/// written or read. Prefill row kernels only ([`folds_into_down_rows`]).
+pub fn twell_mlp_norm_add_norm(
+    (s, sl): (&CudaStorage, &Layout),
+    (wg, wl): (&CudaStorage, &Layout),
+    (w_ud, ul): (&CudaStorage, &Layout),
+    (alpha, al): (&CudaStorage, &Layout),
+    config: TwellConfig,
+    pre_eps: f32,
+    eps: f32,
+) -> Result<CudaStorage> {
+    let (m, d) = sl.shape().dims2()?;
+    if d % 8 != 0 || !folds_into_down_rows(m, d) {
+        return err(TwellError::Invalid(format!(
+            "twell_mlp_norm_add_norm takes more than {DECODE_MAX_TOKENS} rows of hidden up \
+             to 4096 (a multiple of 8), got [{m}, {d}]"
+        )));
+    }
+    let fold = RowFold {
+        residual: bf16_view("s", s, sl)?,
+        alpha: bf16_view("alpha", alpha, al)?,
+        eps,
+        pre_norm_eps: Some(pre_eps),
+    };
+    let (sum_normed, _, _) = mlp_forward((s, sl), (wg, wl), (w_ud, ul), config, false, Some(fold))?;
+    Ok(sum_normed)
+}
+
+/// The whole ReGLU MLP for `x [m, d]`, `wg [f, d]`, `w_ud [f, 2d]` (bf16):
+/// returns the result `[mlp_result_len(m, d)]` (the `[m, d]` outputs, then each token's
+/// L1 term) and the counts,
+/// plus, when `keep_for_backward`, what [`twell_mlp_backward`] needs.
+#[allow(clippy::too_many_arguments)]
+pub fn twell_mlp_forward(
+    x: &CudaStorage,
+    xl: &Layout,
+    wg: &CudaStorage,
+    wl: &Layout,
+    w_ud: &CudaStorage,
+    ul: &Layout,
+    config: TwellConfig,
+    keep_for_backward: bool,
+) -> Result<(CudaStorage, Shape, Activity)> {
+    mlp_forward(
+        (x, xl),
+        (wg, wl),
+        (w_ud, ul),
+        config,
+        keep_for_backward,
+        None,
+    )
+}
+
+/// The residual add and RMS norm after the MLP, folded into the prefill down kernel's
+/// epilogue (the `_norm` row kernels).
+struct RowFold<'a> {
+    residual: CudaView<'a, bf16>,
+    alpha: CudaView<'a, bf16>,
+    eps: f32,
+    /// The norm before the MLP, folded into the up kernel: `x` is then the residual sum
+    /// and the weights carry the norm's weight ([`twell_mlp_norm_add_norm`]).
+    pre_norm_eps: Option<f32>,
+}
+
+/// [`twell_mlp_forward`]; with `fold` (prefill row kernels only) the result is `[2 · m ·
+/// d]`, the sums and their norms as [`twell_mlp_add_norm`] returns them.
+///
+/// One row of inference runs the one-launch decode kernel. Otherwise: the gate GEMM, then
+/// either the mask walk (inference, a warp a row: [`forward_mask_rows`]) or the pack into
+/// TwELL slots and the up and down kernels over them ([`forward_slots`]).
+fn mlp_forward(
+    (x, xl): (&CudaStorage, &Layout),
+    (wg, wl): (&CudaStorage, &Layout),
+    (w_ud, ul): (&CudaStorage, &Layout),
+    config: TwellConfig,
+    keep_for_backward: bool,
+    fold: Option<RowFold<'_>>,
+) -> Result<(CudaStorage, Shape, Activity)> {
+    let (m, d) = xl.shape().dims2()?;
+    let f = wl.shape().dims2()?.0;
+    if d % 8 != 0 {
+        return err(TwellError::Invalid(format!(
+            "the CUDA TwELL kernels need hidden % 8 == 0 (16-byte rows), got hidden {d}"
+        )));
+    }
+    let dev = x.device().clone();
+    let ops = Operands {
+        x: bf16_view("x", x, xl)?,
+        wg: bf16_view("gate_proj", wg, wl)?,
+        w_ud: bf16_view("w_ud", w_ud, ul)?,
+        dims: KernelDims::new(m, d, f, config),
+        config,
+    };
+    if fold.is_none() && use_fused_decode(m, d, keep_for_backward) {
+        return forward_one_row(&dev, &ops);
+    }
+    let len = match fold {
+        Some(_) => 2 * m * d,
+        None => mlp_result_len(m, d),
+    };
+    // SAFETY: the last kernel writes every element. Made before the gate GEMM, so that
+    // with poisoned outputs the fill runs first and the GEMM, pack, up and down follow one
+    // another as they do unpoisoned.
+    let out = unsafe { output_buffer(&dev, len)? };
+    let mut stages = StageMarks::start(&dev)?;
+    // The mask kernels number their units in 32 bits: past that the plain GEMM and pack
+    // take the gate.
+    let mask_fits = m * f.div_ceil(32).div_ceil(32) <= u32::MAX as usize;
+    let gate = gate_gemm::gate_gemm(
+        &dev,
+        &ops.x,
+        &ops.wg,
+        (m, d, f),
+        mask_fits,
+        config.paths().gate,
+    )?;
+    stages.mark()?;
+    // Prefill rows that fit a warp's registers take the row kernels: a warp per row
+    // computes h (x in registers), then a warp per row accumulates the down projection
+    // (the output row in registers). Decode (or rows too wide for registers) spreads h
+    // over a warp per slot (decode) or per tile, then the down projection, whose partial
+    // sums meet in f32 atomics when rows are few.
+    let row_kernels = match m <= DECODE_MAX_TOKENS {
+        true => None,
+        false => row_vectors(d),
+    };
+    if fold.is_some() && row_kernels.is_none() {
+        return err(TwellError::Invalid(format!(
+            "the residual add and norm fold into the prefill row kernels only: more than \
+             {DECODE_MAX_TOKENS} rows of hidden up to 4096, got [{m}, {d}]"
+        )));
+    }
+    let split = match row_kernels {
+        Some(v) => row_split(&dev, m, d, v)?,
+        None => 1,
+    };
+    // At inference, where a warp takes a row, the row kernels walk a bit mask of the gate
+    // instead of slots (`RowWalk`): cuBLASLt's, or one a sign kernel makes from the plain
+    // gate (16-byte rows, units in 32 bits).
+    let mut gate = gate;
+    let walk = match row_kernels {
+        Some(v) if split == 1 && !keep_for_backward && config.paths().walk == RowWalk::Mask => {
+            if gate.mask.is_none() && f % 8 == 0 && m * f.div_ceil(256) <= u32::MAX as usize {
+                gate.mask = Some(sign_mask(&dev, &gate.values, (m, f))?);
+            }
+            gate.mask.as_ref().map(|_| v)
+        }
+        _ => None,
+    };
+    let forward = Forward {
+        dev: &dev,
+        ops: &ops,
+        fold: fold.as_ref(),
+        out,
+    };
+    let (out, activity) = match walk {
+        Some(v) => forward_mask_rows(forward, gate, v, &mut stages)?,
+        None => forward_slots(
+            forward,
+            gate,
+            row_kernels,
+            split,
+            keep_for_backward,
+            &mut stages,
+        )?,
+    };
+    stages.finish()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev),
+        Shape::from(len),
+        activity,
+    ))
+}
+
+/// The inputs of one forward, as the kernels take them.
+struct Operands<'a> {
+    x: CudaView<'a, bf16>,
+    wg: CudaView<'a, bf16>,
+    w_ud: CudaView<'a, bf16>,
+    dims: KernelDims,
+    config: TwellConfig,
+}
+
+/// One forward past its gate GEMM: where it runs, what it reads, the result it fills.
+struct Forward<'a> {
+    dev: &'a CudaDevice,
+    ops: &'a Operands<'a>,
+    fold: Option<&'a RowFold<'a>>,
+    out: CudaSlice<bf16>,
+}
+
+/// One row of inference: the one-launch decode kernel.
+fn forward_one_row(dev: &CudaDevice, ops: &Operands) -> Result<(CudaStorage, Shape, Activity)> {
+    let len = mlp_result_len(1, ops.dims.d as usize);
+    // SAFETY: the kernel's last block writes every element.
+    let mut out = unsafe { output_buffer(dev, len)? };
+    let counts = twell_mlp_decode(
+        dev,
+        &ops.x,
+        &ops.wg,
+        &ops.w_ud,
+        Some(&mut out),
+        true,
+        &ops.dims,
+        None,
+    )?
+    .expect("counts asked for");
+    let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
+    let activity = Activity {
+        counts,
+        backward: None,
+    };
+    Ok((storage, Shape::from(len), activity))
+}
+
+/// The up and down row kernels (`v` vectors a lane) over the bit mask of the gate's
+/// positives that `gate` carries; h is left in the gate.
+fn forward_mask_rows(
+    forward: Forward,
+    gate: gate_gemm::Gate,
+    v: usize,
+    stages: &mut StageMarks,
+) -> Result<(CudaSlice<bf16>, Activity)> {
+    let Forward {
+        dev,
+        ops,
+        fold,
+        mut out,
+    } = forward;
+    let (m, f) = (ops.dims.m as usize, ops.dims.f as usize);
+    let gate_gemm::Gate {
+        values: mut gate_values,
+        mask,
+    } = gate;
+    let Some((bits, words_per_row)) = &mask else {
+        return err(TwellError::Invalid(
+            "the mask walk needs the gate's bit mask".to_string(),
+        ));
+    };
+    stages.mark()?; // the sign kernel, or nothing, in place of the pack
+    let kernels = MaskRowKernels { dev, v, fold };
+    // SAFETY: up writes every count and every row's L1 term.
+    let mut counts = unsafe { dev.alloc::<u32>(m * ops.config.n_tiles(f))? };
+    let mut l1 = unsafe { dev.alloc::<f32>(m)? };
+    let operands = MaskRowOperands {
+        x: &ops.x,
+        w_ud: &ops.w_ud,
+        mask: bits,
+        words_per_row: *words_per_row as i32,
+    };
+    kernels.up(&operands, &mut counts, &mut gate_values, &mut l1, &ops.dims)?;
+    stages.mark()?;
+    kernels.down(&operands, &gate_values, &l1, &mut out, &ops.dims)?;
+    stages.mark()?;
+    let activity = Activity {
+        counts,
+        backward: None,
+    };
+    Ok((out, activity))
+}
+
+/// The pack into TwELL slots, then the up and down kernels over them: the row kernels
+/// (`row_kernels`: their vectors a lane, `split` warps a row), or for few rows or wide
+/// ones the slot and chunk kernels. With `keep_for_backward`, the slots' g and u are kept.
+fn forward_slots(
+    forward: Forward,
+    gate: gate_gemm::Gate,
+    row_kernels: Option<usize>,
+    split: usize,
+    keep_for_backward: bool,
+    stages: &mut StageMarks,
+) -> Result<(CudaSlice<bf16>, Activity)> {
+    let Forward {
+        dev,
+        ops,
+        fold,
+        mut out,
+    } = forward;
+    let dims = &ops.dims;
+    let f = dims.f as usize;
+    let (cap, n_tiles) = (ops.config.capacity(), ops.config.n_tiles(f));
+    let gate_gemm::Gate {
+        values: mut gate,
+        mask,
+    } = gate;
+    let Slots {
+        counts,
+        indices,
+        mut values,
+    } = pack(dev, &gate, mask.as_ref(), dims, (cap, n_tiles))?;
+    // For a backward pass: the slots' g before `up` writes h over them, and a buffer
+    // where `up` leaves each slot's u.
+    let mut kept = match keep_for_backward {
+        true => {
+            let g_slots = dev.cuda_stream().clone_dtod(&values).w()?;
+            // SAFETY: `up` writes the u of every listed slot, the only ones read.
+            let u_slots = unsafe { dev.alloc::<bf16>(values.len())? };
+            Some((g_slots, u_slots))
+        }
+        false => None,
+    };
+    stages.mark()?;
+    let slot_rows = SlotRows {
+        counts: &counts,
+        indices: &indices,
+    };
+    let l1 = up_slots(
+        dev,
+        ops,
+        &slot_rows,
+        (&mut values, &mut gate),
+        kept.as_mut().map(|(_, u)| u),
+        (row_kernels, split),
+        fold.and_then(|fold| fold.pre_norm_eps),
+    )?;
+    stages.mark()?;
+    let written = (&values, &gate, &l1);
+    match row_kernels {
+        Some(v) => down_slot_rows(dev, ops, &slot_rows, written, &mut out, (v, split), fold)?,
+        None => down_slot_chunks(dev, ops, &slot_rows, written, &mut out)?,
+    }
+    stages.mark()?;
+    let backward = kept.map(|(g_slots, u_slots)| BackwardState {
+        indices,
+        g_slots,
+        u_slots,
+    });
+    Ok((out, Activity { counts, backward }))
+}
+
+/// The TwELL pattern of a forward: true counts `[m, n_tiles]`, and the slots' tile-local
+/// indices and values `[m, n_tiles, cap]`.
+struct Slots {
+    counts: CudaSlice<u32>,
+    indices: CudaSlice<u8>,
+    values: CudaSlice<bf16>,
+}
+
+/// The pattern the up and down slot kernels read.
+struct SlotRows<'a> {
+    counts: &'a CudaSlice<u32>,
+    indices: &'a CudaSlice<u8>,
+}
+
+/// The gate's positives packed into TwELL slots: from cuBLASLt's mask where the gate GEMM
+/// wrote one (only the flagged values are read), else from the whole plain gate.
+fn pack(
+    dev: &CudaDevice,
+    gate: &CudaSlice<bf16>,
+    mask: Option<&(CudaSlice<u32>, usize)>,
+    dims: &KernelDims,
+    (cap, n_tiles): (usize, usize),
+) -> Result<Slots> {
+    let (m, f) = (dims.m as usize, dims.f as usize);
+    // SAFETY: the pack writes every count, and every slot the consumers read.
+    let mut counts = unsafe { dev.alloc::<u32>(m * n_tiles)? };
+    let mut indices = unsafe { dev.alloc::<u8>(m * n_tiles * cap)? };
+    let mut values = unsafe { dev.alloc::<bf16>(m * n_tiles * cap)? };
+    let (name, warps) = match mask {
+        // A lane per mask word: a warp takes MASK_UNITS (row, 32-word) units.
+        Some(_) => {
+            let units = m * f.div_ceil(32).div_ceil(32);
+            ("twell_gate_pack_mask_bf16", units.div_ceil(MASK_UNITS))
+        }
+        // 16-byte loads need every row and tile start aligned: d_ff % 8 == 0. The vector
+        // kernel splits its warp index into (row, tile) in 32 bits; the scalar one in 64,
+        // so past 2^32 (row, tile) items it takes over. The vector kernel takes PACK_UNITS
+        // (row, tile) units a warp, the scalar one.
+        None if f % 8 == 0 && m * n_tiles <= u32::MAX as usize => (
+            "twell_gate_pack_vec_bf16",
+            (m * n_tiles).div_ceil(PACK_UNITS),
+        ),
+        None => ("twell_gate_pack_bf16", m * n_tiles),
+    };
+    let func = dev.get_or_load_custom_func(name, "twell_gate_pack", twell_kernels::GATE_PACK)?;
+    let mut b = func.builder();
+    b.arg(gate);
+    if let Some((bits, _)) = mask {
+        b.arg(bits);
+    }
+    b.arg(&mut counts).arg(&mut indices).arg(&mut values);
+    dims.push_pattern(&mut b);
+    let words_per_row = mask.map(|(_, words)| *words as i32);
+    if let Some(words) = &words_per_row {
+        b.arg(words);
+    }
+    // SAFETY: bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(warps)?) }.w()?;
+    Ok(Slots {
+        counts,
+        indices,
+        values,
+    })
+}
+
+/// The up kernel over the slots: `h = relu(g)·u` of every listed pair written over the
+/// slot's value (and the dense gate for overflowing tiles), each row's L1 term, and with
+/// `u_slots` each slot's u. Returns the L1 terms.
+fn up_slots(
+    dev: &CudaDevice,
+    ops: &Operands,
+    slots: &SlotRows,
+    (values, gate): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+    u_slots: Option<&mut CudaSlice<bf16>>,
+    (row_kernels, split): (Option<usize>, usize),
+    pre_norm_eps: Option<f32>,
+) -> Result<CudaSlice<f32>> {
+    let dims = &ops.dims;
+    let (m, f) = (dims.m as usize, dims.f as usize);
+    let (cap, n_tiles) = (ops.config.capacity(), ops.config.n_tiles(f));
+    let slots_per_warp: usize = if m <= DECODE_MAX_TOKENS { 1 } else { cap };
+    let (name, warps) = match row_kernels {
+        Some(v) => {
+            let kind = if pre_norm_eps.is_some() { "_norm" } else { "" };
+            (
+                format!("gated_t2d_up_rows{kind}_bf16_v{v}_s{split}"),
+                m * split,
+            )
+        }
+        None => (
+            "gated_t2d_up_bf16".to_string(),
+            m * n_tiles * (cap / slots_per_warp),
+        ),
+    };
+    // The row kernel stores each row's L1 term; the slot kernel adds into it.
+    let mut l1 = match row_kernels {
+        // SAFETY: up_rows writes every row's L1 term.
+        Some(_) => unsafe { dev.alloc::<f32>(m)? },
+        None => dev.alloc_zeros::<f32>(m)?,
+    };
+    // A null pointer tells `up` not to keep u.
+    let no_u: u64 = 0;
+    let spw_i = slots_per_warp as i32;
+    let up = dev.get_or_load_custom_func(&name, "gated_t2d", GATED_T2D_PTX)?;
+    let mut b = up.builder();
+    b.arg(&ops.x)
+        .arg(&ops.w_ud)
+        .arg(slots.counts)
+        .arg(slots.indices)
+        .arg(values)
+        .arg(gate)
+        .arg(&mut l1);
+    match u_slots {
+        Some(u_slots) => b.arg(u_slots),
+        None => b.arg(&no_u),
+    };
+    dims.push(&mut b);
+    if row_kernels.is_none() {
+        b.arg(&spw_i);
+    }
+    if let Some(pre_eps) = &pre_norm_eps {
+        b.arg(pre_eps);
+    }
+    // SAFETY: `split` warps per row (row kernel; a divisor of the block's warps) or one
+    // per (row, tile, slot group), bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(warps)?) }.w()?;
+    Ok(l1)
+}
+
+/// What the up kernel wrote: h in the slots (and the gate), and the L1 terms.
+type UpWritten<'a> = (&'a CudaSlice<bf16>, &'a CudaSlice<bf16>, &'a CudaSlice<f32>);
+
+/// The down row kernel over the slots (`v` vectors a lane, `split` warps a row), with the
+/// residual add and norm after it where `fold` says.
+fn down_slot_rows(
+    dev: &CudaDevice,
+    ops: &Operands,
+    slots: &SlotRows,
+    (values, gate, l1): UpWritten,
+    out: &mut CudaSlice<bf16>,
+    (v, split): (usize, usize),
+    fold: Option<&RowFold>,
+) -> Result<()> {
+    let dims = &ops.dims;
+    let (m, d) = (dims.m as usize, dims.d as usize);
+    let kind = if fold.is_some() { "_norm" } else { "" };
+    let name = format!("gated_t2d_down_rows{kind}_bf16_v{v}_s{split}");
+    let down = dev.get_or_load_custom_func(&name, "gated_t2d", GATED_T2D_PTX)?;
+    let mut b = down.builder();
+    b.arg(&ops.w_ud)
+        .arg(slots.counts)
+        .arg(slots.indices)
+        .arg(values)
+        .arg(gate)
+        .arg(l1)
+        .arg(out);
+    dims.push(&mut b);
+    if let Some(fold) = fold {
+        b.arg(&fold.residual).arg(&fold.alpha).arg(&fold.eps);
+    }
+    let mut cfg = warp_launch(m * split)?;
+    cfg.shared_mem_bytes = down_split_bytes(split, d) as u32;
+    // SAFETY: `split` warps per row (a divisor of the block's warps, its shared memory
+    // sized above), bounds checked in the kernel.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// The down projection for few rows or wide ones: a warp per (row, 256-column chunk,
+/// tile group); for decode sizes the tiles' partial sums meet in f32 atomics and a finish
+/// kernel writes the rows.
+fn down_slot_chunks(
+    dev: &CudaDevice,
+    ops: &Operands,
+    slots: &SlotRows,
+    (values, gate, l1): UpWritten,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    let dims = &ops.dims;
+    let (m, d) = (dims.m as usize, dims.d as usize);
+    let n_tiles = ops.config.n_tiles(dims.f as usize);
+    let decode = m <= DECODE_MAX_TOKENS;
+    let tile_groups = if decode { n_tiles } else { 1 };
+    // The f32 partial sums exist only on the decode path.
+    let mut acc = if decode {
+        dev.alloc_zeros::<f32>(m * d)?
+    } else {
+        // SAFETY: a placeholder; with one tile group the kernel never reads it.
+        unsafe { dev.alloc::<f32>(1)? }
+    };
+    let n_chunks = d.div_ceil(WARP_CHUNK);
+    let tg_i = tile_groups as i32;
+    let down = dev.get_or_load_custom_func("gated_t2d_down_bf16", "gated_t2d", GATED_T2D_PTX)?;
+    let mut b = down.builder();
+    b.arg(&ops.w_ud)
+        .arg(slots.counts)
+        .arg(slots.indices)
+        .arg(values)
+        .arg(gate)
+        .arg(l1)
+        .arg(&mut acc)
+        .arg(&mut *out);
+    dims.push(&mut b);
+    b.arg(&tg_i);
+    // SAFETY: one warp per (row, chunk, tile group), bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(m * n_chunks * tile_groups)?) }.w()?;
+    if decode {
+        let len = mlp_result_len(m, d);
+        let finish =
+            dev.get_or_load_custom_func("gated_t2d_finish_bf16", "gated_t2d", GATED_T2D_PTX)?;
+        let mut b = finish.builder();
+        b.arg(&acc).arg(l1).arg(out).arg(&dims.m).arg(&dims.d);
+        let blocks = len.div_ceil(BLOCK_THREADS as usize).min(4096);
+        // SAFETY: grid-stride loop over the `len` elements of `out`.
+        unsafe { b.launch(grid_1d(blocks, BLOCK_THREADS)) }.w()?;
+    }
+    Ok(())
+}
+
+/// Device events between the stages of one forward while profiling
+/// ([`set_stage_profiling`]); nothing otherwise.
+struct StageMarks {
+    stream: std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    marks: Vec<candle_core::cuda_backend::cudarc::driver::CudaEvent>,
+}
+
+impl StageMarks {
+    /// The first mark, before the gate GEMM.
+    fn start(dev: &CudaDevice) -> Result<Self> {
+        let mut stages = Self {
+            stream: dev.cuda_stream(),
+            marks: Vec::new(),
+        };
+        stages.mark()?;
+        Ok(stages)
+    }
+
+    /// Marks the end of a stage.
+    fn mark(&mut self) -> Result<()> {
+        if profiling() {
+            // Timing events: the default flags (cudarc disables timing when given None).
+            use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+            let event = self
+                .stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .w()?;
+            self.marks.push(event);
+        }
+        Ok(())
+    }
+
+    /// Adds the stages' times to the profile.
+    fn finish(self) -> Result<()> {
+        record_profile(&self.stream, &self.marks)
+    }
+}
+
+/// The up and down kernels that walk the gate's bit mask, as `mlp_forward` picked them:
+/// `v` 16-byte vectors a lane for a row, the folds of an add-norm sublayer.
+struct MaskRowKernels<'a> {
+    dev: &'a CudaDevice,
+    v: usize,
+    fold: Option<&'a RowFold<'a>>,
+}
+
+/// What both mask kernels read: x and the weights, the mask `[m, words_per_row]`.
+struct MaskRowOperands<'a> {
+    x: &'a CudaView<'a, bf16>,
+    w_ud: &'a CudaView<'a, bf16>,
+    mask: &'a CudaSlice<u32>,
+    words_per_row: i32,
+}
+
+impl MaskRowKernels<'_> {
+    /// h of each row's active neurons over their gate values, the tile counts, the L1
+    /// terms.
+    fn up(
+        &self,
+        ops: &MaskRowOperands,
+        counts: &mut CudaSlice<u32>,
+        gate: &mut CudaSlice<bf16>,
+        l1: &mut CudaSlice<f32>,
+        dims: &KernelDims,
+    ) -> Result<()> {
+        let pre_norm_eps = self.fold.and_then(|f| f.pre_norm_eps);
+        let kind = if pre_norm_eps.is_some() { "_norm" } else { "" };
+        let name = format!("gated_t2d_up_mask_rows{kind}_bf16_v{}", self.v);
+        let up = self
+            .dev
+            .get_or_load_custom_func(&name, "gated_t2d", GATED_T2D_PTX)?;
+        let mut b = up.builder();
+        b.arg(ops.x)
+            .arg(ops.w_ud)
+            .arg(ops.mask)
+            .arg(counts)
+            .arg(gate)
+            .arg(l1);
+        dims.push_without_cap(&mut b);
+        b.arg(&ops.words_per_row);
+        if let Some(eps) = &pre_norm_eps {
+            b.arg(eps);
+        }
+        // SAFETY: a warp a row, bounds checked in the kernel.
+        unsafe { b.launch(warp_launch(dims.m as usize)?) }.w()?;
+        Ok(())
+    }
+
+    /// The down projection of the h that `up` left in the gate; with a fold, the residual
+    /// add and norm after it.
+    fn down(
+        &self,
+        ops: &MaskRowOperands,
+        gate: &CudaSlice<bf16>,
+        l1: &CudaSlice<f32>,
+        out: &mut CudaSlice<bf16>,
+        dims: &KernelDims,
+    ) -> Result<()> {
+        let kind = if self.fold.is_some() { "_norm" } else { "" };
+        let name = format!("gated_t2d_down_mask_rows{kind}_bf16_v{}", self.v);
+        let down = self
+            .dev
+            .get_or_load_custom_func(&name, "gated_t2d", GATED_T2D_PTX)?;
+        let mut b = down.builder();
+        b.arg(ops.w_ud).arg(ops.mask).arg(gate).arg(l1).arg(out);
+        dims.push_without_cap(&mut b);
+        b.arg(&ops.words_per_row);
+        if let Some(fold) = self.fold {
+            b.arg(&fold.residual).arg(&fold.alpha).arg(&fold.eps);
+        }
+        // SAFETY: a warp a row, bounds checked in the kernel.
+        unsafe { b.launch(warp_launch(dims.m as usize)?) }.w()?;
+        Ok(())
+    }
+}
+
+/// The bit mask of the plain gate's positives, `[m, words_per_row]` in cuBLASLt's layout
+/// (`twell_gate_sign_mask_bf16`), for the row kernels that walk a mask.
+fn sign_mask(
+    dev: &CudaDevice,
+    gate: &CudaSlice<bf16>,
+    (m, f): (usize, usize),
+) -> Result<(CudaSlice<u32>, usize)> {
+    let words_per_row = gate_gemm::mask_words_per_row(f);
+    // SAFETY: the kernel writes every word of every row.
+    let mut mask = unsafe { dev.alloc::<u32>(m * words_per_row)? };
+    let func = dev.get_or_load_custom_func(
+        "twell_gate_sign_mask_bf16",
+        "twell_gate_pack",
+        twell_kernels::GATE_PACK,
+    )?;
+    let (m_i, f_i, words_i) = (m as i32, f as i32, words_per_row as i32);
+    let mut b = func.builder();
+    b.arg(gate).arg(&mut mask).arg(&m_i).arg(&f_i).arg(&words_i);
+    let units = m * f.div_ceil(256);
+    // SAFETY: SIGN_UNITS (row, 256-column) units a warp, bounds checked in the kernel.
+    unsafe { b.launch(warp_launch(units.div_ceil(SIGN_UNITS))?) }.w()?;
+    Ok((mask, words_per_row))
+}

@@ -1,8 +1,0 @@
-#!/usr/bin/env bash
-# The calls before the job: `upload.sh a`, `upload.sh b` (parts a and b of the default
-# GGUF) and `upload.sh d` (the build): a call carries at most 64 MiB with the working tree,
-# so part c and the corpus come with the job's own calls (.device/s36/c).
-mkdir -p /tmp/assets/data
-for part in .device/s36/$1/gguf.part-*; do [ -e "$part" ] && cp "$part" /tmp/assets/; done
-[ -e .device/s36/$1/twell.xz ] && xz -dc -T4 .device/s36/$1/twell.xz > /tmp/twell && chmod +x /tmp/twell
-ls -la /tmp/assets /tmp/twell 2>&1 | tail -4
