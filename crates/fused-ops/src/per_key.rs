@@ -13,6 +13,12 @@ pub struct PerKey<K, T> {
     by_key: Mutex<Option<HashMap<K, T>>>,
 }
 
+impl<K: Eq + Hash, T> Default for PerKey<K, T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<K: Eq + Hash, T> PerKey<K, T> {
     pub const fn new() -> Self {
         Self {

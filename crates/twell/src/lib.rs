@@ -18,6 +18,7 @@
 //! The CUDA kernels are in the `twell-kernels` crate; the transformer ops around the
 //! MLP (attention, norms, RoPE, losses, AdamW) in `fused-ops`.
 
+pub mod auto;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -235,13 +235,11 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
         );
     }
     let chain = args.chain;
-    if args.stages {
-        if !device.is_cuda() {
-            bail!("--stages times the CUDA kernels: give --device cuda");
-        }
-        #[cfg(feature = "cuda")]
-        twell::cuda::set_stage_profiling(true);
+    if args.stages && !device.is_cuda() {
+        bail!("--stages times the CUDA kernels: give --device cuda");
     }
+    #[cfg(feature = "cuda")]
+    twell::cuda::set_stage_profiling(args.stages);
     let host_bw = if device.is_cpu() {
         host_read_bandwidth()
     } else {
