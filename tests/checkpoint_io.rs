@@ -161,7 +161,7 @@ fn twell_path_equals_dense_regl_on_a_relu_checkpoint() {
     for (tile, cf) in [(256, 8), (32, 8)] {
         let mut hf = tiny_config("relu", 300);
         hf.twell = Some(sparse_llama::SparseSettings {
-            ffn_mode: "sparse".into(),
+            ffn_mode: twell::FfnMode::Sparse,
             tile,
             compression: cf,
             l1_coefficient: None,

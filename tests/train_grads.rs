@@ -11,7 +11,7 @@ use twell::FfnMode;
 fn model_with_vars(mode: FfnMode) -> (sparse_llama::Llama, VarMap) {
     let mut hf = tiny_config("relu", 300);
     hf.twell = Some(sparse_llama::SparseSettings {
-        ffn_mode: "sparse".into(),
+        ffn_mode: twell::FfnMode::Sparse,
         tile: 32,
         compression: 8,
         l1_coefficient: None,

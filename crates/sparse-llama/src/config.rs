@@ -32,9 +32,9 @@ impl LlamaEosToks {
 /// Our optional block in `config.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SparseSettings {
-    /// "dense", "sparse" or "auto".
-    #[serde(default = "default_mode")]
-    pub ffn_mode: String,
+    /// The feed-forward path, written "dense", "sparse" or "auto".
+    #[serde(default, with = "ffn_mode_name")]
+    pub ffn_mode: FfnMode,
     /// TwELL tile width.
     #[serde(default = "default_tile")]
     pub tile: usize,
@@ -46,8 +46,19 @@ pub struct SparseSettings {
     pub l1_coefficient: Option<f64>,
 }
 
-fn default_mode() -> String {
-    "auto".into()
+/// [`FfnMode`] in `config.json`: its lowercase name.
+mod ffn_mode_name {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use twell::FfnMode;
+
+    pub fn serialize<S: Serializer>(mode: &FfnMode, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(mode.name())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<FfnMode, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
 }
 fn default_tile() -> usize {
     twell::format::DEFAULT_TILE
@@ -59,7 +70,7 @@ fn default_compression() -> usize {
 impl Default for SparseSettings {
     fn default() -> Self {
         Self {
-            ffn_mode: default_mode(),
+            ffn_mode: FfnMode::Auto,
             tile: default_tile(),
             compression: default_compression(),
             l1_coefficient: None,
@@ -230,7 +241,7 @@ impl LlamaConfig {
         }
         let activation = Activation::from_hf(&self.hidden_act)?;
         let settings = self.twell.clone().unwrap_or_default();
-        let ffn_mode: FfnMode = settings.ffn_mode.parse()?;
+        let ffn_mode = settings.ffn_mode;
         let twell = TwellConfig::new(settings.tile, settings.compression)?;
         Ok(Config {
             hidden_size: self.hidden_size,
@@ -284,12 +295,7 @@ impl Config {
             mlp_bias: Some(self.mlp_bias),
             torch_dtype: Some(torch_dtype.into()),
             twell: Some(SparseSettings {
-                ffn_mode: match self.ffn_mode {
-                    FfnMode::Dense => "dense",
-                    FfnMode::Sparse => "sparse",
-                    FfnMode::Auto => "auto",
-                }
-                .into(),
+                ffn_mode: self.ffn_mode,
                 tile: self.twell.tile(),
                 compression: self.twell.compression(),
                 l1_coefficient: self.l1_coefficient,

@@ -34,6 +34,23 @@ pub enum FfnMode {
     Auto,
 }
 
+impl FfnMode {
+    /// The lowercase name that [`FfnMode::from_str`](std::str::FromStr) reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Dense => "dense",
+            Self::Sparse => "sparse",
+            Self::Auto => "auto",
+        }
+    }
+}
+
+impl std::fmt::Display for FfnMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl std::str::FromStr for FfnMode {
     type Err = TwellError;
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
