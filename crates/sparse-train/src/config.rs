@@ -3,31 +3,7 @@
 use candle_core::{DType, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::penalty::Penalty;
-
-/// The text whose FFN density a target density steers ([`TrainConfig::l1_target_text`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DensityText {
-    /// The training batches, measured every step.
-    #[default]
-    Training,
-    /// The validation split: the training batches' density scaled by the ratio the last
-    /// validation measured between the two. Training text can be sparser than the text
-    /// a model is judged on (sampled text is), and a target read there misses on it.
-    Validation,
-}
-
-impl std::str::FromStr for DensityText {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "training" => Ok(Self::Training),
-            "validation" => Ok(Self::Validation),
-            other => Err(format!("'{other}': want training or validation")),
-        }
-    }
-}
+use crate::penalty::{DensityText, Penalty};
 
 /// Everything that shapes a run (saved with each checkpoint).
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -22,7 +22,7 @@ pub mod penalty;
 pub mod sample;
 pub mod train;
 
-pub use config::{DensityText, TrainConfig};
+pub use config::TrainConfig;
 pub use data::PackedData;
-pub use penalty::{L1Controller, Penalty};
+pub use penalty::{DensityText, L1Controller, Penalty};
 pub use train::{StepLog, Trainer, Validation};

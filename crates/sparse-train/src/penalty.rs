@@ -3,8 +3,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::DensityText;
-
 /// The sparsity term of the loss, per token and layer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -35,7 +33,7 @@ pub const L1_TARGET_GAIN: f64 = 0.05;
 /// How far [`L1Controller`] may take λ from its start, down and up.
 pub const L1_SCALE_RANGE: (f64, f64) = (1e-4, 1e4);
 
-/// λ steered towards a target FFN density ([`TrainConfig::l1_target_density`]): a
+/// λ steered towards a target FFN density ([`crate::TrainConfig::l1_target_density`]): a
 /// multiplicative step in log space, so λ can travel orders of magnitude in a few hundred
 /// steps, capped per step so one noisy batch cannot swing it.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
@@ -126,5 +124,29 @@ impl L1Controller {
         let factor = (density / target).powf(L1_TARGET_GAIN).clamp(0.9, 1.1);
         // Bounded, so a target the model cannot reach does not run λ off to infinity.
         self.scale = (self.scale * factor).clamp(L1_SCALE_RANGE.0, L1_SCALE_RANGE.1);
+    }
+}
+
+/// The text whose FFN density a target density steers ([`crate::TrainConfig::l1_target_text`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DensityText {
+    /// The training batches, measured every step.
+    #[default]
+    Training,
+    /// The validation split: the training batches' density scaled by the ratio the last
+    /// validation measured between the two. Training text can be sparser than the text
+    /// a model is judged on (sampled text is), and a target read there misses on it.
+    Validation,
+}
+
+impl std::str::FromStr for DensityText {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "training" => Ok(Self::Training),
+            "validation" => Ok(Self::Validation),
+            other => Err(format!("'{other}': want training or validation")),
+        }
     }
 }

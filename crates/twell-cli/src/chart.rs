@@ -5,8 +5,16 @@ use std::path::Path;
 use anyhow::{anyhow, Result};
 use plotters::prelude::*;
 
-use crate::bench::mlp::MlpRow;
 use sparse_llama::sparsity::LayerSparsity;
+
+/// One run's points: `(step, validation perplexity)`, `(step, mean L0)` of the training
+/// batches and `(step, mean L0)` of the validation batches (logs that have it).
+pub struct Curve {
+    pub label: String,
+    pub perplexity: Vec<(f64, f64)>,
+    pub l0: Vec<(f64, f64)>,
+    pub val_l0: Vec<(f64, f64)>,
+}
 
 /// One measured layer for [`speedup_vs_density`].
 pub struct SpeedupPoint {
@@ -16,18 +24,6 @@ pub struct SpeedupPoint {
     /// Fraction of d_ff.
     pub density: f64,
     pub speedup: f64,
-}
-
-impl From<&MlpRow> for SpeedupPoint {
-    fn from(r: &MlpRow) -> Self {
-        Self {
-            hidden: r.hidden,
-            ffn: r.ffn,
-            tokens: r.tokens,
-            density: r.target_density,
-            speedup: r.speedup,
-        }
-    }
 }
 
 /// Speed-up over dense against density, one line per (shape, tokens).
@@ -180,7 +176,7 @@ pub fn model_speedups(path: &Path, report: &crate::bench::model::ModelReport) ->
 
 /// Validation perplexity (top, log scale) and mean L0 (bottom) against step, one line
 /// per run.
-pub fn training_curves(path: &Path, curves: &[crate::curves::Curve]) -> Result<()> {
+pub fn training_curves(path: &Path, curves: &[Curve]) -> Result<()> {
     let root = SVGBackend::new(path, (900, 720)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
     let (top, bottom) = root.split_vertically(360);

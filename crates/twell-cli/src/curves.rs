@@ -6,14 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-/// One run's points: `(step, validation perplexity)`, `(step, mean L0)` of the training
-/// batches and `(step, mean L0)` of the validation batches (logs that have it).
-pub struct Curve {
-    pub label: String,
-    pub perplexity: Vec<(f64, f64)>,
-    pub l0: Vec<(f64, f64)>,
-    pub val_l0: Vec<(f64, f64)>,
-}
+pub use crate::chart::Curve;
 
 #[derive(clap::Args, Debug)]
 pub struct CurvesArgs {

@@ -401,6 +401,18 @@ fn measure(
     })
 }
 
+impl From<&MlpRow> for crate::chart::SpeedupPoint {
+    fn from(r: &MlpRow) -> Self {
+        Self {
+            hidden: r.hidden,
+            ffn: r.ffn,
+            tokens: r.tokens,
+            density: r.target_density,
+            speedup: r.speedup,
+        }
+    }
+}
+
 /// The CUDA stage profile gathered since the last call, if profiling.
 fn take_stages() -> Option<[f64; 4]> {
     #[cfg(feature = "cuda")]
