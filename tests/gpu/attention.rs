@@ -250,15 +250,10 @@ const ATTENTION_CASES: [(usize, usize, usize, usize, usize, usize); 8] = [
 
 fn assert_attention_cases() {
     let dev = gpu();
-    let mut failed = Vec::new();
-    for (k, &dims) in ATTENTION_CASES.iter().enumerate() {
-        let r = check_attention(&dev, dims, 900 + k as u64).unwrap();
-        eprintln!("{r:?}");
-        if !r.pass {
-            failed.push(r);
-        }
-    }
-    assert!(failed.is_empty(), "{failed:#?}");
+    assert_all_pass!(ATTENTION_CASES
+        .iter()
+        .enumerate()
+        .map(|(k, &dims)| check_attention(&dev, dims, 900 + k as u64).unwrap()));
 }
 
 #[test]
@@ -292,15 +287,10 @@ fn the_decode_step_matches_rope_the_cache_append_and_the_attention() {
         (1, 32, 32, max - 1, max),
     ];
     let dev = gpu();
-    let mut failed = Vec::new();
-    for (k, dims) in cases.into_iter().enumerate() {
-        let r = check_attention_step(&dev, dims, 1300 + k as u64).unwrap();
-        eprintln!("{r:?}");
-        if !r.pass {
-            failed.push(r);
-        }
-    }
-    assert!(failed.is_empty(), "{failed:#?}");
+    assert_all_pass!(cases
+        .into_iter()
+        .enumerate()
+        .map(|(k, dims)| check_attention_step(&dev, dims, 1300 + k as u64).unwrap()));
 }
 
 #[test]
@@ -317,13 +307,8 @@ fn the_attention_turning_its_queries_matches_rope_then_the_attention_bit_for_bit
         (2, 4, 4, 1, 30),
     ];
     let dev = gpu();
-    let mut failed = Vec::new();
-    for (k, dims) in cases.into_iter().enumerate() {
-        let r = check_attention_turning_q(&dev, dims, 1400 + k as u64).unwrap();
-        eprintln!("{r:?}");
-        if !r.pass {
-            failed.push(r);
-        }
-    }
-    assert!(failed.is_empty(), "{failed:#?}");
+    assert_all_pass!(cases
+        .into_iter()
+        .enumerate()
+        .map(|(k, dims)| check_attention_turning_q(&dev, dims, 1400 + k as u64).unwrap()));
 }

@@ -10,6 +10,18 @@
 // lint does not count.
 #![allow(dead_code)]
 
+/// Prints every result of a check and fails with those whose `pass` is false.
+macro_rules! assert_all_pass {
+    ($results:expr) => {{
+        let failed: Vec<_> = $results
+            .into_iter()
+            .inspect(|r| eprintln!("{r:?}"))
+            .filter(|r| !r.pass)
+            .collect();
+        assert!(failed.is_empty(), "{failed:#?}");
+    }};
+}
+
 mod attention;
 mod mlp;
 mod model;

@@ -463,15 +463,11 @@ const FORWARD_CASES: &[Case] = &[
 /// Every forward case on `path` with `paths`; fails with the cases that missed.
 fn assert_forward_cases(path: ForwardPath, paths: KernelPaths) {
     let dev = gpu();
-    let mut failed = Vec::new();
-    for (k, &case) in FORWARD_CASES.iter().enumerate() {
-        let r = check_case(&dev, case, path, paths, 100 + k as u64).unwrap();
-        eprintln!("{path:?} {paths:?}: {r:?}");
-        if !r.pass {
-            failed.push(r);
-        }
-    }
-    assert!(failed.is_empty(), "{failed:#?}");
+    eprintln!("{path:?} {paths:?}");
+    assert_all_pass!(FORWARD_CASES
+        .iter()
+        .enumerate()
+        .map(|(k, &case)| check_case(&dev, case, path, paths, 100 + k as u64).unwrap()));
 }
 
 #[test]
@@ -548,17 +544,13 @@ fn the_add_and_norm_folded_into_the_mlp_match_the_separate_launches() {
         (1000, 2048, 5632, 0.5),
     ];
     let dev = gpu();
-    let mut failed = Vec::new();
     for paths in WALKS {
-        for (k, &dims) in cases.iter().enumerate() {
-            let r = check_mlp_add_norm(&dev, dims, paths, 960 + k as u64).unwrap();
-            eprintln!("{paths:?}: {r:?}");
-            if !r.pass {
-                failed.push(r);
-            }
-        }
+        eprintln!("{paths:?}");
+        assert_all_pass!(cases
+            .iter()
+            .enumerate()
+            .map(|(k, &dims)| check_mlp_add_norm(&dev, dims, paths, 960 + k as u64).unwrap()));
     }
-    assert!(failed.is_empty(), "{failed:#?}");
 }
 
 #[test]
@@ -571,17 +563,12 @@ fn the_norm_before_the_mlp_folded_into_its_weights_matches_the_separate_launches
         (300, 4096, 11008, 0.03), (1000, 2048, 5632, 0.5),
     ];
     let dev = gpu();
-    let mut failed = Vec::new();
     for paths in WALKS {
-        for (k, &dims) in cases.iter().enumerate() {
-            let r = check_mlp_norm_add_norm(&dev, dims, paths, 1400 + k as u64).unwrap();
-            eprintln!("{paths:?}: {r:?}");
-            if !r.pass {
-                failed.push(r);
-            }
-        }
+        eprintln!("{paths:?}");
+        assert_all_pass!(cases.iter().enumerate().map(|(k, &dims)| {
+            check_mlp_norm_add_norm(&dev, dims, paths, 1400 + k as u64).unwrap()
+        }));
     }
-    assert!(failed.is_empty(), "{failed:#?}");
 }
 
 #[test]
@@ -602,17 +589,10 @@ fn backward_matches_f32_autograd_on_every_path() {
         twell::BackwardPath::Dense,
     ];
     let dev = gpu();
-    let mut failed = Vec::new();
-    for (k, &case) in cases.iter().enumerate() {
-        for path in paths {
-            let r = check_backward(&dev, case, path, 500 + k as u64).unwrap();
-            eprintln!("{r:?}");
-            if !r.pass {
-                failed.push(r);
-            }
-        }
-    }
-    assert!(failed.is_empty(), "{failed:#?}");
+    assert_all_pass!(cases.iter().enumerate().flat_map(|(k, &case)| {
+        let dev = &dev;
+        paths.map(move |path| check_backward(dev, case, path, 500 + k as u64).unwrap())
+    }));
 }
 
 #[test]
