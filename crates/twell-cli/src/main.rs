@@ -62,6 +62,9 @@ enum BenchCommand {
     /// A whole model: prefill, decode and training step, dense vs TwELL FFN, with peak
     /// memory and energy on GPUs.
     Model(bench::model::ModelBenchArgs),
+    /// One MLP layer over the Llama family's shapes, every size and a range of densities:
+    /// TwELL and `Auto` against dense, and per shape the worst `Auto` ratio.
+    Sweep(bench::sweep::SweepArgs),
     /// The training losses over the vocabulary (cross-entropy, distillation KL),
     /// forward + backward: candle ops vs the fused ops, with peak device memory.
     Loss(bench::loss::LossBenchArgs),
@@ -99,6 +102,9 @@ fn main() -> Result<()> {
             if let Some(path) = &args.json {
                 std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
             }
+        }
+        Command::Bench(BenchCommand::Sweep(args)) => {
+            bench::sweep::run(&args)?;
         }
         Command::Bench(BenchCommand::MlpTrain(args)) => {
             let report = bench::mlp_train::run(&args)?;

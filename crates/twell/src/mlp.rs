@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
-use crate::auto::{auto_runs_sparse, AUTO_EVIDENCE_TOKENS, AUTO_RECHECK_CALLS};
+use crate::auto::{
+    auto_runs_sparse, Cell, Entry, Side, Timer, AUTO_EVIDENCE_TOKENS, AUTO_RECHECK_CALLS,
+};
 use crate::cpu::screen::{GateScreen, SCREEN_MAX_DENSITY, SCREEN_MAX_ROWS};
 use crate::error::{err, TwellError};
 use crate::format::TwellConfig;
@@ -209,6 +211,14 @@ fn count_nonzero(h: &Tensor) -> Result<u64> {
     Ok(total as u64)
 }
 
+/// How a call is decided: by the break-even rule (or a fixed mode), or by `Auto`'s
+/// timings of the candidates in a cell (with the rule's side for calls that may not be
+/// timed while the cell is undecided).
+enum AutoCell {
+    Rule(Side),
+    Timed(Cell, &'static [Side], Side),
+}
+
 /// What the sparse path leaves behind to be turned into [`MlpStats`] on request.
 enum LastForward {
     Sparse(crate::MlpOutput),
@@ -242,6 +252,10 @@ pub struct SparseMlp {
     /// The per-token sparsity term (see [`SparseMlp::set_l1_term`]).
     l1_term: L1Term,
     calls: std::sync::atomic::AtomicUsize,
+    /// `Auto` re-measures the density every this many calls (0: only when unknown).
+    recheck_calls: usize,
+    /// The side the last call ran ([`SparseMlp::last_side`]).
+    last_side: Mutex<Option<Side>>,
     last: Mutex<Option<LastForward>>,
     /// The last measured density, and the rows it was measured on.
     last_density: Mutex<Option<(f64, usize)>>,
@@ -326,6 +340,8 @@ impl SparseMlp {
             backward_path: None,
             l1_term: L1Term::Plain,
             calls: std::sync::atomic::AtomicUsize::new(0),
+            recheck_calls: AUTO_RECHECK_CALLS,
+            last_side: Mutex::new(None),
             last: Mutex::new(None),
             last_density: Mutex::new(None),
             unit_pre_norm: None,
@@ -430,6 +446,15 @@ impl SparseMlp {
         self
     }
 
+    /// How often `Auto` re-measures the density (every `calls` calls; 0: only while none
+    /// is known), so that a change of text moves it to another side. On a GPU each
+    /// measurement reads a count back, a sync; a server whose traffic is steady can
+    /// measure less often. Default [`AUTO_RECHECK_CALLS`].
+    pub fn with_density_recheck(mut self, calls: usize) -> Self {
+        self.recheck_calls = calls;
+        self
+    }
+
     /// Keep what the last forward saw, for [`SparseMlp::last_stats`]. Off by default:
     /// on the dense path it costs an extra pass over `h`.
     pub fn with_stats(mut self, on: bool) -> Self {
@@ -499,6 +524,133 @@ impl SparseMlp {
         }
     }
 
+    /// The side a call on `x` runs, and for a call of `Auto` that calibrates, its timer
+    /// (started; finish it after the call). At inference `Auto` times its candidates and
+    /// keeps the fastest ([`crate::auto`]); elsewhere it follows the break-even rule.
+    fn pick(
+        &self,
+        x: &Tensor,
+        entry: Entry,
+        want_l1: bool,
+        measure: bool,
+    ) -> Result<(Side, Option<Timer>)> {
+        let device = x.device();
+        let (cell, candidates, rule) = match self.auto_cell(x, entry, want_l1)? {
+            AutoCell::Rule(side) => {
+                *self.last_side.lock().expect("side lock") = Some(side);
+                return Ok((side, None));
+            }
+            AutoCell::Timed(cell, candidates, rule) => (cell, candidates, rule),
+        };
+        // A measuring call on a GPU reads its counts back and runs unfolded: not the
+        // cell's usual work, so it is not timed; until the cell has decided, it follows
+        // the break-even rule (with statistics on, every call measures).
+        if measure && device.is_cuda() {
+            let side = crate::auto::decided(cell, candidates).unwrap_or(rule);
+            *self.last_side.lock().expect("side lock") = Some(side);
+            return Ok((side, None));
+        }
+        let (side, timing) = crate::auto::choose(cell, candidates);
+        *self.last_side.lock().expect("side lock") = Some(side);
+        let timer = match timing {
+            Some(timing) => Some(timing.start(device)?),
+            None => None,
+        };
+        Ok((side, timer))
+    }
+
+    /// How `Auto` (or a fixed mode) decides a call on `x` through `entry`.
+    fn auto_cell(&self, x: &Tensor, entry: Entry, want_l1: bool) -> Result<AutoCell> {
+        let d = self.hidden();
+        let got = x.dims().last().copied().unwrap_or(0);
+        if got != d {
+            return err(TwellError::ShapeMismatch {
+                what: "SparseMlp::forward",
+                detail: format!("input has {got} features, the MLP expects {d}"),
+            });
+        }
+        let rows = x.elem_count() / d.max(1);
+        let x2 = fused_ops::checks::reshaped(x, &[rows, d])?;
+        let products = self.dense_side_runs_products(&x2, want_l1);
+        let rule = match (self.use_sparse(rows, x.device()), products) {
+            (true, _) => Side::Sparse,
+            (false, true) => Side::Products,
+            (false, false) => Side::Dense,
+        };
+        if !self.times_auto(x, want_l1) {
+            return Ok(AutoCell::Rule(rule));
+        }
+        // Before a density is known the sparse path runs, and measures it.
+        let Some(density) = self.density_for(rows) else {
+            return Ok(AutoCell::Rule(Side::Sparse));
+        };
+        let cell = Cell::new(x.device(), (d, self.ffn()), entry, rows, density);
+        let candidates: &'static [Side] = match products {
+            true => &[Side::Sparse, Side::Products, Side::Dense],
+            false => &[Side::Sparse, Side::Dense],
+        };
+        Ok(AutoCell::Timed(cell, candidates, rule))
+    }
+
+    /// Runs `x` through [`Module::forward`] until `Auto`'s timings have decided the calls
+    /// like it (at most a few dozen calls), waiting for the device after each so that
+    /// GPU timings land: for a benchmark that times `Auto` afterwards, or a server before
+    /// its first request. Calls that `Auto` decides by rule, and other modes, return at
+    /// once. Through the other entry points (`forward_add_norm`, the sublayers) `Auto`
+    /// calibrates on the calls it serves.
+    pub fn calibrate(&self, x: &Tensor) -> Result<()> {
+        const MAX_CALLS: usize = 64;
+        for _ in 0..MAX_CALLS {
+            match self.auto_cell(x, Entry::Mlp, false)? {
+                AutoCell::Rule(_) if self.density_for(rows(x)).is_some() => return Ok(()),
+                // With statistics on, every GPU call measures, and none is timed.
+                AutoCell::Timed(..) if self.record_stats && x.device().is_cuda() => return Ok(()),
+                AutoCell::Timed(cell, candidates, _)
+                    if crate::auto::decided(cell, candidates).is_some() =>
+                {
+                    return Ok(())
+                }
+                _ => {}
+            }
+            Module::forward(self, x)?;
+            x.device().synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// The side the last call ran: for a benchmark or a log that asks what `Auto` chose.
+    /// `None` before the first call.
+    pub fn last_side(&self) -> Option<Side> {
+        *self.last_side.lock().expect("side lock")
+    }
+
+    /// Whether `Auto` decides a call on `x` by timing its candidates: at inference (no
+    /// autograd, frozen weights), on a ReLU MLP without biases, with the plain L1 term
+    /// if one is asked for, and no break-even set by the caller.
+    fn times_auto(&self, x: &Tensor, want_l1: bool) -> bool {
+        self.mode == FfnMode::Auto
+            && self.break_even.is_none()
+            && self.bias.is_none()
+            && self.activation == Activation::Relu
+            && (!want_l1 || self.l1_term == L1Term::Plain)
+            && !x.track_op()
+            && [&self.gate, &self.up, &self.down].into_iter().all(frozen)
+    }
+
+    /// Runs `work` on the side [`Self::pick`] chose, and finishes the call's timing.
+    fn timed<R>(
+        &self,
+        device: &candle_core::Device,
+        timer: Option<Timer>,
+        work: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let out = work()?;
+        if let Some(timer) = timer {
+            timer.finish(device)?;
+        }
+        Ok(out)
+    }
+
     /// The last measured density, if it was measured on enough rows to decide a call of
     /// `tokens` rows ([`AUTO_EVIDENCE_TOKENS`]).
     fn density_for(&self, tokens: usize) -> Option<f64> {
@@ -537,19 +689,27 @@ impl SparseMlp {
             && crate::products_run(x2, self.ffn())
     }
 
-    /// Whether this call should measure the density: always on the host (free), and
-    /// on a GPU every `AUTO_RECHECK_CALLS` calls in Auto mode or when training (a
-    /// read-back is a sync; the backward picks its weight-gradient path from it).
+    /// Whether this call should measure the density: every `recheck_calls` calls in
+    /// Auto mode (on a GPU a read-back is a sync, on the host a dense pass counts its
+    /// activations once more), when none is known, and on a GPU when training (the
+    /// backward picks its weight-gradient path from it). [`Self::measures_free`] adds
+    /// the calls where measuring costs nothing.
     fn measure_now(&self, device: &candle_core::Device, tokens: usize) -> bool {
         let call = self
             .calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let training = !frozen(&self.gate) || !frozen(&self.up) || !frozen(&self.down);
-        let recheck = call.is_multiple_of(AUTO_RECHECK_CALLS);
+        let recheck = self.recheck_calls > 0 && call.is_multiple_of(self.recheck_calls);
         let unmeasured = self.density_for(tokens).is_none();
         self.record_stats
-            || (self.mode == FfnMode::Auto && (device.is_cpu() || recheck || unmeasured))
+            || (self.mode == FfnMode::Auto && (recheck || unmeasured))
             || (training && device.is_cuda() && recheck)
+    }
+
+    /// Whether a call on `side` measures the density for free: a host call of `Auto` on
+    /// the TwELL path, whose pattern is on the host anyway.
+    fn measures_free(&self, device: &candle_core::Device, side: Side) -> bool {
+        self.mode == FfnMode::Auto && device.is_cpu() && side == Side::Sparse
     }
 
     /// The neuron-major `[f, 2d]` up/down matrix: rebuilt (differentiably) when the
@@ -622,7 +782,11 @@ impl SparseMlp {
         eps: f64,
     ) -> Result<(Tensor, Tensor)> {
         let measure = self.measure_now(x.device(), rows(x));
-        self.add_norm_measured(x, residual, (alpha, eps), measure)
+        let (side, timer) = self.pick(x, Entry::AddNorm, false, measure)?;
+        let measure = measure || self.measures_free(x.device(), side);
+        self.timed(x.device(), timer, || {
+            self.add_norm_on(side, x, residual, (alpha, eps), measure)
+        })
     }
 
     /// Folds the weight `alpha [d]` of the RMS norm before this MLP into `gate` and `up`
@@ -698,24 +862,28 @@ impl SparseMlp {
             ));
         };
         let measure = self.measure_now(s.device(), rows(s));
-        if crate::norm_add_norm_runs(s) && self.folds_add_norm(s, s, &[alpha], measure) {
-            let d = self.hidden();
-            let rows = fused_ops::checks::reshaped(s, &[s.elem_count() / d, d])?;
-            let (sum, normed) = crate::twell_mlp_norm_add_norm(
-                &rows,
-                &self.gate,
-                &self.up_down()?,
-                self.config,
-                pre_eps,
-                (alpha, eps),
-            )?;
-            return Ok((
-                fused_ops::checks::reshaped(&sum, s.dims())?,
-                fused_ops::checks::reshaped(&normed, s.dims())?,
-            ));
-        }
-        let normed = fused_ops::rms_norm(s, unit, pre_eps)?;
-        self.add_norm_measured(&normed, s, (alpha, eps), measure)
+        let (side, timer) = self.pick(s, Entry::SublayerFromSum, false, measure)?;
+        let measure = measure || self.measures_free(s.device(), side);
+        self.timed(s.device(), timer, || {
+            if crate::norm_add_norm_runs(s) && self.folds_add_norm(side, s, s, &[alpha], measure) {
+                let d = self.hidden();
+                let rows = fused_ops::checks::reshaped(s, &[s.elem_count() / d, d])?;
+                let (sum, normed) = crate::twell_mlp_norm_add_norm(
+                    &rows,
+                    &self.gate,
+                    &self.up_down()?,
+                    self.config,
+                    pre_eps,
+                    (alpha, eps),
+                )?;
+                return Ok((
+                    fused_ops::checks::reshaped(&sum, s.dims())?,
+                    fused_ops::checks::reshaped(&normed, s.dims())?,
+                ));
+            }
+            let normed = fused_ops::rms_norm(s, unit, pre_eps)?;
+            self.add_norm_on(side, &normed, s, (alpha, eps), measure)
+        })
     }
 
     /// The whole MLP sublayer of a pre-norm (Llama) block, from the previous sublayer's
@@ -733,35 +901,42 @@ impl SparseMlp {
         (alpha, eps): (&Tensor, f64),
     ) -> Result<(Tensor, Tensor)> {
         let measure = self.measure_now(y.device(), rows(y));
-        if y.elem_count() == self.hidden()
-            && self.folds_add_norm(y, residual, &[pre_alpha, alpha], measure)
-        {
-            return self.folded_add_norm(y, residual, (alpha, eps), Some((pre_alpha, pre_eps)));
-        }
-        let (h, normed) = fused_ops::add_rms_norm(residual, y, pre_alpha, pre_eps)?;
-        self.add_norm_measured(&normed, &h, (alpha, eps), measure)
+        let (side, timer) = self.pick(y, Entry::Sublayer, false, measure)?;
+        let measure = measure || self.measures_free(y.device(), side);
+        self.timed(y.device(), timer, || {
+            if y.elem_count() == self.hidden()
+                && self.folds_add_norm(side, y, residual, &[pre_alpha, alpha], measure)
+            {
+                return self.folded_add_norm(y, residual, (alpha, eps), Some((pre_alpha, pre_eps)));
+            }
+            let (h, normed) = fused_ops::add_rms_norm(residual, y, pre_alpha, pre_eps)?;
+            self.add_norm_on(side, &normed, &h, (alpha, eps), measure)
+        })
     }
 
-    /// [`Self::forward_add_norm`] where the caller has asked [`Self::measure_now`].
-    fn add_norm_measured(
+    /// [`Self::forward_add_norm`] on `side`, where the caller has asked
+    /// [`Self::measure_now`].
+    fn add_norm_on(
         &self,
+        side: Side,
         x: &Tensor,
         residual: &Tensor,
         (alpha, eps): (&Tensor, f64),
         measure: bool,
     ) -> Result<(Tensor, Tensor)> {
-        if self.folds_add_norm(x, residual, &[alpha], measure) {
+        if self.folds_add_norm(side, x, residual, &[alpha], measure) {
             return self.folded_add_norm(x, residual, (alpha, eps), None);
         }
-        let (out, _) = self.run_measured(x, false, measure)?;
+        let (out, _) = self.run_on(side, x, false, measure)?;
         fused_ops::add_rms_norm(residual, &out, alpha, eps)
     }
 
-    /// Whether a call on `x` (and `residual`, and the norm weights) runs as the one
-    /// launch: not while measuring or recording (those read the packed activations),
+    /// Whether a call on `x` (and `residual`, and the norm weights) on `side` runs as the
+    /// one launch: not while measuring or recording (those read the packed activations),
     /// not under autograd (the launch has no backward), on the sparse path.
     fn folds_add_norm(
         &self,
+        side: Side,
         x: &Tensor,
         residual: &Tensor,
         alphas: &[&Tensor],
@@ -777,7 +952,7 @@ impl SparseMlp {
                 .into_iter()
                 .chain(alphas.iter().copied())
                 .all(|t| !t.track_op())
-            && self.use_sparse(x.elem_count() / d.max(1), x.device())
+            && side == Side::Sparse
     }
 
     /// The folded launch of [`Self::folds_add_norm`], in `x`'s shape.
@@ -807,12 +982,16 @@ impl SparseMlp {
     /// The forward pass; the dense path computes the L1 term only when asked (the
     /// sparse path gets it for free).
     fn run(&self, x: &Tensor, want_l1: bool) -> Result<(Tensor, Option<Tensor>)> {
-        self.run_measured(x, want_l1, self.measure_now(x.device(), rows(x)))
+        let measure = self.measure_now(x.device(), rows(x));
+        let (side, timer) = self.pick(x, Entry::Mlp, want_l1, measure)?;
+        let measure = measure || self.measures_free(x.device(), side);
+        self.timed(x.device(), timer, || self.run_on(side, x, want_l1, measure))
     }
 
-    /// [`Self::run`] where the caller has asked [`Self::measure_now`] already.
-    fn run_measured(
+    /// The forward pass on `side`, where the caller has asked [`Self::measure_now`].
+    fn run_on(
         &self,
+        side: Side,
         x: &Tensor,
         want_l1: bool,
         measure: bool,
@@ -828,7 +1007,7 @@ impl SparseMlp {
         let lead = &dims[..dims.len() - 1];
         let rows = x.elem_count() / d.max(1);
         let x2 = fused_ops::checks::reshaped(x, &[rows, d])?;
-        let sparse = self.use_sparse(x2.dim(0)?, x.device());
+        let sparse = side == Side::Sparse;
         if sparse && want_l1 && self.l1_term != L1Term::Plain {
             return err(TwellError::Invalid(format!(
                 "the {:?} sparsity term is computed on the dense path only: train with the \
@@ -855,7 +1034,7 @@ impl SparseMlp {
             };
             return self.keep_op_output(res, LastForward::Sparse, measure, lead, want_l1);
         }
-        if self.dense_side_runs_products(&x2, want_l1) {
+        if side == Side::Products {
             let res = crate::twell_mlp_products(&x2, &self.gate, &self.up_down()?, self.config)?;
             return self.keep_op_output(res, LastForward::Products, measure, lead, want_l1);
         }

@@ -580,3 +580,62 @@ fn the_residual_plus_a_linear_layer_and_the_norm_alone() {
         .to_string();
     assert!(err.contains("share a dtype"), "{err}");
 }
+
+/// `Auto` at inference times its candidates on the calls it serves and keeps the faster:
+/// on the host, the dense MLP at 50% density (the sparse path does about twice the work
+/// there) and the TwELL path at 0.5%. A shape no other test uses, so that no other test's
+/// timings share its cells.
+#[test]
+fn auto_keeps_the_side_its_timings_find_faster() {
+    let dev = Device::Cpu;
+    for (density, want_sparse) in [(0.5, false), (0.005, true)] {
+        let w = synthetic_mlp(576, 1600, density, DType::F32, &dev, 61).unwrap();
+        let x = synthetic_input(256, 576, DType::F32, &dev, 62).unwrap();
+        let auto = relu_mlp(&w, FfnMode::Auto).with_stats(true);
+        auto.calibrate(&x).unwrap();
+        candle_core::Module::forward(&auto, &x).unwrap();
+        let stats = auto.last_stats().unwrap().expect("stats kept");
+        assert_eq!(
+            stats.sparse,
+            want_sparse,
+            "density {:.3}: Auto ran {} after calibrating",
+            stats.density,
+            if stats.sparse { "sparse" } else { "dense" }
+        );
+    }
+}
+
+#[test]
+fn auto_rechecks_the_density_as_often_as_asked() {
+    use twell::auto::Side;
+    let dev = Device::Cpu;
+    let w = synthetic_mlp(64, 512, 0.01, DType::F32, &dev, 71).unwrap();
+    // Column 0 is the feature that carries the gate's threshold: -1 instead of 1 turns
+    // the 1% density of these weights into 99%.
+    let sparse_text = synthetic_input(8, 64, DType::F32, &dev, 72).unwrap();
+    let flip = Tensor::from_vec(
+        std::iter::once(-1f32)
+            .chain(std::iter::repeat_n(1f32, 63))
+            .collect(),
+        64,
+        &dev,
+    )
+    .unwrap();
+    let dense_text = sparse_text.broadcast_mul(&flip).unwrap();
+    for (recheck, third_side) in [(0, Side::Dense), (1, Side::Sparse)] {
+        let auto = relu_mlp(&w, FfnMode::Auto)
+            .with_break_even(0.1)
+            .with_density_recheck(recheck);
+        // The first call measures 99% and the second runs dense; only a recheck sees
+        // that its text is at 1%.
+        auto.forward(&dense_text).unwrap();
+        auto.forward(&sparse_text).unwrap();
+        assert_eq!(auto.last_side(), Some(Side::Dense));
+        auto.forward(&sparse_text).unwrap();
+        assert_eq!(
+            auto.last_side(),
+            Some(third_side),
+            "recheck every {recheck}"
+        );
+    }
+}

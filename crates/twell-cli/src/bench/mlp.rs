@@ -64,6 +64,10 @@ pub struct MlpBenchArgs {
     /// neurons (`twell::RowWalk`).
     #[arg(long, value_enum, default_value_t = WalkArg::Mask)]
     pub walk: WalkArg,
+    /// `Auto` re-measures the density every this many calls (0: only when unknown);
+    /// on a GPU each measurement is a sync (`SparseMlp::with_density_recheck`).
+    #[arg(long, default_value_t = twell::auto::AUTO_RECHECK_CALLS)]
+    pub auto_recheck: usize,
 }
 
 /// `--gate`: [`twell::GateGemm`].
@@ -117,6 +121,8 @@ pub struct MlpRow {
     /// `SparseMlp` in `Auto` mode: sparse or dense by measured density and size.
     pub auto_ms: f64,
     pub auto_speedup: f64,
+    /// The side `Auto` ran on its last timed call (`sparse`, `products` or `dense`).
+    pub auto_side: Option<&'static str>,
     /// Weight bytes the dense MLP must read, over its time.
     pub dense_gbps: f64,
     /// Weight bytes the sparse MLP must read (all of Wg, the union of active up/down
@@ -263,7 +269,8 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
                     let auto = w
                         .relu_mlp(FfnMode::Auto)?
                         .with_gate_screen(!args.no_screen)
-                        .with_twell_config(args.twell_config());
+                        .with_twell_config(args.twell_config())
+                        .with_density_recheck(args.auto_recheck);
                     Ok((DenseMlp::new(&w), sparse, auto))
                 })
                 .collect::<candle_core::Result<_>>()?;
@@ -326,6 +333,9 @@ fn measure(
         std::hint::black_box(sparse.forward(&x)?);
         std::hint::black_box(auto.forward(&x)?);
     }
+    // `Auto` times its candidates on its first calls of a size and density; the timed
+    // rounds measure it once it has chosen (its timings are shared by every set).
+    sets[0].2.calibrate(&x)?;
     // Variant v of round r runs layers on sets r + v, r + v + 1, ...: its own
     // sets, not the ones the variant before it just read.
     let set = |round: usize, variant: usize, layer: usize| {
@@ -391,6 +401,7 @@ fn measure(
         speedup: t[0] / t[1],
         auto_ms: t[2] * 1e3,
         auto_speedup: t[0] / t[2],
+        auto_side: sets[0].2.last_side().map(twell::auto::Side::name),
         dense_gbps: dense_bytes / t[0] / 1e9,
         sparse_gbps: sparse_bytes / t[1] / 1e9,
         dense_gflops: 6.0 * (m * hidden * ffn) as f64 / t[0] / 1e9,
