@@ -120,6 +120,18 @@ fn bad_bench_flags_are_rejected() {
         "weights of its own",
     );
     fails_with(&["bench", "mlp", "--device", "cuda:x"], "cuda:N");
+    // The sweep checks every shape before it measures the first.
+    fails_with(
+        &["bench", "sweep", "--shape", "64x128,2048by5632"],
+        "HIDDENxFFN",
+    );
+    fails_with(&["bench", "sweep", "--density", "0"], "(0, 1)");
+    fails_with(&["bench", "sweep", "--tokens", "0"], "at least 1");
+    fails_with(&["bench", "sweep", "--weight-sets", "0"], "at least 1");
+    fails_with(
+        &["bench", "sweep", "--auto-recheck", "often"],
+        "invalid value 'often' for '--auto-recheck",
+    );
 }
 
 #[test]

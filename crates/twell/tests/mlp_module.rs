@@ -639,3 +639,17 @@ fn auto_rechecks_the_density_as_often_as_asked() {
         );
     }
 }
+
+#[test]
+fn calibrate_rejects_an_input_of_the_wrong_width() {
+    let dev = Device::Cpu;
+    let w = synthetic_mlp(64, 256, 0.05, DType::F32, &dev, 81).unwrap();
+    let x = synthetic_input(4, 32, DType::F32, &dev, 82).unwrap();
+    let auto = relu_mlp(&w, FfnMode::Auto);
+    let e = auto.calibrate(&x).unwrap_err().to_string();
+    assert!(
+        e.contains("input has 32 features, the MLP expects 64"),
+        "{e}"
+    );
+    assert_eq!(auto.last_side(), None, "nothing ran");
+}

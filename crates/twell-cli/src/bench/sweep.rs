@@ -79,6 +79,9 @@ pub struct SweepReport {
 }
 
 pub fn run(args: &SweepArgs) -> Result<SweepReport> {
+    // Every flag is checked before the first shape runs, not when its turn comes.
+    super::mlp::check_sweep(&args.shape, &args.density, &args.tokens)?;
+    args.rounds.check()?;
     let mut shapes = Vec::new();
     let mut rows = Vec::new();
     let mut device = String::new();
