@@ -186,12 +186,19 @@ impl Cell {
 struct Record {
     started: [usize; 3],
     times_ms: [Vec<f64>; 3],
+    /// The side once no more timings are wanted among a set of candidates (as a bit
+    /// set of [`Side::index`]): a decided call reads it, not the medians.
+    settled: Option<(u8, Side)>,
 }
 
 impl Record {
     /// The side to run: a candidate still short of calls (the one with the fewest), else
     /// the fastest by median, and whether to time the call.
     fn choose(&mut self, candidates: &[Side]) -> (Side, bool) {
+        let set = candidate_set(candidates);
+        if let Some((_, side)) = self.settled.filter(|&(s, _)| s == set) {
+            return (side, false);
+        }
         let wanted = CALIBRATION_WARMUP + CALIBRATION_SAMPLES;
         let short = candidates
             .iter()
@@ -222,16 +229,26 @@ impl Record {
                 .min_by_key(|s| self.started[s.index()]);
             if let (true, Some(side)) = (close, more) {
                 // Wait for the timings in flight before asking for more.
-                let landed = [fastest, second].iter().all(|s| {
-                    self.times_ms[s.index()].len() + CALIBRATION_WARMUP >= self.started[s.index()]
-                });
-                if landed {
+                if self.landed(&[fastest, second]) {
                     self.started[side.index()] += 1;
                     return (side, true);
                 }
+                return (fastest, false);
             }
         }
+        // Every candidate timed, none close enough to want more: settled, once the
+        // timings in flight have landed.
+        if self.landed(candidates) && ranked.len() == candidates.len() {
+            self.settled = Some((set, fastest));
+        }
         (fastest, false)
+    }
+
+    /// Whether every started call of `sides` has its time filed (or was a warm-up).
+    fn landed(&self, sides: &[Side]) -> bool {
+        sides
+            .iter()
+            .all(|s| self.times_ms[s.index()].len() + CALIBRATION_WARMUP >= self.started[s.index()])
     }
 
     /// The median of a side's timed calls (warm-up excluded).
@@ -247,6 +264,11 @@ impl Record {
             self.times_ms[side.index()].push(ms);
         }
     }
+}
+
+/// `candidates` as a bit set of [`Side::index`].
+fn candidate_set(candidates: &[Side]) -> u8 {
+    candidates.iter().fold(0, |set, s| set | 1 << s.index())
 }
 
 /// A started timing on a GPU: its events are read once the device has passed them.
@@ -296,12 +318,15 @@ pub fn decided(cell: Cell, candidates: &[Side]) -> Option<Side> {
     with_calibration(|c| {
         #[cfg(feature = "cuda")]
         c.read_completed_events();
-        let record = c.cells.get(&cell)?;
-        let landed = candidates.iter().all(|s| {
-            record.times_ms[s.index()].len() + CALIBRATION_WARMUP >= record.started[s.index()]
-        });
-        let (side, timed) = record.clone().choose(candidates);
-        (landed && !timed).then_some(side)
+        let record = c.cells.get_mut(&cell)?;
+        let set = candidate_set(candidates);
+        if record.settled.is_none_or(|(s, _)| s != set) {
+            // Ask a copy, so that a call that would be timed is not counted as started.
+            let mut peek = record.clone();
+            peek.choose(candidates);
+            record.settled = peek.settled;
+        }
+        record.settled.map(|(_, side)| side)
     })
 }
 

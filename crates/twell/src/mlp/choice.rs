@@ -43,28 +43,18 @@ impl SparseMlp {
         want_l1: bool,
         measure: bool,
     ) -> Result<(Side, Option<Timer>)> {
-        let device = x.device();
-        let (cell, candidates, rule) = match self.auto_cell(x, entry, want_l1)? {
-            AutoCell::Rule(side) => {
-                *self.last_side.lock().expect("side lock") = Some(side);
-                return Ok((side, None));
+        let (side, timing) = match self.auto_cell(x, entry, want_l1)? {
+            AutoCell::Rule(side) => (side, None),
+            // A measuring call on a GPU reads its counts back and runs unfolded: not the
+            // cell's usual work, so it is not timed; until the cell has decided, it
+            // follows the break-even rule (with statistics on, every call measures).
+            AutoCell::Timed(cell, candidates, rule) if measure && x.device().is_cuda() => {
+                (crate::auto::decided(cell, candidates).unwrap_or(rule), None)
             }
-            AutoCell::Timed(cell, candidates, rule) => (cell, candidates, rule),
+            AutoCell::Timed(cell, candidates, _) => crate::auto::choose(cell, candidates),
         };
-        // A measuring call on a GPU reads its counts back and runs unfolded: not the
-        // cell's usual work, so it is not timed; until the cell has decided, it follows
-        // the break-even rule (with statistics on, every call measures).
-        if measure && device.is_cuda() {
-            let side = crate::auto::decided(cell, candidates).unwrap_or(rule);
-            *self.last_side.lock().expect("side lock") = Some(side);
-            return Ok((side, None));
-        }
-        let (side, timing) = crate::auto::choose(cell, candidates);
         *self.last_side.lock().expect("side lock") = Some(side);
-        let timer = match timing {
-            Some(timing) => Some(timing.start(device)?),
-            None => None,
-        };
+        let timer = timing.map(|t| t.start(x.device())).transpose()?;
         Ok((side, timer))
     }
 
@@ -86,7 +76,8 @@ impl SparseMlp {
             (false, true) => Side::Products,
             (false, false) => Side::Dense,
         };
-        if !self.times_auto(x, want_l1) {
+        // `Auto` times its candidates at inference, unless the caller set a break-even.
+        if !(self.auto_inference(x, want_l1) && self.break_even.is_none()) {
             return Ok(AutoCell::Rule(rule));
         }
         // Before a density is known the sparse path runs, and measures it.
@@ -133,12 +124,11 @@ impl SparseMlp {
         *self.last_side.lock().expect("side lock")
     }
 
-    /// Whether `Auto` decides a call on `x` by timing its candidates: at inference (no
-    /// autograd, frozen weights), on a ReLU MLP without biases, with the plain L1 term
-    /// if one is asked for, and no break-even set by the caller.
-    pub(super) fn times_auto(&self, x: &Tensor, want_l1: bool) -> bool {
+    /// Whether a call on `x` is `Auto` at inference (no autograd, frozen weights) on a
+    /// ReLU MLP without biases, with the plain L1 term if one is asked for: the calls
+    /// that may take the products path, and that `Auto` times.
+    fn auto_inference(&self, x: &Tensor, want_l1: bool) -> bool {
         self.mode == FfnMode::Auto
-            && self.break_even.is_none()
             && self.bias.is_none()
             && self.activation == Activation::Relu
             && (!want_l1 || self.l1_term == L1Term::Plain)
@@ -188,14 +178,8 @@ impl SparseMlp {
     /// that also counts the active neurons) instead of candle's three matmuls: on a GPU,
     /// for inference (the op has no backward), with ReLU and the plain L1 term. `Dense`
     /// stays candle's own MLP, the reference the benchmarks compare against.
-    pub(super) fn dense_side_runs_products(&self, x2: &Tensor, want_l1: bool) -> bool {
-        self.mode == FfnMode::Auto
-            && self.bias.is_none()
-            && self.activation == Activation::Relu
-            && (!want_l1 || self.l1_term == L1Term::Plain)
-            && !x2.track_op()
-            && [&self.gate, &self.up, &self.down].into_iter().all(frozen)
-            && crate::products_run(x2, self.ffn())
+    fn dense_side_runs_products(&self, x2: &Tensor, want_l1: bool) -> bool {
+        self.auto_inference(x2, want_l1) && crate::products_run(x2, self.ffn())
     }
 
     /// Whether this call should measure the density: every `recheck_calls` calls in
