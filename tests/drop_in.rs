@@ -14,7 +14,7 @@ use sparse_llama::AttentionPath;
 fn same_logits_as_candle_transformers_llama() {
     let dev = Device::Cpu;
     let hf = tiny_config("silu", 256);
-    let ours_cfg = hf.clone().into_config(false).unwrap();
+    let ours_cfg = hf.clone().into_config(false);
     let w = tiny_weights(&ours_cfg, 1);
     let theirs_cfg: candle_llama::LlamaConfig =
         serde_json::from_value(serde_json::to_value(&hf).unwrap()).unwrap();
@@ -94,7 +94,7 @@ fn same_logits_as_candle_transformers_llama() {
 #[test]
 fn folded_mlp_norms_keep_a_sparse_models_logits() {
     let dev = Device::Cpu;
-    let cfg = tiny_config("relu", 256).into_config(false).unwrap();
+    let cfg = tiny_config("relu", 256).into_config(false);
     let w = tiny_weights(&cfg, 2);
     let load = |fold: bool, path: AttentionPath| {
         let mut model =

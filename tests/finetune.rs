@@ -27,7 +27,7 @@ fn trainer(l1: f64, steps: usize) -> Trainer {
 
 /// The tiny ReLU model's trainer with the given FFN path and L1 term.
 fn trainer_with(l1: f64, steps: usize, ffn: FfnMode, penalty: Penalty) -> Trainer {
-    let mut cfg = tiny_config("silu", 256).into_config(false).unwrap();
+    let mut cfg = tiny_config("silu", 256).into_config(false);
     cfg.ffn_mode = ffn;
     let w = tiny_weights(&cfg, 11);
     let tc = TrainConfig {
@@ -84,7 +84,7 @@ fn loss_falls_and_l1_lowers_l0() {
 #[test]
 fn bf16_training_computes_in_bf16_on_f32_masters() {
     let data = PackedData::new(&corpus_tokens(), 32).unwrap();
-    let mut cfg = tiny_config("silu", 256).into_config(false).unwrap();
+    let mut cfg = tiny_config("silu", 256).into_config(false);
     cfg.ffn_mode = FfnMode::Sparse;
     let tc = TrainConfig {
         seq_len: 32,
@@ -248,7 +248,7 @@ fn fused_sparse_training_saves_hf_layout_and_resumes_on_either_path() {
 
 #[test]
 fn bad_training_settings_and_resume_dirs_are_rejected() {
-    let cfg = tiny_config("relu", 256).into_config(false).unwrap();
+    let cfg = tiny_config("relu", 256).into_config(false);
     let w = tiny_weights(&cfg, 1);
     for bad in [
         TrainConfig {
@@ -515,7 +515,7 @@ fn activity_statistics_can_be_switched_off_and_on() {
 fn tiny_teacher() -> sparse_llama::Llama {
     let mut config = tiny_config("silu", 256);
     config.tie_word_embeddings = Some(false);
-    let cfg = config.into_config(false).unwrap();
+    let cfg = config.into_config(false);
     let mut weights = tiny_weights(&cfg, 29);
     // The head of another seed's weights, so that every call builds the same teacher.
     let head = tiny_weights(&cfg, 30)
@@ -584,7 +584,7 @@ fn distill_beside_plain(
 fn teacher_shaped(edit: impl FnOnce(&mut sparse_llama::LlamaConfig)) -> sparse_llama::Llama {
     let mut config = tiny_config("silu", 256);
     edit(&mut config);
-    let cfg = config.into_config(false).unwrap();
+    let cfg = config.into_config(false);
     let vb = candle_nn::VarBuilder::from_tensors(tiny_weights(&cfg, 3), DType::F32, &Device::Cpu);
     sparse_llama::Llama::load(vb, &cfg).unwrap()
 }
@@ -634,7 +634,7 @@ fn a_target_read_on_validation_text_steers_by_the_calibrated_density() {
         .get_ids()
         .to_vec();
     let val_data = PackedData::new(&other, 32).unwrap();
-    let mut cfg = tiny_config("silu", 256).into_config(false).unwrap();
+    let mut cfg = tiny_config("silu", 256).into_config(false);
     cfg.ffn_mode = FfnMode::Sparse;
     let target = 0.2;
     let tc = TrainConfig {

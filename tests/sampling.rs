@@ -8,7 +8,7 @@ use sparse_llama::{Cache, Llama};
 use sparse_train::sample::{sample_batch, BatchSampling};
 
 fn tiny_model() -> Llama {
-    let cfg = common::tiny_config("relu", 128).into_config(false).unwrap();
+    let cfg = common::tiny_config("relu", 128).into_config(false);
     let w = common::tiny_weights(&cfg, 11);
     Llama::load(
         candle_nn::VarBuilder::from_tensors(w, DType::F32, &Device::Cpu),

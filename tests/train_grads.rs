@@ -16,7 +16,7 @@ fn model_with_vars(mode: FfnMode) -> (sparse_llama::Llama, VarMap) {
         compression: 8,
         l1_coefficient: None,
     });
-    let mut cfg = hf.into_config(false).unwrap();
+    let mut cfg = hf.into_config(false);
     cfg.ffn_mode = mode;
     let w = tiny_weights(&cfg, 3);
     let varmap = VarMap::new();

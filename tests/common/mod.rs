@@ -114,7 +114,7 @@ pub fn tiny_checkpoint(
     seed: u64,
 ) -> (tempfile::TempDir, Config, HashMap<String, Tensor>) {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = tiny_config(hidden_act, ffn).into_config(false).unwrap();
+    let cfg = tiny_config(hidden_act, ffn).into_config(false);
     let w = tiny_weights(&cfg, seed);
     sparse_llama::checkpoint::save_hf(dir.path(), &w, &cfg, &tiny_tokenizer(), None, DType::F32)
         .unwrap();

@@ -10,6 +10,7 @@ use candle_nn::VarBuilder;
 use tokenizers::Tokenizer;
 use twell::{Activation, FfnMode};
 
+use crate::adapter::LoraAdapter;
 use crate::config::{Config, LlamaConfig};
 use crate::error::{err, LlamaError};
 use crate::gguf::load_gguf;
@@ -143,7 +144,7 @@ impl Checkpoint {
 
     /// The runtime config with `opts` applied.
     pub fn runtime_config(&self, opts: &LoadOptions) -> Result<Config> {
-        let mut cfg = self.config.clone().into_config(false)?;
+        let mut cfg = self.config.clone().try_into_config(false)?;
         if let Some(a) = opts.activation {
             cfg.activation = a;
         }
@@ -197,6 +198,23 @@ impl Checkpoint {
                 Ok(out)
             }
         }
+    }
+
+    /// Merges a LoRA adapter ([`crate::adapter`]) into the weights, checking first that
+    /// this checkpoint's file is the base it was trained on, and takes the adapter's
+    /// activation (a sparse fine-tune's is ReLU).
+    pub fn with_adapter(mut self, adapter: &LoraAdapter) -> Result<Self> {
+        if self.source.is_file() {
+            adapter.check_base(&self.source)?;
+        }
+        let mut tensors = match self.weights {
+            Weights::Tensors(t) => t,
+            Weights::Safetensors(_) => self.tensors(DType::F32, &Device::Cpu)?,
+        };
+        adapter.merge_into(&mut tensors)?;
+        self.weights = Weights::Tensors(tensors);
+        self.config.hidden_act = adapter.activation()?.hf_name().into();
+        Ok(self)
     }
 
     /// How to lay out a chat prompt for this model.

@@ -65,6 +65,9 @@ pub struct GenerationStats {
     /// Mean FFN density (fraction of d_ff active) over layers and generated tokens,
     /// when the model was asked to record it.
     pub mean_ffn_density: Option<f64>,
+    /// How many layer calls of the decode steps ran each FFN path ("sparse",
+    /// "products", "dense"), as each MLP reports the side it ran.
+    pub decode_ffn_paths: std::collections::BTreeMap<String, usize>,
 }
 
 impl GenerationStats {
@@ -143,7 +146,12 @@ pub fn generate(
         return Err(LlamaError::Invalid("the prompt encodes to no tokens".into()).into());
     }
     let max_pos = model.config().max_position_embeddings;
-    if prompt.len() + cfg.max_new_tokens > max_pos {
+    // Checked: a huge max_new_tokens must not wrap around and pass.
+    if prompt
+        .len()
+        .checked_add(cfg.max_new_tokens)
+        .is_none_or(|end| end > max_pos)
+    {
         return Err(LlamaError::Invalid(format!(
             "prompt ({}) + max new tokens ({}) exceeds the model's {} positions",
             prompt.len(),
@@ -174,6 +182,12 @@ pub fn generate(
         if step > 0 {
             if let Some(d) = mean_density(model)? {
                 densities.push(d);
+            }
+            for side in model.mlps().filter_map(|m| m.last_side()) {
+                *stats
+                    .decode_ffn_paths
+                    .entry(side.name().into())
+                    .or_default() += 1;
             }
         }
         let logits = if cfg.repeat_penalty != 1.0 {

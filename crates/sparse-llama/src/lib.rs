@@ -5,6 +5,7 @@
 //! generation, perplexity and per-layer sparsity statistics. The fine-tuning that
 //! makes a checkpoint sparse is the `sparse-train` crate.
 
+pub mod adapter;
 pub mod checkpoint;
 pub mod config;
 pub mod corpus;
@@ -17,6 +18,9 @@ pub mod sparsity;
 pub mod synthetic;
 pub mod tokenizer;
 
-pub use config::{Config, LlamaConfig, LlamaEosToks, SparseSettings};
+pub use config::{
+    Config, Llama3RopeConfig, Llama3RopeType, LlamaConfig, LlamaEosToks, SparseSettings,
+    DEFAULT_MAX_SEQ_LEN,
+};
 pub use error::LlamaError;
 pub use model::{AttentionPath, Cache, Llama, SparseLlama, TrainOutput};

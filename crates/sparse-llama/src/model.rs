@@ -101,10 +101,13 @@ fn rope_tables(
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
     let head_dim = cfg.head_dim();
-    let inv_freq: Vec<f32> = (0..head_dim)
+    let mut inv_freq: Vec<f32> = (0..head_dim)
         .step_by(2)
         .map(|i| 1f32 / cfg.rope_theta.powf(i as f32 / head_dim as f32))
         .collect();
+    if let Some(scaling) = &cfg.rope_scaling {
+        scaling.scale_inv_freq(&mut inv_freq);
+    }
     let n = inv_freq.len();
     let inv_freq = Tensor::from_vec(inv_freq, (1, n), device)?;
     let t = Tensor::arange(0u32, positions as u32, device)?
@@ -134,6 +137,7 @@ fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<Tens
 
 impl Cache {
     pub fn new(use_kv_cache: bool, dtype: DType, config: &Config, device: &Device) -> Result<Self> {
+        config.validate()?;
         let (cos, sin) = rope_tables(config, config.max_position_embeddings, dtype, device)?;
         let rope = RopeTable::new(&cos, &sin)?;
         Ok(Self {
@@ -541,6 +545,7 @@ pub struct TrainOutput {
 
 impl Llama {
     pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        cfg.validate()?;
         let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("model.embed_tokens"))?;
         let lm_head = if cfg.tie_word_embeddings {
             Linear::new(embed_tokens.embeddings().clone(), None)
@@ -592,6 +597,14 @@ impl Llama {
         Ok(())
     }
 
+    /// Builds each MLP's inference-only structures now rather than at its first call
+    /// ([`twell::SparseMlp::prepare_inference`]).
+    pub fn prepare_inference(&self) -> Result<()> {
+        self.blocks
+            .iter()
+            .try_for_each(|b| b.mlp.prepare_inference())
+    }
+
     /// Whether [`Llama::fold_mlp_norms`] has run.
     pub fn are_mlp_norms_folded(&self) -> bool {
         self.blocks.iter().any(|b| b.mlp.pre_norm_folded())
@@ -632,7 +645,7 @@ impl Llama {
         &self,
         tokens: &Tensor,
         index_pos: usize,
-        mut cache: Option<&mut Cache>,
+        cache: Option<&mut Cache>,
         pass: Pass,
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let (b, t) = tokens.dims2()?;
@@ -649,6 +662,28 @@ impl Llama {
                  the model again to train"
             );
         }
+        // The residual stream is `[b · t, hidden]` rows from here to the last norm: a
+        // reshape is an autograd node, and the backward pays each node a zeros tensor and
+        // an add over its size, so the block keeps the shape its matmuls and norms take.
+        let ids = tokens.flatten_all()?;
+        // Training takes our embedding op for its one-pass backward (candle's is an
+        // `index_add` on two thread blocks); it checks the ids, a read-back per pass.
+        let x = match pass {
+            Pass::Train => fused_ops::embedding(&ids, self.embed_tokens.embeddings())?,
+            Pass::Inference => self.embed_tokens.forward(&ids)?,
+        };
+        self.run_embedded(x, (b, t), index_pos, cache, pass)
+    }
+
+    /// [`Self::run`] from the embedded rows `x [b · t, hidden]` on.
+    fn run_embedded(
+        &self,
+        mut x: Tensor,
+        (b, t): (usize, usize),
+        index_pos: usize,
+        mut cache: Option<&mut Cache>,
+        pass: Pass,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
         if index_pos + t > self.config.max_position_embeddings {
             candle_core::bail!(
                 "sequence reaches position {} but the model supports {}",
@@ -656,16 +691,6 @@ impl Llama {
                 self.config.max_position_embeddings
             );
         }
-        // The residual stream is `[b · t, hidden]` rows from here to the last norm: a
-        // reshape is an autograd node, and the backward pays each node a zeros tensor and
-        // an add over its size, so the block keeps the shape its matmuls and norms take.
-        let ids = tokens.flatten_all()?;
-        // Training takes our embedding op for its one-pass backward (candle's is an
-        // `index_add` on two thread blocks); it checks the ids, a read-back per pass.
-        let mut x = match pass {
-            Pass::Train => fused_ops::embedding(&ids, self.embed_tokens.embeddings())?,
-            Pass::Inference => self.embed_tokens.forward(&ids)?,
-        };
         let rows_to_batch = |h: Tensor| h.reshape((b, t, self.config.hidden_size));
         let cached = cache.as_deref().is_some_and(|c| c.use_kv_cache);
         let fused = match self.attention_path {
@@ -782,6 +807,31 @@ impl Llama {
         let (_, t) = x.dims2()?;
         let (h, _) = self.run(x, index_pos, Some(cache), Pass::Inference)?;
         let last = h.i((.., t - 1, ..))?.contiguous()?;
+        self.lm_head.forward(&last)?.to_dtype(DType::F32)
+    }
+
+    /// [`Self::forward`] from input embeddings `[b, t, hidden]` instead of token ids
+    /// (as candle-transformers, for models such as LLaVA that splice in other
+    /// embeddings).
+    pub fn forward_input_embed(
+        &self,
+        input_embed: &Tensor,
+        index_pos: usize,
+        cache: &mut Cache,
+    ) -> Result<Tensor> {
+        let (b, t, h) = input_embed.dims3()?;
+        if h != self.config.hidden_size {
+            candle_core::bail!(
+                "forward_input_embed: embeddings of width {h}, the model's hidden size is {}",
+                self.config.hidden_size
+            );
+        }
+        let x = input_embed
+            .to_dtype(self.dtype())?
+            .reshape((b * t, h))?
+            .contiguous()?;
+        let (hidden, _) = self.run_embedded(x, (b, t), index_pos, Some(cache), Pass::Inference)?;
+        let last = hidden.i((.., t - 1, ..))?.contiguous()?;
         self.lm_head.forward(&last)?.to_dtype(DType::F32)
     }
 

@@ -45,7 +45,7 @@ pub fn config(
         "eos_token_id": 257
     }))
     .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    hf.into_config(false)
+    hf.try_into_config(false)
 }
 
 /// Weights (HF names) for `cfg` with FFN density about `density`, made on the CPU in

@@ -136,6 +136,16 @@ impl ChatFormat {
         Ok(Self::ChatMl { default_system })
     }
 
+    /// A conversation's opening up to where the user's first message begins (the
+    /// system turn, then the user's header): a prompt from which a model writes a whole
+    /// exchange, the user's message and the reply, as chat text to train on.
+    pub fn user_turn_opening(&self, system: Option<&str>) -> String {
+        let full = self.prompt(system, "");
+        let header = "<|im_start|>user\n";
+        let end = full.find(header).map_or(full.len(), |at| at + header.len());
+        full[..end].to_string()
+    }
+
     /// The prompt for one user turn, ready for the assistant's reply.
     pub fn prompt(&self, system: Option<&str>, user: &str) -> String {
         match self {

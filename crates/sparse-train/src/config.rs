@@ -3,6 +3,7 @@
 use candle_core::{DType, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::lora::LoraSpec;
 use crate::penalty::{DensityText, Penalty};
 
 /// Everything that shapes a run (saved with each checkpoint).
@@ -58,6 +59,10 @@ pub struct TrainConfig {
     /// a teacher ([`crate::Trainer::set_teacher`]).
     #[serde(default)]
     pub distill: f64,
+    /// Train low-rank adapters over frozen weights instead of every weight
+    /// ([`crate::lora`]); needs the dense FFN.
+    #[serde(default)]
+    pub lora: Option<LoraSpec>,
 }
 
 impl Default for TrainConfig {
@@ -84,6 +89,7 @@ impl Default for TrainConfig {
             l1_target_anneal_steps: 0,
             l1_target_text: DensityText::Training,
             distill: 0.0,
+            lora: None,
         }
     }
 }
@@ -106,6 +112,9 @@ impl TrainConfig {
         if self.l1 < 0.0 || !self.l1.is_finite() || self.weight_decay < 0.0 || self.clip_norm < 0.0
         {
             return bad("l1, weight_decay and clip_norm >= 0");
+        }
+        if let Some(lora) = &self.lora {
+            lora.validate()?;
         }
         if !(0.0..=1.0).contains(&self.distill) {
             return bad("the distillation weight must be in [0, 1]");

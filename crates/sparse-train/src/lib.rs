@@ -10,6 +10,7 @@
 //! * [`config`]: everything that shapes a run ([`TrainConfig`]);
 //! * [`data`]: text packed into training sequences ([`PackedData`]), and [`sample`],
 //!   more text sampled from the model itself;
+//! * [`lora`]: low-rank adapters over frozen weights, a run small enough to ship;
 //! * [`optim`]: AdamW whose state can be saved, on f32 master weights;
 //! * [`fused_mlp`]: the up and down projections as one trainable matrix, the layout the
 //!   TwELL kernels read.
@@ -17,6 +18,7 @@
 pub mod config;
 pub mod data;
 pub mod fused_mlp;
+pub mod lora;
 pub mod optim;
 pub mod penalty;
 pub mod sample;
@@ -24,5 +26,6 @@ pub mod train;
 
 pub use config::TrainConfig;
 pub use data::PackedData;
+pub use lora::{LoraSpec, LORA_MODULES};
 pub use penalty::{DensityText, L1Controller, Penalty};
 pub use train::{StepLog, Trainer, Validation};

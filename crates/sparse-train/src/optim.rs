@@ -28,9 +28,10 @@ impl Default for AdamWConfig {
 }
 
 /// The weight decay of parameter `name`: none for biases, whose decay would pull the
-/// MLP's gate thresholds back to zero, against the sparsity they are there for.
+/// MLP's gate thresholds back to zero, against the sparsity they are there for, nor for
+/// LoRA's row scales, which start at 1 and would be pulled towards 0.
 fn decay_for(name: &str, weight_decay: f64) -> f64 {
-    if name.ends_with(".bias") {
+    if name.ends_with(".bias") || name.ends_with(".row_scale") {
         0.0
     } else {
         weight_decay

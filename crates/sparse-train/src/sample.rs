@@ -50,7 +50,10 @@ pub fn sample_batch(
         ));
     }
     let max_pos = model.config().max_position_embeddings;
-    if len + cfg.max_new_tokens > max_pos {
+    if len
+        .checked_add(cfg.max_new_tokens)
+        .is_none_or(|end| end > max_pos)
+    {
         return invalid(format!(
             "prompt ({len}) + new tokens ({}) exceeds the model's {max_pos} positions",
             cfg.max_new_tokens

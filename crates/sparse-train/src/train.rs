@@ -16,19 +16,23 @@
 //! ([`crate::PackedData`]); AdamW (our own, so its state can be saved) with warm-up +
 //! cosine decay, gradient clipping and accumulation; f32 master weights. Checkpoints are
 //! HF directories plus the optimizer and trainer state, so a run can be resumed exactly.
+//! With LoRA ([`crate::lora`]) the weights stay frozen and only low-rank factors train.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
+use sparse_llama::adapter::LoraFactor;
 use sparse_llama::checkpoint::save_hf;
 use sparse_llama::model::{Cache, Llama};
 use sparse_llama::Config;
 
 use crate::config::TrainConfig;
 use crate::data::PackedData;
+use crate::lora::LoraState;
 use crate::optim::{clip_scale, grad_norm, lr_at, AdamW, AdamWConfig};
 use crate::penalty::L1Controller;
 
@@ -180,6 +184,8 @@ pub struct Trainer {
     l1_controller: L1Controller,
     /// The model distilled from ([`TrainConfig::distill`]): frozen, dense.
     teacher: Option<Teacher>,
+    /// With [`TrainConfig::lora`]: the frozen base the factors merge into.
+    lora: Option<LoraState>,
 }
 
 /// The distillation teacher and the cache its forward passes reuse (no keys and values
@@ -217,6 +223,18 @@ impl Trainer {
             masters = crate::fused_mlp::fuse_map(masters)?;
         }
         let dtype = cfg.dtype();
+        // With LoRA the weights become the frozen base and the variables are the factors.
+        let lora = match cfg.lora.clone() {
+            Some(spec) => {
+                if fused_up_down {
+                    candle_core::bail!("LoRA trains through the dense FFN: use the dense FFN mode");
+                }
+                let (state, factors) = LoraState::new(spec, masters, dtype, cfg.seed)?;
+                masters = factors;
+                Some(state)
+            }
+            None => None,
+        };
         let varmap = VarMap::new();
         {
             let mut data = varmap.data().lock().expect("varmap lock");
@@ -224,7 +242,13 @@ impl Trainer {
                 data.insert(name.clone(), Var::from_tensor(&t.to_dtype(dtype)?)?);
             }
         }
-        let model = Self::build(&varmap, &model_cfg, &cfg, device)?;
+        let model = match &lora {
+            Some(state) => {
+                let factors = Self::variables(&varmap);
+                Self::build_merged(state, &factors, &model_cfg, &cfg, device)?
+            }
+            None => Self::build(&varmap, &model_cfg, &cfg, device)?,
+        };
         let params = varmap
             .data()
             .lock()
@@ -255,7 +279,71 @@ impl Trainer {
             fused_up_down,
             l1_controller: L1Controller::default(),
             teacher: None,
+            lora,
         })
+    }
+
+    /// The variables by name, as tensors.
+    fn variables(varmap: &VarMap) -> HashMap<String, Tensor> {
+        varmap
+            .data()
+            .lock()
+            .expect("varmap lock")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect()
+    }
+
+    /// The model on the base with the adapters merged in, differentiable in the factors.
+    fn build_merged(
+        lora: &LoraState,
+        factors: &HashMap<String, Tensor>,
+        model_cfg: &Config,
+        cfg: &TrainConfig,
+        device: &Device,
+    ) -> Result<Llama> {
+        let vb = VarBuilder::from_tensors(lora.merged(factors, false)?, cfg.dtype(), device);
+        let mut model = Llama::load(vb, model_cfg)?;
+        model.record_ffn_stats(!cfg.no_activity_stats);
+        model.set_l1_term(cfg.penalty.term());
+        Ok(model)
+    }
+
+    /// With LoRA, rebuilds the model on the factors as they are now: the optimizer
+    /// updates the factors in place, but the merged weights are a product of them.
+    fn refresh_merged(&mut self) -> Result<()> {
+        if let Some(lora) = &self.lora {
+            let factors = Self::variables(&self.varmap);
+            self.model =
+                Self::build_merged(lora, &factors, &self.model_cfg, &self.cfg, &self.device)?;
+        }
+        Ok(())
+    }
+
+    /// The factors of a LoRA run (from the f32 masters in bf16 training), in f32 on the
+    /// CPU; `None` for a run that trains every weight.
+    pub fn lora_factors(&self) -> Result<Option<Vec<LoraFactor>>> {
+        let Some(lora) = &self.lora else {
+            return Ok(None);
+        };
+        let factors = match self.opt.masters()? {
+            Some(m) => m,
+            None => Self::variables(&self.varmap),
+        };
+        lora.factors(&factors).map(Some)
+    }
+
+    /// How a LoRA run changed the weights it trains fully ([`crate::LoraSpec::full`]),
+    /// in f32 on the CPU; empty for other runs.
+    pub fn lora_full_deltas(&self) -> Result<Vec<(String, Tensor)>> {
+        let Some(lora) = &self.lora else {
+            return Ok(Vec::new());
+        };
+        let factors = match self.opt.masters()? {
+            Some(m) => m,
+            None => Self::variables(&self.varmap),
+        };
+        lora.full_deltas(&factors)
     }
 
     /// The model on the variables (f32, or bf16 on the optimizer's f32 masters). Built
@@ -348,6 +436,7 @@ impl Trainer {
         for micro in 0..self.cfg.grad_accum {
             let index = self.step * self.cfg.grad_accum + micro;
             let batch = data.batch(index, self.cfg.batch_size, self.cfg.seed, &self.device)?;
+            self.refresh_merged()?;
             let (loss, parts) = self.micro_batch_loss(&batch, l1_coefficient)?;
             phases.forward += clock.lap()?;
             self.accumulate_gradients(&loss, &mut grads)?;
@@ -508,6 +597,7 @@ impl Trainer {
     pub fn validate(&mut self, data: &PackedData, batches: usize) -> Result<Validation> {
         // Without keys and values a cache holds only RoPE tables and masks: one serves
         // every batch.
+        self.refresh_merged()?;
         let mut cache = Cache::new(false, self.cfg.dtype(), &self.model_cfg, &self.device)?;
         let (mut sum, mut n) = (0f64, 0usize);
         let (mut l0_sum, mut l0_n) = (0f64, 0usize);
@@ -553,6 +643,13 @@ impl Trainer {
     /// The trained weights, HF-named, in f32 (with bf16 training, the optimizer's
     /// masters).
     pub fn weights(&self) -> Result<std::collections::HashMap<String, Tensor>> {
+        if let Some(lora) = &self.lora {
+            let factors = match self.opt.masters()? {
+                Some(m) => m,
+                None => Self::variables(&self.varmap),
+            };
+            return lora.merged(&factors, true);
+        }
         let weights = match self.opt.masters()? {
             Some(masters) => masters,
             None => self
@@ -601,6 +698,11 @@ impl Trainer {
     /// been loaded into this trainer): restores the optimizer, the step and where a
     /// target density had taken λ.
     pub fn resume(&mut self, dir: &Path) -> Result<()> {
+        if self.lora.is_some() {
+            candle_core::bail!(
+                "a LoRA run cannot resume: its checkpoints hold the merged weights, not the base; start it again"
+            );
+        }
         let text = std::fs::read_to_string(dir.join("trainer_state.json")).map_err(|e| {
             candle_core::Error::Msg(format!(
                 "{}: {e} (not a fine-tune checkpoint?)",

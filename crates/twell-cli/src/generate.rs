@@ -110,7 +110,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     )?;
     println!();
     eprintln!(
-        "prompt {} tokens, {:.1} tokens/s | generated {} tokens, {:.1} tokens/s{} | ffn {:?} on {:?} {:?}",
+        "prompt {} tokens, {:.1} tokens/s | generated {} tokens, {:.1} tokens/s{} | ffn {}{} on {:?} {:?}",
         stats.prompt_tokens,
         stats.prefill_tokens_per_sec(),
         stats.generated_tokens,
@@ -119,7 +119,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             Some(d) => format!(" | mean FFN density {:.2}%", 100.0 * d),
             None => String::new(),
         },
-        model.config().ffn_mode,
+        model.config().ffn_mode.name(),
+        decode_paths(&stats.decode_ffn_paths),
         device.location(),
         model.dtype(),
     );
@@ -128,4 +129,25 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// Which FFN paths the decode steps took, e.g. " (decode: TwELL sparse 100%)".
+fn decode_paths(paths: &std::collections::BTreeMap<String, usize>) -> String {
+    let total: usize = paths.values().sum();
+    if total == 0 {
+        return String::new();
+    }
+    let mut parts: Vec<(&String, &usize)> = paths.iter().collect();
+    parts.sort_by(|a, b| b.1.cmp(a.1));
+    let list: Vec<String> = parts
+        .iter()
+        .map(|(name, n)| {
+            let label = match name.as_str() {
+                "sparse" => "TwELL sparse",
+                other => other,
+            };
+            format!("{label} {:.0}%", 100.0 * **n as f64 / total as f64)
+        })
+        .collect();
+    format!(" (decode: {})", list.join(", "))
 }

@@ -4,14 +4,29 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
+use sparse_llama::adapter::{self, LoraAdapter};
 use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
 use sparse_llama::Llama;
 use twell::{Activation, FfnMode};
 
 use crate::device::{DeviceSpec, DtypeArg, FfnArg};
 
-/// The default model, as fetched by `scripts/setup.sh`.
+/// The default model's base, as fetched by `scripts/setup.sh`.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The sparse default model: a LoRA adapter (ReLU gate, sparsity fine-tune) over
+/// [`DEFAULT_MODEL_FILE`], which `scripts/setup.sh` installs from the repository's
+/// `models/` into the data directory.
+pub const DEFAULT_ADAPTER_DIR: &str = "smollm2-135m-sparse";
+
+/// What a command runs when no --model is given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DefaultModel {
+    /// The sparse default (base + adapter), unless --dense.
+    Sparse,
+    /// The base alone: what fine-tuning and sampling start from.
+    Base,
+}
 
 /// The data directory: `$TWELL_DATA`, else `./data`.
 pub fn data_dir() -> PathBuf {
@@ -31,6 +46,14 @@ pub struct ModelArgs {
     /// Default: the SmolLM2-135M-Instruct GGUF in the data directory.
     #[arg(long)]
     pub model: Option<String>,
+    /// Merge this LoRA adapter (a PEFT directory, as `finetune --lora-rank` writes)
+    /// into --model's weights.
+    #[arg(long, requires = "model")]
+    pub adapter: Option<PathBuf>,
+    /// Run the default model's dense original (SiLU, no adapter) instead of the sparse
+    /// default: the comparison for the sparse one.
+    #[arg(long, conflicts_with_all = ["model", "adapter"])]
+    pub dense: bool,
     /// Feed-forward path.
     #[arg(long, value_enum, default_value_t = FfnArg::Auto)]
     pub ffn: FfnArg,
@@ -44,6 +67,18 @@ pub struct ModelArgs {
     /// Compute dtype (default: f32 on CPU, bf16 on CUDA).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
+}
+
+/// The installed sparse default adapter, or an error saying how to install it.
+fn default_adapter_dir() -> Result<PathBuf> {
+    let dir = data_dir().join(DEFAULT_ADAPTER_DIR);
+    if !dir.join(adapter::WEIGHTS_FILE).exists() {
+        bail!(
+            "the sparse default model's adapter {} is missing: run scripts/setup.sh first (or pass --dense for the dense original)",
+            dir.display()
+        );
+    }
+    Ok(dir)
 }
 
 impl ModelArgs {
@@ -86,20 +121,46 @@ impl ModelArgs {
         }
     }
 
+    /// The checkpoint: --model (with --adapter merged), else the sparse default, or its
+    /// dense base with --dense.
     pub fn open(&self) -> Result<Checkpoint> {
+        self.open_as(DefaultModel::Sparse)
+    }
+
+    /// The checkpoint, with `default` deciding what runs when no --model is given.
+    pub fn open_as(&self, default: DefaultModel) -> Result<Checkpoint> {
         let spec = self.model_spec()?;
-        Checkpoint::open(&spec).with_context(|| format!("opening model '{spec}'"))
+        let adapter = match (&self.model, &self.adapter) {
+            (Some(_), Some(dir)) => Some(dir.clone()),
+            (Some(_), None) => None,
+            (None, _) if self.dense || default == DefaultModel::Base => None,
+            (None, _) => Some(default_adapter_dir()?),
+        };
+        let ck = Checkpoint::open(&spec).with_context(|| format!("opening model '{spec}'"))?;
+        let Some(dir) = adapter else {
+            return Ok(ck);
+        };
+        let adapter = LoraAdapter::load(&dir)
+            .with_context(|| format!("loading the adapter {}", dir.display()))?;
+        ck.with_adapter(&adapter)
+            .with_context(|| format!("merging the adapter {} into {spec}", dir.display()))
     }
 
     /// The checkpoint and its model on the chosen device and dtype, q, k and v fused
-    /// (inference: `eval`, `generate`, `sample`).
+    /// (inference: `eval`, `generate`).
     pub fn open_for_inference(&self) -> Result<(Checkpoint, Llama)> {
+        self.open_for_inference_as(DefaultModel::Sparse)
+    }
+
+    /// [`Self::open_for_inference`] with `default` deciding what runs without --model.
+    pub fn open_for_inference_as(&self, default: DefaultModel) -> Result<(Checkpoint, Llama)> {
         let device = self.device()?;
         let dtype = self.dtype(&device);
-        let ck = self.open()?;
+        let ck = self.open_as(default)?;
         let mut model = ck.load_model(dtype, &device, &self.load_options())?;
         model.fuse_qkv()?;
         model.fold_mlp_norms()?;
+        model.prepare_inference()?;
         Ok((ck, model))
     }
 }

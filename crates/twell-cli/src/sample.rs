@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use sparse_train::sample::{sample_batch, BatchSampling};
 
 use crate::corpus_args::CorpusArgs;
-use crate::model_args::ModelArgs;
+use crate::model_args::{DefaultModel, ModelArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct SampleArgs {
@@ -42,6 +42,12 @@ pub struct SampleArgs {
     pub temperature: f64,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Sample whole chat exchanges instead of continuing the training documents: every
+    /// text starts at the chat template's user turn (system message included), and the
+    /// model writes the user's message, then its reply. Texts keep the template's
+    /// markers, which tokenize back into the same special tokens when trained on.
+    #[arg(long)]
+    pub chat: bool,
     /// Directory for the texts (`sample-NNNNNN.txt`, prompt then continuation).
     #[arg(long)]
     pub out: PathBuf,
@@ -54,13 +60,30 @@ pub fn run(args: &SampleArgs) -> Result<()> {
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
         bail!("--temperature must be a finite number >= 0");
     }
-    let (ck, model) = args.model.open_for_inference()?;
+    let (ck, model) = args.model.open_for_inference_as(DefaultModel::Base)?;
     let device = model.device().clone();
     let eos = model.config().eos_ids();
 
+    // A chat text runs through several end-of-turn tokens: it ends at the length cap,
+    // or at an end-of-text token where the vocabulary has one.
+    let (eos, chat_opening) = match args.chat {
+        true => {
+            let opening = ck.chat_format()?.user_turn_opening(None);
+            let ids = ck
+                .tokenizer
+                .encode(opening.as_str(), false)
+                .map_err(anyhow::Error::msg)
+                .context("tokenizing the chat opening")?
+                .get_ids()
+                .to_vec();
+            let end_of_text = ck.tokenizer.token_to_id("<|endoftext|>");
+            (end_of_text.into_iter().collect(), Some(ids))
+        }
+        false => (eos, None),
+    };
     let (train_docs, _) = args.corpus.split()?;
     let tokens = train_docs.tokenize(&ck.tokenizer, eos.first().copied())?;
-    if tokens.len() <= args.prompt_tokens {
+    if chat_opening.is_none() && tokens.len() <= args.prompt_tokens {
         bail!(
             "the training documents hold {} tokens, too few for prompts of {}",
             tokens.len(),
@@ -81,9 +104,12 @@ pub fn run(args: &SampleArgs) -> Result<()> {
     while written < args.count {
         let rows = args.batch.min(args.count - written);
         let prompts: Vec<Vec<u32>> = (0..rows)
-            .map(|_| {
-                let start = rng.random_range(0..tokens.len() - args.prompt_tokens);
-                tokens[start..start + args.prompt_tokens].to_vec()
+            .map(|_| match &chat_opening {
+                Some(opening) => opening.clone(),
+                None => {
+                    let start = rng.random_range(0..tokens.len() - args.prompt_tokens);
+                    tokens[start..start + args.prompt_tokens].to_vec()
+                }
             })
             .collect();
         let cfg = BatchSampling {
@@ -97,7 +123,7 @@ pub fn run(args: &SampleArgs) -> Result<()> {
             let ids: Vec<u32> = prompt.iter().chain(continuation).copied().collect();
             let text = ck
                 .tokenizer
-                .decode(&ids, true)
+                .decode(&ids, !args.chat)
                 .map_err(anyhow::Error::msg)
                 .context("decoding a sampled text")?;
             let path = args.out.join(format!("sample-{written:06}.txt"));

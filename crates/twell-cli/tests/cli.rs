@@ -229,6 +229,27 @@ fn tiny_checkpoint(dir: &std::path::Path) -> (std::path::PathBuf, std::path::Pat
 }
 
 #[test]
+fn generate_refuses_a_max_tokens_that_would_wrap() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = tiny_checkpoint(dir.path());
+    let model = model.to_str().unwrap();
+    for max in ["18446744073709551615", "18446744073709551610", "100000"] {
+        fails_with(
+            &[
+                "generate",
+                "--model",
+                model,
+                "--prompt",
+                "x",
+                "--max-tokens",
+                max,
+            ],
+            "exceeds the model's",
+        );
+    }
+}
+
+#[test]
 fn eval_reports_perplexity_and_per_layer_sparsity() {
     let dir = tempfile::tempdir().unwrap();
     let (model, text) = tiny_checkpoint(dir.path());
@@ -737,6 +758,34 @@ fn bad_finetune_flags_are_rejected() {
         // One document cannot be split into training and held-out text.
         (&["--holdout", "1"], "cannot hold out"),
         (&["--resume", "/no/such/run"], "neither a directory"),
+        (
+            &["--lora-rank", "4"],
+            "--lora-rank trains through the dense FFN",
+        ),
+        (
+            &["--lora-rank", "4", "--ffn", "dense", "--resume", m],
+            "cannot --resume",
+        ),
+        (
+            &["--lora-rank", "0", "--ffn", "dense"],
+            "LoRA rank must be at least 1",
+        ),
+        (
+            &[
+                "--lora-rank",
+                "4",
+                "--ffn",
+                "dense",
+                "--lora-targets",
+                "lm_head",
+            ],
+            "LoRA target 'lm_head'",
+        ),
+        (
+            &["--lora-rank", "4", "--ffn", "dense", "--lora-alpha=-1"],
+            "alpha must be a positive",
+        ),
+        (&["--lora-alpha", "8"], "--lora-rank"),
     ];
     for (flags, needle) in cases {
         let mut args = vec!["finetune", "--model", m, "--data", t, "--out", o];
@@ -744,6 +793,138 @@ fn bad_finetune_flags_are_rejected() {
         fails_with(&args, needle);
     }
     fails_with(&["finetune", "--model", m, "--data", t], "--out");
+}
+
+/// Perplexity from `twell eval ARGS --json`.
+fn eval_perplexity(args: &[&str], json: &std::path::Path) -> f64 {
+    let mut all = vec!["eval", "--json", json.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let (ok, text) = twell(&all);
+    assert!(ok, "twell {all:?}:\n{text}");
+    read_json(json)["perplexity"]["perplexity"]
+        .as_f64()
+        .unwrap()
+}
+
+#[test]
+fn a_lora_finetune_writes_an_adapter_that_merges_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = tiny_checkpoint(dir.path());
+    let docs = tiny_corpus(dir.path());
+    let (m, t) = (model.to_str().unwrap(), docs.to_str().unwrap());
+    let out = dir.path().join("run");
+    let (ok, log) = twell(&[
+        "finetune",
+        "--model",
+        m,
+        "--data",
+        t,
+        "--holdout",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+        "--ffn",
+        "dense",
+        "--seq-len",
+        "16",
+        "--batch",
+        "2",
+        "--steps",
+        "6",
+        "--lr",
+        "1e-2",
+        "--eval-every",
+        "3",
+        "--eval-batches",
+        "1",
+        "--lora-rank",
+        "4",
+        "--lora-full",
+        "gate_proj,up_proj",
+    ]);
+    assert!(ok, "{log}");
+    let adapter = out.join("final/adapter");
+    for f in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "full_deltas.gguf",
+        "twell_adapter.json",
+        "SHA256SUMS",
+    ] {
+        assert!(adapter.join(f).is_file(), "{f} missing");
+    }
+    let config = read_json(&adapter.join("adapter_config.json"));
+    assert_eq!(config["r"], 4);
+    assert_eq!(config["peft_type"], "LORA");
+    // The base plus the adapter is the fine-tuned model: the same perplexity as its
+    // merged checkpoint, within the Q4_0 rounding of the whole weights' deltas.
+    let a = adapter.to_str().unwrap();
+    let common = [
+        "--text",
+        t,
+        "--last",
+        "1",
+        "--context",
+        "16",
+        "--ffn",
+        "dense",
+    ];
+    let final_dir = out.join("final");
+    let mut args = vec!["--model", final_dir.to_str().unwrap()];
+    args.extend_from_slice(&common);
+    let merged = eval_perplexity(&args, &dir.path().join("merged.json"));
+    let mut args = vec!["--model", m, "--adapter", a];
+    args.extend_from_slice(&common);
+    let via_adapter = eval_perplexity(&args, &dir.path().join("adapter.json"));
+    let base = {
+        let mut args = vec!["--model", m];
+        args.extend_from_slice(&common);
+        eval_perplexity(&args, &dir.path().join("base.json"))
+    };
+    assert!(
+        (via_adapter / merged - 1.0).abs() < 0.02,
+        "merged {merged}, base + adapter {via_adapter}"
+    );
+    assert!(
+        (base / merged - 1.0).abs() > 0.02,
+        "training changed nothing: {base}"
+    );
+    // A damaged adapter is named, not merged.
+    let weights = adapter.join("adapter_model.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    std::fs::write(&weights, &bytes[..bytes.len() - 7]).unwrap();
+    fails_with(
+        &["generate", "--model", m, "--adapter", a, "--prompt", "x"],
+        "checksum mismatch",
+    );
+    std::fs::remove_file(&weights).unwrap();
+    fails_with(
+        &["generate", "--model", m, "--adapter", a, "--prompt", "x"],
+        "missing",
+    );
+    fails_with(&["generate", "--adapter", a, "--prompt", "x"], "--model");
+    fails_with(
+        &["generate", "--dense", "--model", m, "--prompt", "x"],
+        "cannot be used with",
+    );
+}
+
+#[test]
+fn the_sparse_default_without_its_adapter_says_how_to_install_it() {
+    let dir = tempfile::tempdir().unwrap();
+    // A data directory with the base model's name but no adapter beside it.
+    std::fs::write(dir.path().join("SmolLM2-135M-Instruct.Q4_1.gguf"), b"GGUF").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_twell"))
+        .args(["generate", "--prompt", "x"])
+        .env("TWELL_DATA", dir.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        text.contains("adapter") && text.contains("run scripts/setup.sh"),
+        "{text}"
+    );
 }
 
 #[test]

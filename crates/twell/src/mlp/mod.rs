@@ -517,6 +517,22 @@ impl SparseMlp {
         Ok(self.up_down.get_or_init(|| w).clone())
     }
 
+    /// Builds now what a sparse inference pass would build on its first call (the
+    /// neuron-major up/down matrix, the host's int8 gate screen), for an MLP that can
+    /// run sparse. Otherwise the first token pays for it, and `Auto`, whose timings are
+    /// shared by the layers of one shape, would time one layer's build as the sparse
+    /// side's cost and pick dense for calls the sparse side wins.
+    pub fn prepare_inference(&self) -> Result<()> {
+        if self.mode == FfnMode::Dense || self.activation != Activation::Relu {
+            return Ok(());
+        }
+        self.up_down()?;
+        if self.use_gate_screen && self.gate.device().is_cpu() && frozen(&self.gate) {
+            self.screen_for(1)?;
+        }
+        Ok(())
+    }
+
     /// Whether a sparse pass of `tokens` tokens uses the int8 gate screen: on the host,
     /// for few tokens, below [`SCREEN_MAX_DENSITY`] (near half density nearly every
     /// neuron is a candidate and the screen only adds its own bytes), and only on frozen
