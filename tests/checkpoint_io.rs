@@ -233,12 +233,33 @@ fn bad_configs_are_rejected_with_the_reason() {
     assert!(load_err(d.path()).contains("hidden_act"));
     let d = broken(|d| edit_config(d, |v| v["num_attention_heads"] = 5.into()));
     assert!(load_err(d.path()).contains("heads"));
+    // Llama 3 RoPE scaling loads (tests/drop_in_program.rs runs it); an incomplete one
+    // names the missing field, another scaling type names itself.
     let d = broken(|d| {
         edit_config(d, |v| {
             v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0})
         })
     });
-    assert!(load_err(d.path()).contains("rope_scaling"));
+    let e = load_err(d.path());
+    assert!(e.contains("low_freq_factor"), "{e}");
+    let d = broken(|d| {
+        edit_config(d, |v| {
+            v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64})
+        })
+    });
+    let e = load_err(d.path());
+    assert!(e.contains("yarn"), "{e}");
+    let d = broken(|d| {
+        edit_config(d, |v| {
+            v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0,
+                "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                "original_max_position_embeddings": 64})
+        })
+    });
+    let e = load_err(d.path());
+    assert!(e.contains("high_freq_factor > low_freq_factor"), "{e}");
     // A config that promises MLP biases the weights do not hold names the missing one.
     let d = broken(|d| edit_config(d, |v| v["mlp_bias"] = true.into()));
     assert!(load_err(d.path()).contains("mlp.gate_proj.bias"));
