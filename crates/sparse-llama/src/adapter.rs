@@ -69,6 +69,10 @@ pub struct TwellAdapterInfo {
     /// The base's file name, for messages.
     #[serde(default)]
     pub base_file: Option<String>,
+    /// The FFN path the merged model runs by default ("dense", "sparse" or "auto"), when
+    /// the adapter's maker chose one: the sparse default model says "sparse".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ffn_mode: Option<String>,
 }
 
 /// One adapted weight: `weight` (HF name, e.g. `model.layers.0.mlp.gate_proj.weight`)
@@ -193,6 +197,18 @@ impl LoraAdapter {
                 self.dir.join(TWELL_FILE).display()
             ))),
         }
+    }
+
+    /// The FFN path the adapter declares, if any.
+    pub fn ffn_mode(&self) -> Result<Option<twell::FfnMode>> {
+        self.info
+            .ffn_mode
+            .as_deref()
+            .map(|m| {
+                m.parse()
+                    .map_err(|e| bad(&self.dir.join(TWELL_FILE), format!("ffn_mode '{m}': {e}")))
+            })
+            .transpose()
     }
 
     /// Reads an adapter directory (checking `SHA256SUMS` first where there is one).

@@ -398,6 +398,7 @@ fn adapter_info(base: &std::path::Path) -> Result<TwellAdapterInfo> {
         hidden_act: Activation::Relu.hf_name().into(),
         base_sha256,
         base_file,
+        ffn_mode: None,
     })
 }
 

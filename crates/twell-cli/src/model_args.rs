@@ -54,9 +54,10 @@ pub struct ModelArgs {
     /// default: the comparison for the sparse one.
     #[arg(long, conflicts_with_all = ["model", "adapter"])]
     pub dense: bool,
-    /// Feed-forward path.
-    #[arg(long, value_enum, default_value_t = FfnArg::Auto)]
-    pub ffn: FfnArg,
+    /// Feed-forward path (default: the one an adapter declares, as the sparse default
+    /// model declares `sparse`; otherwise `auto`).
+    #[arg(long, value_enum)]
+    pub ffn: Option<FfnArg>,
     /// Run the MLP gate with ReLU instead of the checkpoint's activation (a
     /// ReLU-converted model; quality needs fine-tuning).
     #[arg(long)]
@@ -110,8 +111,9 @@ impl ModelArgs {
         }
     }
 
+    /// The FFN path asked for, `auto` when none is.
     pub fn ffn_mode(&self) -> FfnMode {
-        self.ffn.mode()
+        self.ffn.map_or(FfnMode::Auto, FfnArg::mode)
     }
 
     pub fn load_options(&self) -> LoadOptions {
@@ -129,6 +131,12 @@ impl ModelArgs {
 
     /// The checkpoint, with `default` deciding what runs when no --model is given.
     pub fn open_as(&self, default: DefaultModel) -> Result<Checkpoint> {
+        Ok(self.open_with_mode(default)?.0)
+    }
+
+    /// The checkpoint, and the FFN path to run it on: --ffn, else the merged adapter's
+    /// own, else `auto`.
+    fn open_with_mode(&self, default: DefaultModel) -> Result<(Checkpoint, FfnMode)> {
         let spec = self.model_spec()?;
         let adapter = match (&self.model, &self.adapter) {
             (Some(_), Some(dir)) => Some(dir.clone()),
@@ -138,12 +146,19 @@ impl ModelArgs {
         };
         let ck = Checkpoint::open(&spec).with_context(|| format!("opening model '{spec}'"))?;
         let Some(dir) = adapter else {
-            return Ok(ck);
+            return Ok((ck, self.ffn_mode()));
         };
         let adapter = LoraAdapter::load(&dir)
             .with_context(|| format!("loading the adapter {}", dir.display()))?;
-        ck.with_adapter(&adapter)
-            .with_context(|| format!("merging the adapter {} into {spec}", dir.display()))
+        let declared = adapter.ffn_mode()?;
+        let ck = ck
+            .with_adapter(&adapter)
+            .with_context(|| format!("merging the adapter {} into {spec}", dir.display()))?;
+        let mode = match self.ffn {
+            Some(f) => f.mode(),
+            None => declared.unwrap_or(FfnMode::Auto),
+        };
+        Ok((ck, mode))
     }
 
     /// The checkpoint and its model on the chosen device and dtype, q, k and v fused
@@ -156,8 +171,12 @@ impl ModelArgs {
     pub fn open_for_inference_as(&self, default: DefaultModel) -> Result<(Checkpoint, Llama)> {
         let device = self.device()?;
         let dtype = self.dtype(&device);
-        let ck = self.open_as(default)?;
-        let mut model = ck.load_model(dtype, &device, &self.load_options())?;
+        let (ck, mode) = self.open_with_mode(default)?;
+        let options = LoadOptions {
+            ffn_mode: Some(mode),
+            ..self.load_options()
+        };
+        let mut model = ck.load_model(dtype, &device, &options)?;
         model.fuse_qkv()?;
         model.fold_mlp_norms()?;
         model.prepare_inference()?;
