@@ -135,3 +135,44 @@ fn folded_mlp_norms_keep_a_sparse_models_logits() {
     let err = folded.forward_train(&tokens).err().expect("refused");
     assert!(err.to_string().contains("fold_mlp_norms"), "{err}");
 }
+
+/// `quantize_head` swaps the output projection for a Q8_0 copy: the logits stay within
+/// Q8_0's rounding of the f32 head's (prefill and a decode step), the greedy token of
+/// each position stays nearly always the same, and a model so prepared refuses to train.
+#[test]
+fn a_q8_0_head_keeps_the_logits_within_its_rounding() {
+    let dev = Device::Cpu;
+    let cfg = tiny_config("silu", 256).into_config(false);
+    let w = tiny_weights(&cfg, 3);
+    let load = || {
+        sparse_llama::Llama::load(VarBuilder::from_tensors(w.clone(), DType::F32, &dev), &cfg)
+            .unwrap()
+    };
+    let run = |model: &sparse_llama::Llama| {
+        let mut cache = sparse_llama::Cache::new(true, DType::F32, &cfg, &dev).unwrap();
+        let prompt = Tensor::new(&[[5u32, 17, 99, 3, 250, 42, 7, 7, 1, 200]], &dev).unwrap();
+        let a = model.forward_all(&prompt, 0, &mut cache).unwrap();
+        let one = Tensor::new(&[[13u32]], &dev).unwrap();
+        let b = model.forward_all(&one, 10, &mut cache).unwrap();
+        Tensor::cat(&[a, b], 1).unwrap()
+    };
+    let want = run(&load());
+    let mut quantized = load();
+    quantized
+        .quantize_head(candle_core::quantized::GgmlDType::Q8_0)
+        .unwrap();
+    let got = run(&quantized);
+    let err = rel_l2(&got, &want);
+    assert!(err > 0.0 && err < 1e-2, "rel err {err}");
+    let argmax =
+        |t: &Tensor| -> Vec<u32> { t.squeeze(0).unwrap().argmax(1).unwrap().to_vec1().unwrap() };
+    let same = argmax(&got)
+        .iter()
+        .zip(argmax(&want))
+        .filter(|(a, b)| **a == *b)
+        .count();
+    assert!(same >= 10, "{same} of 11 greedy tokens kept");
+    let tokens = Tensor::new(&[[5u32, 17, 99]], &dev).unwrap();
+    let err = quantized.forward_train(&tokens).err().expect("refused");
+    assert!(err.to_string().contains("quantize_head"), "{err}");
+}

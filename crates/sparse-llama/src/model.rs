@@ -511,7 +511,7 @@ pub struct Llama {
     embed_tokens: Embedding,
     blocks: Vec<Block>,
     norm: Norm,
-    lm_head: Linear,
+    lm_head: Head,
     config: Config,
     attention_path: AttentionPath,
 }
@@ -532,6 +532,23 @@ pub enum AttentionPath {
     Plain,
 }
 
+/// The output projection: candle's `Linear`, or, for inference on the CPU, a quantized
+/// copy of its weight ([`Llama::quantize_head`]).
+#[derive(Debug)]
+enum Head {
+    Linear(Linear),
+    Quantized(candle_core::quantized::QMatMul),
+}
+
+impl Head {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Head::Linear(l) => l.forward(x),
+            Head::Quantized(q) => q.forward(x),
+        }
+    }
+}
+
 /// The name a program uses when it means the sparse-capable model.
 pub type SparseLlama = Llama;
 
@@ -547,11 +564,11 @@ impl Llama {
     pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
         cfg.validate()?;
         let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("model.embed_tokens"))?;
-        let lm_head = if cfg.tie_word_embeddings {
+        let lm_head = Head::Linear(if cfg.tie_word_embeddings {
             Linear::new(embed_tokens.embeddings().clone(), None)
         } else {
             candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
-        };
+        });
         let blocks = (0..cfg.num_hidden_layers)
             .map(|i| Block::load(vb.pp(format!("model.layers.{i}")), cfg))
             .collect::<Result<Vec<_>>>()?;
@@ -603,6 +620,24 @@ impl Llama {
         self.blocks
             .iter()
             .try_for_each(|b| b.mlp.prepare_inference())
+    }
+
+    /// Replaces the output projection by a copy quantized to `dtype` (e.g. Q8_0) for
+    /// inference on the CPU: a decode step reads the whole head (a 49,152 × 576 f32 head
+    /// is 113 MB, as much as all the attention weights of the default model), and a
+    /// quantized matmul reads a quarter of that. The embedding table stays as it was. For
+    /// inference only: [`Llama::forward_train`] refuses a model so prepared.
+    pub fn quantize_head(&mut self, dtype: candle_core::quantized::GgmlDType) -> Result<()> {
+        let Head::Linear(linear) = &self.lm_head else {
+            return Ok(());
+        };
+        let w = linear.weight();
+        if !w.device().is_cpu() {
+            candle_core::bail!("quantize_head: the quantized head runs on the CPU only");
+        }
+        let q = candle_core::quantized::QTensor::quantize(&w.to_dtype(DType::F32)?, dtype)?;
+        self.lm_head = Head::Quantized(candle_core::quantized::QMatMul::from_qtensor(q)?);
+        Ok(())
     }
 
     /// Whether [`Llama::fold_mlp_norms`] has run.
@@ -844,6 +879,12 @@ impl Llama {
     /// Differentiable forward over whole sequences (no cache): all logits and the L1 term
     /// averaged over layers.
     pub fn forward_train(&self, x: &Tensor) -> Result<TrainOutput> {
+        if matches!(self.lm_head, Head::Quantized(_)) {
+            candle_core::bail!(
+                "this model's head is quantized for inference (quantize_head): its gradient \
+                 would reach no trained variable; load the model again to train"
+            );
+        }
         let (h, l1) = self.run(x, 0, None, Pass::Train)?;
         // In the model's dtype: the loss reads bf16 logits itself (`fused_ops::
         // cross_entropy`), where an f32 copy would be the largest tensor of the step.

@@ -68,6 +68,18 @@ pub struct ModelArgs {
     /// Compute dtype (default: f32 on CPU, bf16 on CUDA).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
+    /// The output projection's weights for inference on the CPU: q8_0 (a quantized copy,
+    /// a quarter of the bytes a decode step reads from it) or the model's own f32.
+    #[arg(long, value_enum, default_value_t = HeadArg::Q8_0)]
+    pub head: HeadArg,
+}
+
+/// `--head`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadArg {
+    #[value(name = "q8_0")]
+    Q8_0,
+    F32,
 }
 
 /// The installed sparse default adapter, or an error saying how to install it.
@@ -180,6 +192,9 @@ impl ModelArgs {
         model.fuse_qkv()?;
         model.fold_mlp_norms()?;
         model.prepare_inference()?;
+        if self.head == HeadArg::Q8_0 && device.is_cpu() && dtype == DType::F32 {
+            model.quantize_head(candle_core::quantized::GgmlDType::Q8_0)?;
+        }
         Ok((ck, model))
     }
 }

@@ -101,6 +101,10 @@ fn bad_generate_flags_are_rejected() {
         &["generate", "--prompt", "x", "--dtype", "f8"],
         "invalid value 'f8' for '--dtype",
     );
+    fails_with(
+        &["generate", "--prompt", "x", "--head", "q4"],
+        "invalid value 'q4' for '--head",
+    );
     fails_with(&["generate"], "--prompt");
 }
 
