@@ -136,11 +136,12 @@ fn folded_mlp_norms_keep_a_sparse_models_logits() {
     assert!(err.to_string().contains("fold_mlp_norms"), "{err}");
 }
 
-/// `quantize_head` swaps the output projection for a Q8_0 copy: the logits stay within
-/// Q8_0's rounding of the f32 head's (prefill and a decode step), the greedy token of
-/// each position stays nearly always the same, and a model so prepared refuses to train.
+/// `quantize_for_cpu` runs the attention projections and the head through Q8_0 copies:
+/// the logits stay within Q8_0's rounding of the f32 model's (prefill and a decode
+/// step), the greedy token of each position nearly always the same, and a model so
+/// prepared refuses to train.
 #[test]
-fn a_q8_0_head_keeps_the_logits_within_its_rounding() {
+fn q8_0_attention_and_head_keep_the_logits_within_their_rounding() {
     let dev = Device::Cpu;
     let cfg = tiny_config("silu", 256).into_config(false);
     let w = tiny_weights(&cfg, 3);
@@ -158,9 +159,11 @@ fn a_q8_0_head_keeps_the_logits_within_its_rounding() {
     };
     let want = run(&load());
     let mut quantized = load();
-    quantized
-        .quantize_head(candle_core::quantized::GgmlDType::Q8_0)
-        .unwrap();
+    let q8 = candle_core::quantized::GgmlDType::Q8_0;
+    let e = quantized.quantize_for_cpu(q8).unwrap_err().to_string();
+    assert!(e.contains("fuse_qkv"), "{e}");
+    quantized.fuse_qkv().unwrap();
+    quantized.quantize_for_cpu(q8).unwrap();
     let got = run(&quantized);
     let err = rel_l2(&got, &want);
     assert!(err > 0.0 && err < 1e-2, "rel err {err}");
@@ -174,5 +177,8 @@ fn a_q8_0_head_keeps_the_logits_within_its_rounding() {
     assert!(same >= 10, "{same} of 11 greedy tokens kept");
     let tokens = Tensor::new(&[[5u32, 17, 99]], &dev).unwrap();
     let err = quantized.forward_train(&tokens).err().expect("refused");
-    assert!(err.to_string().contains("quantize_head"), "{err}");
+    assert!(
+        err.to_string().contains("fuse_qkv") || err.to_string().contains("quantize_for_cpu"),
+        "{err}"
+    );
 }

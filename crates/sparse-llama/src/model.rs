@@ -226,6 +226,9 @@ struct CausalSelfAttention {
     /// that projects q and `k | v` apart and turns the keys in place.
     kv_proj: Option<Linear>,
     o_proj: Linear,
+    /// Quantized copies of the stacked q, k, v and of the output projection, for
+    /// inference on the CPU ([`Llama::quantize_for_cpu`]).
+    quantized: Option<QuantizedAttention>,
     num_attention_heads: usize,
     num_key_value_heads: usize,
     head_dim: usize,
@@ -244,6 +247,7 @@ impl CausalSelfAttention {
             qkv_proj: None,
             kv_proj: None,
             o_proj: linear_b(q, h, bias, vb.pp("o_proj"))?,
+            quantized: None,
             num_attention_heads: cfg.num_attention_heads,
             num_key_value_heads: cfg.num_key_value_heads,
             head_dim: hd,
@@ -324,7 +328,13 @@ impl CausalSelfAttention {
                 (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv), false)
             }
             (Some(qkv), _) => {
-                let (q, kv) = fused_ops::rope_qkv(&qkv.forward(x)?, rope, nq, nkv)?;
+                let projected = match &self.quantized {
+                    Some(quantized) if QuantizedAttention::takes(x) => {
+                        quantized.qkv(x, qkv.bias())?
+                    }
+                    _ => qkv.forward(x)?,
+                };
+                let (q, kv) = fused_ops::rope_qkv(&projected, rope, nq, nkv)?;
                 (q, kv.narrow(1, 0, w)?, kv.narrow(1, w, w)?, Some(kv), true)
             }
             (None, _) => (
@@ -359,6 +369,16 @@ impl CausalSelfAttention {
             return Ok(y);
         }
         self.plain_attention(heads(&q, nq)?, heads(&k, nkv)?, heads(&v, nkv)?, mask, pass)
+    }
+
+    /// The output projection of the heads' rows `y`.
+    fn output(&self, y: &Tensor) -> Result<Tensor> {
+        match &self.quantized {
+            Some(quantized) if QuantizedAttention::takes(y) => {
+                with_bias(quantized.o.forward(y)?, self.o_proj.bias())
+            }
+            _ => self.o_proj.forward(y),
+        }
     }
 
     /// Replaces the three projections by one product over their stacked weights, for
@@ -532,8 +552,49 @@ pub enum AttentionPath {
     Plain,
 }
 
+/// Quantized copies of an attention's stacked q, k, v weight and output weight; the
+/// biases, if any, stay the `Linear`s'.
+#[derive(Debug, Clone)]
+struct QuantizedAttention {
+    qkv: candle_core::quantized::QMatMul,
+    o: candle_core::quantized::QMatMul,
+}
+
+/// Rows up to which the attention takes its quantized copies: decode steps read each
+/// weight for a row or a few, and there the bytes decide; a prefill's many rows run
+/// faster through the f32 GEMM, which stays beside the copies.
+const QUANTIZED_MAX_ROWS: usize = 16;
+
+impl QuantizedAttention {
+    fn takes(x: &Tensor) -> bool {
+        x.dims()
+            .first()
+            .is_some_and(|&rows| rows <= QUANTIZED_MAX_ROWS)
+    }
+
+    fn qkv(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        with_bias(self.qkv.forward(x)?, bias)
+    }
+}
+
+fn with_bias(y: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    match bias {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+/// A copy of `w` quantized to `dtype`, as a matmul.
+fn quantized_matmul(
+    w: &Tensor,
+    dtype: candle_core::quantized::GgmlDType,
+) -> Result<candle_core::quantized::QMatMul> {
+    let q = candle_core::quantized::QTensor::quantize(&w.to_dtype(DType::F32)?, dtype)?;
+    candle_core::quantized::QMatMul::from_qtensor(q)
+}
+
 /// The output projection: candle's `Linear`, or, for inference on the CPU, a quantized
-/// copy of its weight ([`Llama::quantize_head`]).
+/// copy of its weight ([`Llama::quantize_for_cpu`]).
 #[derive(Debug)]
 enum Head {
     Linear(Linear),
@@ -622,21 +683,39 @@ impl Llama {
             .try_for_each(|b| b.mlp.prepare_inference())
     }
 
-    /// Replaces the output projection by a copy quantized to `dtype` (e.g. Q8_0) for
-    /// inference on the CPU: a decode step reads the whole head (a 49,152 × 576 f32 head
-    /// is 113 MB, as much as all the attention weights of the default model), and a
-    /// quantized matmul reads a quarter of that. The embedding table stays as it was. For
-    /// inference only: [`Llama::forward_train`] refuses a model so prepared.
-    pub fn quantize_head(&mut self, dtype: candle_core::quantized::GgmlDType) -> Result<()> {
-        let Head::Linear(linear) = &self.lm_head else {
-            return Ok(());
-        };
-        let w = linear.weight();
-        if !w.device().is_cpu() {
-            candle_core::bail!("quantize_head: the quantized head runs on the CPU only");
+    /// Runs the attention projections and the output head through copies quantized to
+    /// `dtype` (e.g. Q8_0), for inference on the CPU: a decode step reads every one of
+    /// them whole (the default model's f32 head is 113 MB, its attention 106 MB), and a
+    /// Q8_0 matmul reads about a quarter of that. Needs [`Llama::fuse_qkv`] first; the
+    /// MLPs and the embedding table stay as they are. For inference only:
+    /// [`Llama::forward_train`] refuses a model so prepared.
+    pub fn quantize_for_cpu(&mut self, dtype: candle_core::quantized::GgmlDType) -> Result<()> {
+        if !self.device().is_cpu() {
+            candle_core::bail!("quantize_for_cpu: the quantized matmuls run on the CPU only");
         }
-        let q = candle_core::quantized::QTensor::quantize(&w.to_dtype(DType::F32)?, dtype)?;
-        self.lm_head = Head::Quantized(candle_core::quantized::QMatMul::from_qtensor(q)?);
+        if !self.is_qkv_fused() {
+            candle_core::bail!("quantize_for_cpu: call fuse_qkv first");
+        }
+        self.quantize_head(dtype)?;
+        for block in &mut self.blocks {
+            let attn = &mut block.self_attn;
+            let Some(qkv) = &attn.qkv_proj else { continue };
+            attn.quantized = Some(QuantizedAttention {
+                qkv: quantized_matmul(qkv.weight(), dtype)?,
+                o: quantized_matmul(attn.o_proj.weight(), dtype)?,
+            });
+        }
+        Ok(())
+    }
+
+    /// [`Llama::quantize_for_cpu`] for the output head alone.
+    pub fn quantize_head(&mut self, dtype: candle_core::quantized::GgmlDType) -> Result<()> {
+        if !self.device().is_cpu() {
+            candle_core::bail!("quantize_head: the quantized matmuls run on the CPU only");
+        }
+        if let Head::Linear(linear) = &self.lm_head {
+            self.lm_head = Head::Quantized(quantized_matmul(linear.weight(), dtype)?);
+        }
         Ok(())
     }
 
@@ -789,6 +868,7 @@ impl Llama {
                 && b * t > 1
                 && block.mlp.pre_norm_folded()
                 && o_proj.bias().is_none()
+                && block.self_attn.quantized.is_none()
             {
                 let s = fused_ops::residual_add_linear(x, &y, o_proj.weight())?;
                 (x, h) = block.mlp.forward_sublayer_from_sum(
@@ -798,7 +878,7 @@ impl Llama {
                 )?;
                 continue;
             }
-            let attn = o_proj.forward(&y)?;
+            let attn = block.self_attn.output(&y)?;
             match (pass, fused) {
                 (Pass::Train, false) => {
                     x = (attn + &x)?;
@@ -881,7 +961,7 @@ impl Llama {
     pub fn forward_train(&self, x: &Tensor) -> Result<TrainOutput> {
         if matches!(self.lm_head, Head::Quantized(_)) {
             candle_core::bail!(
-                "this model's head is quantized for inference (quantize_head): its gradient \
+                "this model's head is quantized for inference (quantize_for_cpu): its gradient \
                  would reach no trained variable; load the model again to train"
             );
         }

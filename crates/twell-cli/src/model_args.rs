@@ -68,18 +68,19 @@ pub struct ModelArgs {
     /// Compute dtype (default: f32 on CPU, bf16 on CUDA).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
-    /// The output projection's weights for inference on the CPU: q8_0 (a quantized copy,
-    /// a quarter of the bytes a decode step reads from it) or the model's own f32.
-    #[arg(long, value_enum, default_value_t = HeadArg::Q8_0)]
-    pub head: HeadArg,
+    /// Inference on the CPU in f32: Q8_0 copies of the output head (`head`, a quarter of
+    /// the bytes a decode step reads from it), of the head and the attention projections
+    /// at decode sizes (`attention`), or none. The MLPs keep their weights.
+    #[arg(long, value_enum, default_value_t = QuantizeArg::Head)]
+    pub quantize: QuantizeArg,
 }
 
-/// `--head`.
+/// `--quantize`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HeadArg {
-    #[value(name = "q8_0")]
-    Q8_0,
-    F32,
+pub enum QuantizeArg {
+    Head,
+    Attention,
+    None,
 }
 
 /// The installed sparse default adapter, or an error saying how to install it.
@@ -192,8 +193,13 @@ impl ModelArgs {
         model.fuse_qkv()?;
         model.fold_mlp_norms()?;
         model.prepare_inference()?;
-        if self.head == HeadArg::Q8_0 && device.is_cpu() && dtype == DType::F32 {
-            model.quantize_head(candle_core::quantized::GgmlDType::Q8_0)?;
+        if device.is_cpu() && dtype == DType::F32 {
+            let q8 = candle_core::quantized::GgmlDType::Q8_0;
+            match self.quantize {
+                QuantizeArg::Head => model.quantize_head(q8)?,
+                QuantizeArg::Attention => model.quantize_for_cpu(q8)?,
+                QuantizeArg::None => {}
+            }
         }
         Ok((ck, model))
     }

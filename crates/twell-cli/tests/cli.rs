@@ -102,8 +102,8 @@ fn bad_generate_flags_are_rejected() {
         "invalid value 'f8' for '--dtype",
     );
     fails_with(
-        &["generate", "--prompt", "x", "--head", "q4"],
-        "invalid value 'q4' for '--head",
+        &["generate", "--prompt", "x", "--quantize", "q4"],
+        "invalid value 'q4' for '--quantize",
     );
     fails_with(&["generate"], "--prompt");
 }
