@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use twell::Activation;
 
+use crate::checkpoint::io_err;
 use crate::error::{err, LlamaError};
 
 pub const CONFIG_FILE: &str = "adapter_config.json";
@@ -97,14 +98,6 @@ pub struct LoraAdapter {
     /// Deltas added to whole weights of the base (HF names, f32 on the CPU).
     pub full: Vec<(String, Tensor)>,
     pub dir: PathBuf,
-}
-
-fn io_err(path: &Path, e: std::io::Error) -> candle_core::Error {
-    LlamaError::Io {
-        path: path.to_path_buf(),
-        source: e,
-    }
-    .into()
 }
 
 fn bad(path: &Path, detail: impl Into<String>) -> candle_core::Error {

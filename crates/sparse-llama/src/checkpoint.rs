@@ -43,7 +43,7 @@ pub struct LoadOptions {
     pub ffn_mode: Option<FfnMode>,
 }
 
-fn io_err(path: &Path, e: std::io::Error) -> candle_core::Error {
+pub(crate) fn io_err(path: &Path, e: std::io::Error) -> candle_core::Error {
     LlamaError::Io {
         path: path.to_path_buf(),
         source: e,

@@ -283,7 +283,8 @@ impl Trainer {
         })
     }
 
-    /// The variables by name, as tensors.
+    /// The variables by name, as tensors (still tracked: the merged weights of a LoRA
+    /// step are differentiable in them).
     fn variables(varmap: &VarMap) -> HashMap<String, Tensor> {
         varmap
             .data()
@@ -326,11 +327,19 @@ impl Trainer {
         let Some(lora) = &self.lora else {
             return Ok(None);
         };
-        let factors = match self.opt.masters()? {
+        lora.factors(&self.full_precision_variables()?).map(Some)
+    }
+
+    /// The variables at full precision: the optimizer's f32 masters in bf16 training,
+    /// the variables themselves in f32.
+    fn full_precision_variables(&self) -> Result<HashMap<String, Tensor>> {
+        Ok(match self.opt.masters()? {
             Some(m) => m,
-            None => Self::variables(&self.varmap),
-        };
-        lora.factors(&factors).map(Some)
+            None => Self::variables(&self.varmap)
+                .into_iter()
+                .map(|(k, v)| (k, v.detach()))
+                .collect(),
+        })
     }
 
     /// How a LoRA run changed the weights it trains fully ([`crate::LoraSpec::full`]),
@@ -339,11 +348,7 @@ impl Trainer {
         let Some(lora) = &self.lora else {
             return Ok(Vec::new());
         };
-        let factors = match self.opt.masters()? {
-            Some(m) => m,
-            None => Self::variables(&self.varmap),
-        };
-        lora.full_deltas(&factors)
+        lora.full_deltas(&self.full_precision_variables()?)
     }
 
     /// The model on the variables (f32, or bf16 on the optimizer's f32 masters). Built
@@ -643,25 +648,11 @@ impl Trainer {
     /// The trained weights, HF-named, in f32 (with bf16 training, the optimizer's
     /// masters).
     pub fn weights(&self) -> Result<std::collections::HashMap<String, Tensor>> {
-        if let Some(lora) = &self.lora {
-            let factors = match self.opt.masters()? {
-                Some(m) => m,
-                None => Self::variables(&self.varmap),
-            };
-            return lora.merged(&factors, true);
+        let values = self.full_precision_variables()?;
+        match &self.lora {
+            Some(lora) => lora.merged(&values, true),
+            None => crate::fused_mlp::split_map(values),
         }
-        let weights = match self.opt.masters()? {
-            Some(masters) => masters,
-            None => self
-                .varmap
-                .data()
-                .lock()
-                .expect("varmap lock")
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
-                .collect(),
-        };
-        crate::fused_mlp::split_map(weights)
     }
 
     /// Writes an HF checkpoint (loadable by `twell generate`/`eval` and transformers)

@@ -81,8 +81,14 @@ pub fn run(args: &SampleArgs) -> Result<()> {
         }
         false => (eos, None),
     };
-    let (train_docs, _) = args.corpus.split()?;
-    let tokens = train_docs.tokenize(&ck.tokenizer, eos.first().copied())?;
+    // Chat texts start from the template, not from the documents: none to read then.
+    let tokens = match chat_opening {
+        Some(_) => Vec::new(),
+        None => {
+            let (train_docs, _) = args.corpus.split()?;
+            train_docs.tokenize(&ck.tokenizer, eos.first().copied())?
+        }
+    };
     if chat_opening.is_none() && tokens.len() <= args.prompt_tokens {
         bail!(
             "the training documents hold {} tokens, too few for prompts of {}",

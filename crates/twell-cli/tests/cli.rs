@@ -893,6 +893,31 @@ fn a_lora_finetune_writes_an_adapter_that_merges_back() {
         (base / merged - 1.0).abs() > 0.02,
         "training changed nothing: {base}"
     );
+    // An adapter that declares an FFN path no one knows is named (a copy without its
+    // checksum list, which is optional).
+    let odd = dir.path().join("odd-adapter");
+    std::fs::create_dir_all(&odd).unwrap();
+    for entry in std::fs::read_dir(&adapter).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_name() != "SHA256SUMS" {
+            std::fs::copy(entry.path(), odd.join(entry.file_name())).unwrap();
+        }
+    }
+    let mut info = read_json(&odd.join("twell_adapter.json"));
+    info["ffn_mode"] = "turbo".into();
+    std::fs::write(odd.join("twell_adapter.json"), info.to_string()).unwrap();
+    fails_with(
+        &[
+            "generate",
+            "--model",
+            m,
+            "--adapter",
+            odd.to_str().unwrap(),
+            "--prompt",
+            "x",
+        ],
+        "ffn_mode 'turbo'",
+    );
     // A damaged adapter is named, not merged.
     let weights = adapter.join("adapter_model.safetensors");
     let bytes = std::fs::read(&weights).unwrap();
@@ -910,6 +935,30 @@ fn a_lora_finetune_writes_an_adapter_that_merges_back() {
     fails_with(
         &["generate", "--dense", "--model", m, "--prompt", "x"],
         "cannot be used with",
+    );
+}
+
+#[test]
+fn chat_sampling_needs_a_chat_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = tiny_checkpoint(dir.path());
+    let docs = tiny_corpus(dir.path());
+    fails_with(
+        &[
+            "sample",
+            "--chat",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            docs.to_str().unwrap(),
+            "--holdout",
+            "1",
+            "--count",
+            "1",
+            "--out",
+            dir.path().join("s").to_str().unwrap(),
+        ],
+        "no chat template",
     );
 }
 
