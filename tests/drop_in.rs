@@ -136,49 +136,90 @@ fn folded_mlp_norms_keep_a_sparse_models_logits() {
     assert!(err.to_string().contains("fold_mlp_norms"), "{err}");
 }
 
-/// `quantize_for_cpu` runs the attention projections and the head through Q8_0 copies:
-/// the logits stay within Q8_0's rounding of the f32 model's (prefill and a decode
-/// step), the greedy token of each position nearly always the same, and a model so
-/// prepared refuses to train.
+/// `quantize_for_cpu` runs the attention, the MLPs and the head through quantized rows:
+/// the logits stay within the rounding of the f32 model's (prefill and a decode step),
+/// the greedy token of each position nearly always the same, on the dense (SiLU) and the
+/// sparse (ReLU) MLP; Q4_1 rows reproduce weights already on the Q4_1 grid (a GGUF's),
+/// leaving only the tokens' int8 rounding; a model so prepared refuses to train.
 #[test]
-fn q8_0_attention_and_head_keep_the_logits_within_their_rounding() {
+fn quantized_rows_keep_the_logits_within_their_rounding() {
+    use sparse_llama::{CpuQuantization, QuantFormat};
     let dev = Device::Cpu;
-    let cfg = tiny_config("silu", 256).into_config(false);
-    let w = tiny_weights(&cfg, 3);
-    let load = || {
-        sparse_llama::Llama::load(VarBuilder::from_tensors(w.clone(), DType::F32, &dev), &cfg)
-            .unwrap()
+    let all = |f: QuantFormat| CpuQuantization {
+        head: Some(QuantFormat::Q8),
+        attention: Some(f),
+        mlp: Some(f),
     };
-    let run = |model: &sparse_llama::Llama| {
-        let mut cache = sparse_llama::Cache::new(true, DType::F32, &cfg, &dev).unwrap();
-        let prompt = Tensor::new(&[[5u32, 17, 99, 3, 250, 42, 7, 7, 1, 200]], &dev).unwrap();
-        let a = model.forward_all(&prompt, 0, &mut cache).unwrap();
-        let one = Tensor::new(&[[13u32]], &dev).unwrap();
-        let b = model.forward_all(&one, 10, &mut cache).unwrap();
-        Tensor::cat(&[a, b], 1).unwrap()
-    };
-    let want = run(&load());
-    let mut quantized = load();
-    let q8 = candle_core::quantized::GgmlDType::Q8_0;
-    let e = quantized.quantize_for_cpu(q8).unwrap_err().to_string();
-    assert!(e.contains("fuse_qkv"), "{e}");
-    quantized.fuse_qkv().unwrap();
-    quantized.quantize_for_cpu(q8).unwrap();
-    let got = run(&quantized);
-    let err = rel_l2(&got, &want);
-    assert!(err > 0.0 && err < 1e-2, "rel err {err}");
-    let argmax =
-        |t: &Tensor| -> Vec<u32> { t.squeeze(0).unwrap().argmax(1).unwrap().to_vec1().unwrap() };
-    let same = argmax(&got)
-        .iter()
-        .zip(argmax(&want))
-        .filter(|(a, b)| **a == *b)
-        .count();
-    assert!(same >= 10, "{same} of 11 greedy tokens kept");
-    let tokens = Tensor::new(&[[5u32, 17, 99]], &dev).unwrap();
-    let err = quantized.forward_train(&tokens).err().expect("refused");
-    assert!(
-        err.to_string().contains("fuse_qkv") || err.to_string().contains("quantize_for_cpu"),
-        "{err}"
-    );
+    for (act, sparse, format) in [
+        ("silu", false, QuantFormat::Q8),
+        ("relu", true, QuantFormat::Q8),
+        ("silu", false, QuantFormat::Q4_1),
+        ("relu", true, QuantFormat::Q4_1),
+    ] {
+        let cfg = tiny_config(act, 256).into_config(false);
+        let mut w = tiny_weights(&cfg, 3);
+        if format == QuantFormat::Q4_1 {
+            // The layers' matrices on the Q4_1 grid, as a GGUF stores them.
+            for (name, t) in w.iter_mut() {
+                if name.starts_with("model.layers.") && t.rank() == 2 {
+                    let q = candle_core::quantized::QTensor::quantize(
+                        t,
+                        candle_core::quantized::GgmlDType::Q4_1,
+                    )
+                    .unwrap();
+                    *t = q.dequantize(&dev).unwrap();
+                }
+            }
+        }
+        let load = || {
+            let mut m = sparse_llama::Llama::load(
+                VarBuilder::from_tensors(w.clone(), DType::F32, &dev),
+                &cfg,
+            )
+            .unwrap();
+            if sparse {
+                m.set_ffn_mode(twell::FfnMode::Sparse).unwrap();
+            }
+            m
+        };
+        let run = |model: &sparse_llama::Llama| {
+            let mut cache = sparse_llama::Cache::new(true, DType::F32, &cfg, &dev).unwrap();
+            let prompt = Tensor::new(&[[5u32, 17, 99, 3, 250, 42, 7, 7, 1, 200]], &dev).unwrap();
+            let a = model.forward_all(&prompt, 0, &mut cache).unwrap();
+            let one = Tensor::new(&[[13u32]], &dev).unwrap();
+            let b = model.forward_all(&one, 10, &mut cache).unwrap();
+            Tensor::cat(&[a, b], 1).unwrap()
+        };
+        let want = run(&load());
+        let mut quantized = load();
+        let e = quantized
+            .quantize_for_cpu(all(format))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("fuse_qkv"), "{e}");
+        quantized.fuse_qkv().unwrap();
+        quantized.quantize_for_cpu(all(format)).unwrap();
+        assert!(quantized.mlps().all(|m| m.is_quantized()));
+        let got = run(&quantized);
+        let err = rel_l2(&got, &want);
+        assert!(err > 0.0 && err < 2e-2, "{act} {format:?}: rel err {err}");
+        let argmax = |t: &Tensor| -> Vec<u32> {
+            t.squeeze(0).unwrap().argmax(1).unwrap().to_vec1().unwrap()
+        };
+        let same = argmax(&got)
+            .iter()
+            .zip(argmax(&want))
+            .filter(|(a, b)| **a == *b)
+            .count();
+        assert!(
+            same >= 10,
+            "{act} {format:?}: {same} of 11 greedy tokens kept"
+        );
+        let tokens = Tensor::new(&[[5u32, 17, 99]], &dev).unwrap();
+        let err = quantized.forward_train(&tokens).err().expect("refused");
+        assert!(
+            err.to_string().contains("fuse_qkv") || err.to_string().contains("quantize_for_cpu"),
+            "{err}"
+        );
+    }
 }

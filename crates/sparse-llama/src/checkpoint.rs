@@ -33,6 +33,10 @@ pub struct Checkpoint {
     pub chat_template: Option<String>,
     /// The directory or file it came from.
     pub source: PathBuf,
+    /// For a GGUF, the block type its layers' matrices share (e.g. Q4_1), while the
+    /// weights are the file's own: quantized inference can keep that format without
+    /// rounding anything again. `None` elsewhere, and after an adapter is merged.
+    pub layer_block_type: Option<candle_core::quantized::GgmlDType>,
 }
 
 /// Overrides applied when building the model.
@@ -128,6 +132,7 @@ impl Checkpoint {
             tokenizer,
             chat_template,
             source: dir.to_path_buf(),
+            layer_block_type: None,
         })
     }
 
@@ -139,6 +144,7 @@ impl Checkpoint {
             tokenizer: g.tokenizer,
             chat_template: g.chat_template,
             source: path.to_path_buf(),
+            layer_block_type: g.layer_block_type,
         })
     }
 
@@ -213,6 +219,7 @@ impl Checkpoint {
         };
         adapter.merge_into(&mut tensors)?;
         self.weights = Weights::Tensors(tensors);
+        self.layer_block_type = None;
         self.config.hidden_act = adapter.activation()?.hf_name().into();
         Ok(self)
     }

@@ -170,7 +170,9 @@ pub fn generate(
         prompt_tokens: prompt.len(),
         ..Default::default()
     };
-    let mut densities = Vec::new();
+    // Counts stay where the MLPs left them until decoding ends: one read-back in all.
+    let mut nonzeros = Vec::new();
+    let mut activations = 0usize;
 
     let mut input = prompt.to_vec();
     let mut index_pos = 0;
@@ -180,8 +182,11 @@ pub fn generate(
         let x = Tensor::new(input.as_slice(), device)?.unsqueeze(0)?;
         let logits = model.forward(&x, index_pos, &mut cache)?.squeeze(0)?;
         if step > 0 {
-            if let Some(d) = mean_density(model)? {
-                densities.push(d);
+            for mlp in model.mlps() {
+                if let Some((count, entries)) = mlp.last_nonzeros()? {
+                    activations += entries;
+                    nonzeros.push(count);
+                }
             }
             for side in model.mlps().filter_map(|m| m.last_side()) {
                 *stats
@@ -221,21 +226,11 @@ pub fn generate(
     device.synchronize()?;
     stats.decode_secs = t_decode.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
     stats.generated_tokens = out.len();
-    if !densities.is_empty() {
-        stats.mean_ffn_density = Some(densities.iter().sum::<f64>() / densities.len() as f64);
+    if activations > 0 {
+        let total = twell::Nonzeros::sum(&nonzeros)?;
+        stats.mean_ffn_density = Some(total as f64 / activations as f64);
     }
     Ok((out, stats))
-}
-
-/// Mean over layers of the last forward's FFN density, if recorded.
-fn mean_density(model: &Llama) -> Result<Option<f64>> {
-    let stats = model.ffn_stats()?;
-    let d: Vec<f64> = stats.iter().flatten().map(|s| s.density).collect();
-    Ok(if d.is_empty() {
-        None
-    } else {
-        Some(d.iter().sum::<f64>() / d.len() as f64)
-    })
 }
 
 #[cfg(test)]

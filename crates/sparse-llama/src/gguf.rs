@@ -19,6 +19,8 @@ pub struct GgufCheckpoint {
     pub tensors: HashMap<String, Tensor>,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<String>,
+    /// The block type all the layers' matrices share in the file, if one.
+    pub layer_block_type: Option<candle_core::quantized::GgmlDType>,
 }
 
 fn meta_usize(c: &gguf_file::Content, key: &str) -> Result<Option<usize>> {
@@ -155,6 +157,7 @@ pub fn load_gguf(path: &Path) -> Result<GgufCheckpoint> {
         twell: None,
     };
     let mut tensors = HashMap::new();
+    let mut layer_types = std::collections::HashSet::new();
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
     for name in names {
@@ -165,6 +168,9 @@ pub fn load_gguf(path: &Path) -> Result<GgufCheckpoint> {
                 path: path.to_path_buf(),
                 detail: format!("tensor '{name}': {e}"),
             })?;
+        if name.starts_with("blk.") && q.shape().rank() == 2 {
+            layer_types.insert(q.dtype());
+        }
         let mut t = q.dequantize(&Device::Cpu)?;
         if hf.ends_with("q_proj.weight") {
             t = unpermute_qk(&t, heads)?;
@@ -177,10 +183,15 @@ pub fn load_gguf(path: &Path) -> Result<GgufCheckpoint> {
         .metadata
         .get("tokenizer.chat_template")
         .and_then(|v| v.to_string().ok().cloned());
+    let layer_block_type = match layer_types.len() {
+        1 => layer_types.into_iter().next(),
+        _ => None,
+    };
     Ok(GgufCheckpoint {
         config,
         tensors,
         tokenizer,
         chat_template,
+        layer_block_type,
     })
 }

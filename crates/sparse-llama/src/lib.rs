@@ -23,4 +23,5 @@ pub use config::{
     DEFAULT_MAX_SEQ_LEN,
 };
 pub use error::LlamaError;
-pub use model::{AttentionPath, Cache, Llama, SparseLlama, TrainOutput};
+pub use model::{AttentionPath, Cache, CpuQuantization, Llama, SparseLlama, TrainOutput};
+pub use twell::cpu::quant::QuantFormat;

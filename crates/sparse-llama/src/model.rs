@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear_b, Embedding, Linear, RmsNorm, VarBuilder};
 use fused_ops::RopeTable;
+use twell::cpu::quant::{QuantFormat, QuantRows};
 use twell::{FfnMode, MlpBias, MlpStats, SparseMlp};
 
 pub use crate::config::{Config, LlamaConfig, LlamaEosToks};
@@ -375,7 +376,7 @@ impl CausalSelfAttention {
     fn output(&self, y: &Tensor) -> Result<Tensor> {
         match &self.quantized {
             Some(quantized) if QuantizedAttention::takes(y) => {
-                with_bias(quantized.o.forward(y)?, self.o_proj.bias())
+                with_bias(quantized.o.forward(&y.contiguous()?)?, self.o_proj.bias())
             }
             _ => self.o_proj.forward(y),
         }
@@ -556,8 +557,8 @@ pub enum AttentionPath {
 /// biases, if any, stay the `Linear`s'.
 #[derive(Debug, Clone)]
 struct QuantizedAttention {
-    qkv: candle_core::quantized::QMatMul,
-    o: candle_core::quantized::QMatMul,
+    qkv: QuantRows,
+    o: QuantRows,
 }
 
 /// Rows up to which the attention takes its quantized copies: decode steps read each
@@ -584,13 +585,25 @@ fn with_bias(y: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     }
 }
 
-/// A copy of `w` quantized to `dtype`, as a matmul.
-fn quantized_matmul(
-    w: &Tensor,
-    dtype: candle_core::quantized::GgmlDType,
-) -> Result<candle_core::quantized::QMatMul> {
-    let q = candle_core::quantized::QTensor::quantize(&w.to_dtype(DType::F32)?, dtype)?;
-    candle_core::quantized::QMatMul::from_qtensor(q)
+/// A copy of the `[out, in]` weight `w` in quantized rows.
+fn quantized_rows(w: &Tensor, format: QuantFormat) -> Result<QuantRows> {
+    let (rows, cols) = w.dims2()?;
+    let v = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    QuantRows::quantize(&v, rows, cols, format)
+}
+
+/// Which weights CPU inference reads through quantized rows
+/// ([`Llama::quantize_for_cpu`]) and in which format; `None` keeps a part's f32 weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuQuantization {
+    /// The output projection, read whole every token (the default model's tied head is
+    /// 113 MB in f32).
+    pub head: Option<QuantFormat>,
+    /// The fused q/k/v and the output projections, at decode sizes.
+    pub attention: Option<QuantFormat>,
+    /// The MLPs, at every size: the sparse path over quantized rows where the MLP is
+    /// sparse (ReLU, not `--ffn dense`), else the dense one.
+    pub mlp: Option<QuantFormat>,
 }
 
 /// The output projection: candle's `Linear`, or, for inference on the CPU, a quantized
@@ -598,14 +611,14 @@ fn quantized_matmul(
 #[derive(Debug)]
 enum Head {
     Linear(Linear),
-    Quantized(candle_core::quantized::QMatMul),
+    Quantized(QuantRows),
 }
 
 impl Head {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Head::Linear(l) => l.forward(x),
-            Head::Quantized(q) => q.forward(x),
+            Head::Quantized(q) => q.forward(&x.contiguous()?),
         }
     }
 }
@@ -683,38 +696,38 @@ impl Llama {
             .try_for_each(|b| b.mlp.prepare_inference())
     }
 
-    /// Runs the attention projections and the output head through copies quantized to
-    /// `dtype` (e.g. Q8_0), for inference on the CPU: a decode step reads every one of
-    /// them whole (the default model's f32 head is 113 MB, its attention 106 MB), and a
-    /// Q8_0 matmul reads about a quarter of that. Needs [`Llama::fuse_qkv`] first; the
-    /// MLPs and the embedding table stay as they are. For inference only:
-    /// [`Llama::forward_train`] refuses a model so prepared.
-    pub fn quantize_for_cpu(&mut self, dtype: candle_core::quantized::GgmlDType) -> Result<()> {
+    /// Runs the parts `plan` names through quantized copies of their weights, for
+    /// inference on the CPU: a decode step reads every weight once, and the bytes set
+    /// its speed (the default model's f32 head is 113 MB, its attention 106 MB; Q8 reads
+    /// about a quarter of that, Q4_1 an eighth). Needs [`Llama::fuse_qkv`] for the
+    /// attention. For inference only: [`Llama::forward_train`] refuses a model whose head
+    /// is quantized, and the MLPs' training passes keep their f32 weights.
+    pub fn quantize_for_cpu(&mut self, plan: CpuQuantization) -> Result<()> {
+        if plan == CpuQuantization::default() {
+            return Ok(());
+        }
         if !self.device().is_cpu() {
             candle_core::bail!("quantize_for_cpu: the quantized matmuls run on the CPU only");
         }
-        if !self.is_qkv_fused() {
+        if plan.attention.is_some() && !self.is_qkv_fused() {
             candle_core::bail!("quantize_for_cpu: call fuse_qkv first");
         }
-        self.quantize_head(dtype)?;
+        if let (Some(format), Head::Linear(linear)) = (plan.head, &self.lm_head) {
+            self.lm_head = Head::Quantized(quantized_rows(linear.weight(), format)?);
+        }
         for block in &mut self.blocks {
-            let attn = &mut block.self_attn;
-            let Some(qkv) = &attn.qkv_proj else { continue };
-            attn.quantized = Some(QuantizedAttention {
-                qkv: quantized_matmul(qkv.weight(), dtype)?,
-                o: quantized_matmul(attn.o_proj.weight(), dtype)?,
-            });
-        }
-        Ok(())
-    }
-
-    /// [`Llama::quantize_for_cpu`] for the output head alone.
-    pub fn quantize_head(&mut self, dtype: candle_core::quantized::GgmlDType) -> Result<()> {
-        if !self.device().is_cpu() {
-            candle_core::bail!("quantize_head: the quantized matmuls run on the CPU only");
-        }
-        if let Head::Linear(linear) = &self.lm_head {
-            self.lm_head = Head::Quantized(quantized_matmul(linear.weight(), dtype)?);
+            if let Some(format) = plan.attention {
+                let attn = &mut block.self_attn;
+                if let Some(qkv) = &attn.qkv_proj {
+                    attn.quantized = Some(QuantizedAttention {
+                        qkv: quantized_rows(qkv.weight(), format)?,
+                        o: quantized_rows(attn.o_proj.weight(), format)?,
+                    });
+                }
+            }
+            if let Some(format) = plan.mlp {
+                block.mlp.quantize_for_cpu(format)?;
+            }
         }
         Ok(())
     }

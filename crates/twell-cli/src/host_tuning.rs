@@ -4,7 +4,10 @@
 //! * glibc's malloc policy for candle's host tensors (below);
 //! * 2 MB pages for the CPU gate screen and weights (`twell::cpu::huge_pages`);
 //! * the rayon workers polling for work for 20 ms after a one-token host MLP call
-//!   (`twell::cpu::warm`), so the next call does not wait on sleeping cores.
+//!   (`twell::cpu::warm`), so the next call does not wait on sleeping cores;
+//! * `RAYON_NUM_THREADS` set to the cores available, where unset: candle 0.11 asks for
+//!   its thread count on every parallel CPU op and, without that variable, reads
+//!   `/proc/cpuinfo` each time (4–5% of a quantized decode's time, measured with perf).
 //!
 //! glibc's malloc policy. Candle allocates a new buffer for
 //! every op's output and frees it when the tensor drops. glibc serves a block above its
@@ -27,6 +30,11 @@ pub fn tune_host(on: bool) {
     twell::cpu::huge_pages::set_huge_pages(on);
     if on {
         keep_freed_host_memory();
+        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            // Called first thing in `main`, before any other thread exists.
+            std::env::set_var("RAYON_NUM_THREADS", cores.to_string());
+        }
     } else {
         twell::cpu::warm::set_warm_window(std::time::Duration::ZERO);
     }

@@ -75,6 +75,18 @@ fn main() -> Result<()> {
     // Before any tensor exists: candle's host temporaries are then reused, not faulted
     // in and zeroed again each step.
     host_tuning::tune_host(!cli.no_host_tuning);
+    // The command runs on a worker of the rayon pool that the CPU kernels use: a
+    // parallel call then starts on the calling thread, and no call ends by waking a
+    // thread outside the pool (on this 2-core VM, about 10 µs a call, 150 calls a
+    // decode step). A large stack, as the main thread's: autograd walks the graph
+    // recursively.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .stack_size(64 << 20)
+        .build()?;
+    pool.install(|| run(cli))
+}
+
+fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(args) => generate::run(&args)?,
         Command::Finetune(args) => finetune::run(&args)?,

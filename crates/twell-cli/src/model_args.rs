@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use sparse_llama::adapter::{self, LoraAdapter};
 use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
-use sparse_llama::Llama;
+use sparse_llama::{CpuQuantization, Llama, QuantFormat};
 use twell::{Activation, FfnMode};
 
 use crate::device::{DeviceSpec, DtypeArg, FfnArg};
@@ -68,19 +68,70 @@ pub struct ModelArgs {
     /// Compute dtype (default: f32 on CPU, bf16 on CUDA).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
-    /// Inference on the CPU in f32: Q8_0 copies of the output head (`head`, a quarter of
-    /// the bytes a decode step reads from it), of the head and the attention projections
-    /// at decode sizes (`attention`), or none. The MLPs keep their weights.
-    #[arg(long, value_enum, default_value_t = QuantizeArg::Head)]
+    /// Inference on the CPU in f32 through quantized weight rows: every matrix (`all`:
+    /// attention, MLP, head), the attention and the head at decode sizes (`attention`),
+    /// the output head alone (`head`), or none (f32 weights throughout).
+    #[arg(long, value_enum, default_value_t = QuantizeArg::All)]
     pub quantize: QuantizeArg,
+    /// The rows' format: `auto` keeps a GGUF's own Q4_1 layers where the weights are the
+    /// file's (the head, and anything merged or fine-tuned, in Q8); `q8` (int8 per block
+    /// of 32) or `q4-1` everywhere but the head.
+    #[arg(long, value_enum, default_value_t = QuantFormatArg::Auto)]
+    pub quant_format: QuantFormatArg,
 }
 
 /// `--quantize`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantizeArg {
-    Head,
+    All,
     Attention,
+    Head,
     None,
+}
+
+/// `--quant-format`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantFormatArg {
+    Auto,
+    Q8,
+    #[value(name = "q4-1")]
+    Q4_1,
+}
+
+impl QuantizeArg {
+    /// The plan for a checkpoint whose layers are stored as `layer_block_type`.
+    pub fn plan(
+        self,
+        format: QuantFormatArg,
+        layer_block_type: Option<candle_core::quantized::GgmlDType>,
+    ) -> CpuQuantization {
+        let layers = match format {
+            QuantFormatArg::Q8 => QuantFormat::Q8,
+            QuantFormatArg::Q4_1 => QuantFormat::Q4_1,
+            QuantFormatArg::Auto => match layer_block_type {
+                Some(candle_core::quantized::GgmlDType::Q4_1) => QuantFormat::Q4_1,
+                _ => QuantFormat::Q8,
+            },
+        };
+        let head = Some(QuantFormat::Q8);
+        match self {
+            Self::All => CpuQuantization {
+                head,
+                attention: Some(layers),
+                mlp: Some(layers),
+            },
+            Self::Attention => CpuQuantization {
+                head,
+                attention: Some(layers),
+                mlp: None,
+            },
+            Self::Head => CpuQuantization {
+                head,
+                ..Default::default()
+            },
+            Self::None => CpuQuantization::default(),
+        }
+    }
 }
 
 /// The installed sparse default adapter, or an error saying how to install it.
@@ -191,16 +242,17 @@ impl ModelArgs {
         };
         let mut model = ck.load_model(dtype, &device, &options)?;
         model.fuse_qkv()?;
-        model.fold_mlp_norms()?;
-        model.prepare_inference()?;
-        if device.is_cpu() && dtype == DType::F32 {
-            let q8 = candle_core::quantized::GgmlDType::Q8_0;
-            match self.quantize {
-                QuantizeArg::Head => model.quantize_head(q8)?,
-                QuantizeArg::Attention => model.quantize_for_cpu(q8)?,
-                QuantizeArg::None => {}
-            }
+        let plan = match device.is_cpu() && dtype == DType::F32 {
+            true => self.quantize.plan(self.quant_format, ck.layer_block_type),
+            false => CpuQuantization::default(),
+        };
+        // Folding the norms' weights into the MLPs would move a GGUF's weights off their
+        // Q4_1 grid, and the quantized MLP has no use for it (the CUDA kernels do).
+        if plan.mlp.is_none() {
+            model.fold_mlp_norms()?;
         }
+        model.prepare_inference()?;
+        model.quantize_for_cpu(plan)?;
         Ok((ck, model))
     }
 }

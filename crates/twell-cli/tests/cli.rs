@@ -105,6 +105,10 @@ fn bad_generate_flags_are_rejected() {
         &["generate", "--prompt", "x", "--quantize", "q4"],
         "invalid value 'q4' for '--quantize",
     );
+    fails_with(
+        &["generate", "--prompt", "x", "--quant-format", "q4k"],
+        "invalid value 'q4k' for '--quant-format",
+    );
     fails_with(&["generate"], "--prompt");
 }
 

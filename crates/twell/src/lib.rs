@@ -39,7 +39,7 @@ pub use format::{GateGemm, KernelPaths, RowWalk, Twell, TwellConfig, TwellPatter
 pub use gate_l0::{gate_l0, gate_l0_reference, GateL0};
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};
-pub use mlp::{Activation, FfnMode, L1Term, MlpBias, MlpStats, SparseMlp, GATE_L0_EPS};
+pub use mlp::{Activation, FfnMode, L1Term, MlpBias, MlpStats, Nonzeros, SparseMlp, GATE_L0_EPS};
 pub use output::{mlp_result_len, up_down_matrix, MlpOutput};
 pub use twell_mlp::{
     add_norm_fuses, gate_screen, norm_add_norm_runs, twell_mlp, twell_mlp_add_norm,

@@ -5,6 +5,7 @@
 pub mod gate;
 pub mod huge_pages;
 pub mod int8;
+pub mod quant;
 pub mod screen;
 pub mod simd;
 pub mod t2d;

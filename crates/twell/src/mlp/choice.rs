@@ -43,6 +43,11 @@ impl SparseMlp {
         want_l1: bool,
         measure: bool,
     ) -> Result<(Side, Option<Timer>)> {
+        // Quantized CPU inference has one path per MLP: nothing to choose or time.
+        if let Some(side) = self.quantized_side(x, want_l1) {
+            *self.last_side.lock().expect("side lock") = Some(side);
+            return Ok((side, None));
+        }
         let (side, timing) = match self.auto_cell(x, entry, want_l1)? {
             AutoCell::Rule(side) => (side, None),
             // A measuring call on a GPU reads its counts back and runs unfolded: not the

@@ -18,6 +18,7 @@ use crate::{twell_mlp_screened, twell_mlp_with_backward_path, up_down_matrix, Ba
 /// Not a trainable variable nor part of an autograd graph: a copy made of it once
 /// stays valid.
 mod choice;
+pub mod quantized;
 
 fn frozen(t: &Tensor) -> bool {
     !t.is_variable() && !t.track_op()
@@ -217,6 +218,12 @@ enum LastForward {
     /// `Auto`'s dense side on a GPU ([`crate::twell_mlp_products`]).
     Products(crate::MlpOutput),
     Dense(Tensor),
+    /// The quantized CPU path ([`SparseMlp::quantize_for_cpu`]): its counts only.
+    Counted {
+        rows: usize,
+        nonzeros: u64,
+        sparse: bool,
+    },
 }
 
 /// A gated MLP (`gate_proj`, `up_proj`, `down_proj`, no biases) with a dense and a
@@ -256,6 +263,8 @@ pub struct SparseMlp {
     unit_pre_norm: Option<Tensor>,
     /// HF `mlp_bias` (see [`SparseMlp::with_bias`]).
     bias: Option<MlpBias>,
+    /// Quantized rows that CPU inference runs on ([`SparseMlp::quantize_for_cpu`]).
+    quantized: Option<Arc<quantized::QuantizedMlp>>,
 }
 
 /// The biases of the three projections (HF Llama's `mlp_bias`): `gate [f]`, `up [f]`,
@@ -338,6 +347,7 @@ impl SparseMlp {
             last_density: Mutex::new(None),
             unit_pre_norm: None,
             bias: None,
+            quantized: None,
         })
     }
 
@@ -517,13 +527,78 @@ impl SparseMlp {
         Ok(self.up_down.get_or_init(|| w).clone())
     }
 
+    /// Runs CPU inference through quantized copies of the three projections (see
+    /// [`quantized`]): the sparse path where the activation is ReLU and the mode is not
+    /// `Dense`, else the dense one. The f32 paths' inference copies (the up/down matrix,
+    /// the gate screen) are dropped; training passes still take the f32 weights.
+    pub fn quantize_for_cpu(&mut self, format: crate::cpu::quant::QuantFormat) -> Result<()> {
+        if !self.gate.device().is_cpu() {
+            return err(TwellError::Invalid(
+                "quantize_for_cpu: the quantized MLP runs on the CPU only".into(),
+            ));
+        }
+        if self.bias.is_some() {
+            return err(TwellError::Invalid(
+                "quantize_for_cpu: an MLP with biases has no quantized path".into(),
+            ));
+        }
+        let sparse = self.activation == Activation::Relu && self.mode != FfnMode::Dense;
+        self.quantized = Some(Arc::new(quantized::QuantizedMlp::quantize(
+            &self.gate,
+            &self.up,
+            &self.down,
+            self.activation,
+            sparse,
+            format,
+        )?));
+        self.up_down = OnceLock::new();
+        self.gate_screen = OnceLock::new();
+        Ok(())
+    }
+
+    /// Whether [`SparseMlp::quantize_for_cpu`] has run.
+    pub fn is_quantized(&self) -> bool {
+        self.quantized.is_some()
+    }
+
+    /// The side a call on `x` runs through the quantized rows, if it does: inference
+    /// (no L1 term asked) on the CPU, after [`SparseMlp::quantize_for_cpu`].
+    fn quantized_side(&self, x: &Tensor, want_l1: bool) -> Option<Side> {
+        let q = self.quantized.as_ref()?;
+        if want_l1 || !x.device().is_cpu() {
+            return None;
+        }
+        Some(if q.is_sparse() {
+            Side::Sparse
+        } else {
+            Side::Dense
+        })
+    }
+
+    fn run_quantized(&self, q: &quantized::QuantizedMlp, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let rows = x.elem_count() / q.hidden().max(1);
+        let res = q.forward(&fused_ops::checks::reshaped(x, &[rows, q.hidden()])?)?;
+        if self.record_stats {
+            *self.last.lock().expect("stats lock") = Some(LastForward::Counted {
+                rows,
+                nonzeros: res.nonzeros,
+                sparse: q.is_sparse(),
+            });
+        }
+        Tensor::from_vec(res.out, dims, x.device())
+    }
+
     /// Builds now what a sparse inference pass would build on its first call (the
     /// neuron-major up/down matrix, the host's int8 gate screen), for an MLP that can
     /// run sparse. Otherwise the first token pays for it, and `Auto`, whose timings are
     /// shared by the layers of one shape, would time one layer's build as the sparse
     /// side's cost and pick dense for calls the sparse side wins.
     pub fn prepare_inference(&self) -> Result<()> {
-        if self.mode == FfnMode::Dense || self.activation != Activation::Relu {
+        if self.quantized.is_some()
+            || self.mode == FfnMode::Dense
+            || self.activation != Activation::Relu
+        {
             return Ok(());
         }
         self.up_down()?;
@@ -799,6 +874,9 @@ impl SparseMlp {
         want_l1: bool,
         measure: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        if let (Some(q), Some(_)) = (&self.quantized, self.quantized_side(x, want_l1)) {
+            return Ok((self.run_quantized(q, x)?, None));
+        }
         let dims = x.dims().to_vec();
         let d = *dims.last().unwrap_or(&0);
         if d != self.hidden() {
@@ -920,6 +998,95 @@ impl SparseMlp {
             Some(LastForward::Sparse(res)) => Some(MlpStats::from_output(res, true)?),
             Some(LastForward::Products(res)) => Some(MlpStats::from_output(res, false)?),
             Some(LastForward::Dense(h)) => Some(MlpStats::from_dense(h)?),
+            Some(&LastForward::Counted {
+                rows,
+                nonzeros,
+                sparse,
+            }) => {
+                let ffn = self.ffn();
+                Some(MlpStats {
+                    tokens: rows,
+                    ffn,
+                    mean_l0: nonzeros as f64 / rows.max(1) as f64,
+                    density: nonzeros as f64 / (rows * ffn).max(1) as f64,
+                    overflow_tiles: 0,
+                    overflow_rows: 0,
+                    fired: Vec::new(),
+                    sparse,
+                })
+            }
+        })
+    }
+}
+
+/// The nonzeros of one forward's activations, where they already are: a decode loop on a
+/// GPU sums these and reads the total back once, where reading every layer's count after
+/// every token would stall each step on the host.
+#[derive(Debug, Clone)]
+pub enum Nonzeros {
+    /// Counted on the host (CPU ops keep their pattern there).
+    Host(u64),
+    /// A u32 tensor on the device whose elements sum to the count.
+    Device(Tensor),
+}
+
+impl Nonzeros {
+    /// The count, reading a device tensor back (one synchronisation).
+    pub fn read(&self) -> Result<u64> {
+        match self {
+            Self::Host(n) => Ok(*n),
+            Self::Device(t) => Ok(t.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()? as u64),
+        }
+    }
+
+    /// The total of many counts with one read-back per device (the device tensors are
+    /// flattened and joined first).
+    pub fn sum(counts: &[Nonzeros]) -> Result<u64> {
+        let mut total = 0u64;
+        let mut on_device = Vec::new();
+        for c in counts {
+            match c {
+                Self::Host(n) => total += n,
+                Self::Device(t) => on_device.push(t.flatten_all()?),
+            }
+        }
+        // Joined in bounded groups, so one read-back stays one read-back without a cat
+        // of thousands of pieces in a single call.
+        for group in on_device.chunks(1024) {
+            total += Self::Device(Tensor::cat(group, 0)?).read()?;
+        }
+        Ok(total)
+    }
+}
+
+impl SparseMlp {
+    /// The last forward's nonzeros and the number of activations they were counted over
+    /// (`tokens · d_ff`), with no read-back (needs [`SparseMlp::with_stats`]).
+    pub fn last_nonzeros(&self) -> Result<Option<(Nonzeros, usize)>> {
+        let last = self.last.lock().expect("stats lock");
+        let entries = |rows: usize, ffn: usize| rows * ffn;
+        Ok(match last.as_ref() {
+            None => None,
+            Some(LastForward::Sparse(res)) | Some(LastForward::Products(res)) => {
+                let n = entries(res.out.dim(0)?, res.ffn);
+                match (&res.pattern, &res.counts) {
+                    (None, Some(counts)) => Some((Nonzeros::Device(counts.clone()), n)),
+                    _ => Some((Nonzeros::Host(res.nnz()? as u64), n)),
+                }
+            }
+            Some(&LastForward::Counted { rows, nonzeros, .. }) => {
+                Some((Nonzeros::Host(nonzeros), rows * self.ffn()))
+            }
+            Some(LastForward::Dense(h)) => {
+                let (rows, ffn) = h.dims2()?;
+                let mask = h.ne(0.0)?.to_dtype(DType::U32)?;
+                let count = if h.device().is_cpu() {
+                    Nonzeros::Host(mask.sum_all()?.to_scalar::<u32>()? as u64)
+                } else {
+                    Nonzeros::Device(mask)
+                };
+                Some((count, entries(rows, ffn)))
+            }
         })
     }
 }

@@ -1,0 +1,776 @@
+//! Quantized weight rows for inference on the CPU.
+//!
+//! A decode step reads every weight it uses once, so on the CPU its speed is the bytes
+//! it reads. Rows are kept in 32-wide blocks of unsigned bytes `u` with a scale `d` and
+//! an offset `c` per block, `w = d·u + c`:
+//! - [`QuantFormat::Q8`]: `u = q + 128` for an int8 `q`, `c = −128·d`. What an f32 or
+//!   bf16 weight (a fine-tuned checkpoint, the GGUF's Q8_0 embeddings) is quantized to:
+//!   an error of at most half a step of `max|w| / 127` per block.
+//! - [`QuantFormat::Q4_1`]: `u` in `0..16` (two per byte), `c` the block's minimum: the
+//!   GGUF's own Q4_1 blocks, read as they are.
+//!
+//! The token is quantized per block to int8 (`x ≈ s·q`, with `Σq` kept), so a block's
+//! product is one integer dot of unsigned weight bytes with signed token bytes, the
+//! `vpdpbusd` instruction of AVX-512 VNNI, plus `s·c·Σq`:
+//! `Σ w·x ≈ s·(d·Σ u·q + c·Σ q)`. Other CPUs take a portable loop.
+
+use rayon::prelude::*;
+
+use crate::error::TwellError;
+use candle_core::Result;
+
+/// Weights per block (the GGUF's Q4_1 and Q8_0 block).
+pub const BLOCK: usize = 32;
+
+/// Rows a worker takes at a time: enough work to pay for the hand-off.
+const ROWS_PER_TASK: usize = 64;
+
+/// How a row's blocks are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantFormat {
+    /// int8 per block with one scale (one byte a weight).
+    Q8,
+    /// 4-bit per block with a scale and a minimum (half a byte a weight).
+    Q4_1,
+}
+
+/// A token (one row of activations) quantized per block to int8.
+#[derive(Clone, Debug)]
+pub struct QuantToken {
+    q: Vec<i8>,
+    /// Per block: the scale `s`.
+    scale: Vec<f32>,
+    /// Per block: `s·Σq`, what a block's offset `c` multiplies.
+    scaled_sum: Vec<f32>,
+}
+
+impl QuantToken {
+    /// Quantizes `x` (whose length is a multiple of [`BLOCK`]) to int8 per block.
+    pub fn new(x: &[f32]) -> Self {
+        let blocks = x.len() / BLOCK;
+        let mut q = vec![0i8; blocks * BLOCK];
+        let mut scale = vec![0f32; blocks];
+        let mut scaled_sum = vec![0f32; blocks];
+        for b in 0..blocks {
+            let xs = &x[b * BLOCK..(b + 1) * BLOCK];
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let s = amax / 127.0;
+            let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+            let mut sum = 0i32;
+            for (o, &v) in q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(xs) {
+                let r = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+                *o = r;
+                sum += i32::from(r);
+            }
+            scale[b] = s;
+            scaled_sum[b] = s * sum as f32;
+        }
+        Self {
+            q,
+            scale,
+            scaled_sum,
+        }
+    }
+
+    /// Features (a multiple of [`BLOCK`]).
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+}
+
+/// `[rows, cols]` weights in quantized blocks, row-major.
+#[derive(Clone, Debug)]
+pub struct QuantRows {
+    rows: usize,
+    cols: usize,
+    format: QuantFormat,
+    /// Q8: one byte a weight; Q4_1: two weights a byte, the GGUF's order (byte `j` of a
+    /// block holds weight `j` in its low nibble and weight `j + 16` in its high one).
+    bytes: Vec<u8>,
+    /// Per block: `d`.
+    scale: Vec<f32>,
+    /// Per block: `c` (Q4_1 only; Q8's is `−128·d`).
+    offset: Vec<f32>,
+}
+
+fn bad(detail: String) -> candle_core::Error {
+    candle_core::Error::wrap(TwellError::Invalid(detail))
+}
+
+impl QuantRows {
+    fn check_dims(rows: usize, cols: usize, len: usize) -> Result<()> {
+        if cols == 0 || !cols.is_multiple_of(BLOCK) {
+            return Err(bad(format!(
+                "quantized rows need a width that is a multiple of {BLOCK}, got {cols}"
+            )));
+        }
+        if len != rows * cols {
+            return Err(bad(format!(
+                "{len} weights do not fill {rows} rows of {cols}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Quantizes row-major `[rows, cols]` weights.
+    pub fn quantize(w: &[f32], rows: usize, cols: usize, format: QuantFormat) -> Result<Self> {
+        Self::check_dims(rows, cols, w.len())?;
+        if let Some(i) = w.iter().position(|v| !v.is_finite()) {
+            return Err(bad(format!(
+                "weight {i} (row {}) is not finite: {}",
+                i / cols,
+                w[i]
+            )));
+        }
+        let blocks = w.len() / BLOCK;
+        let mut scale = vec![0f32; blocks];
+        let mut offset = Vec::new();
+        let bytes = match format {
+            QuantFormat::Q8 => {
+                let mut bytes = vec![0u8; w.len()];
+                for b in 0..blocks {
+                    let ws = &w[b * BLOCK..(b + 1) * BLOCK];
+                    let amax = ws.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let d = amax / 127.0;
+                    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                    for (o, &v) in bytes[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(ws) {
+                        *o = ((v * inv).round_ties_even().clamp(-127.0, 127.0) as i32 + 128) as u8;
+                    }
+                    scale[b] = d;
+                }
+                bytes
+            }
+            QuantFormat::Q4_1 => {
+                offset = vec![0f32; blocks];
+                let mut bytes = vec![0u8; w.len() / 2];
+                for b in 0..blocks {
+                    let ws = &w[b * BLOCK..(b + 1) * BLOCK];
+                    let lo = ws.iter().copied().fold(f32::INFINITY, f32::min);
+                    let hi = ws.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let d = (hi - lo) / 15.0;
+                    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                    let nib = |v: f32| ((v - lo) * inv).round_ties_even().clamp(0.0, 15.0) as u8;
+                    for j in 0..BLOCK / 2 {
+                        bytes[b * BLOCK / 2 + j] = nib(ws[j]) | (nib(ws[j + BLOCK / 2]) << 4);
+                    }
+                    scale[b] = d;
+                    offset[b] = lo;
+                }
+                bytes
+            }
+        };
+        Ok(Self {
+            rows,
+            cols,
+            format,
+            bytes,
+            scale,
+            offset,
+        })
+    }
+
+    /// From the raw bytes of a GGUF tensor of `rows` rows of `cols` weights, in its
+    /// Q4_1 (`f16 d, f16 m, 16 bytes`) or Q8_0 (`f16 d, 32 int8`) blocks, without
+    /// passing through f32: Q4_1 stays 4-bit and Q8_0 becomes [`QuantFormat::Q8`] with
+    /// the same values.
+    pub fn from_gguf_blocks(
+        raw: &[u8],
+        dtype: candle_core::quantized::GgmlDType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
+        use candle_core::quantized::GgmlDType;
+        Self::check_dims(rows, cols, rows * cols)?;
+        let blocks = rows * cols / BLOCK;
+        let block_bytes = match dtype {
+            GgmlDType::Q4_1 => 20,
+            GgmlDType::Q8_0 => 34,
+            other => {
+                return Err(bad(format!(
+                    "the quantized CPU path reads Q4_1 and Q8_0 blocks, not {other:?}"
+                )))
+            }
+        };
+        if raw.len() != blocks * block_bytes {
+            return Err(bad(format!(
+                "{} bytes for {rows}x{cols} {dtype:?} weights, expected {}",
+                raw.len(),
+                blocks * block_bytes
+            )));
+        }
+        let half = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let mut scale = Vec::with_capacity(blocks);
+        let (format, bytes, offset) = if dtype == GgmlDType::Q4_1 {
+            let mut offset = Vec::with_capacity(blocks);
+            let mut bytes = Vec::with_capacity(blocks * BLOCK / 2);
+            for blk in raw.chunks_exact(block_bytes) {
+                scale.push(half(&blk[0..2]));
+                offset.push(half(&blk[2..4]));
+                bytes.extend_from_slice(&blk[4..]);
+            }
+            (QuantFormat::Q4_1, bytes, offset)
+        } else {
+            let mut bytes = Vec::with_capacity(blocks * BLOCK);
+            for blk in raw.chunks_exact(block_bytes) {
+                scale.push(half(&blk[0..2]));
+                bytes.extend(blk[2..].iter().map(|&q| (q as i8 as i32 + 128) as u8));
+            }
+            (QuantFormat::Q8, bytes, Vec::new())
+        };
+        if let Some(b) = scale.iter().chain(&offset).position(|v| !v.is_finite()) {
+            return Err(bad(format!(
+                "block {} has a scale that is not finite",
+                b % blocks
+            )));
+        }
+        Ok(Self {
+            rows,
+            cols,
+            format,
+            bytes,
+            scale,
+            offset,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn format(&self) -> QuantFormat {
+        self.format
+    }
+
+    /// Bytes held (weights, scales and offsets).
+    pub fn bytes(&self) -> usize {
+        self.bytes.len() + 4 * (self.scale.len() + self.offset.len())
+    }
+
+    fn blocks_per_row(&self) -> usize {
+        self.cols / BLOCK
+    }
+
+    /// The offset `c` of block `b`.
+    fn offset(&self, b: usize) -> f32 {
+        match self.format {
+            QuantFormat::Q8 => -128.0 * self.scale[b],
+            QuantFormat::Q4_1 => self.offset[b],
+        }
+    }
+
+    /// Row `r`'s weights as f32.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let nb = self.blocks_per_row();
+        for k in 0..nb {
+            let b = r * nb + k;
+            let (d, c) = (self.scale[b], self.offset(b));
+            let o = &mut out[k * BLOCK..(k + 1) * BLOCK];
+            match self.format {
+                QuantFormat::Q8 => {
+                    for (o, &u) in o.iter_mut().zip(&self.bytes[b * BLOCK..(b + 1) * BLOCK]) {
+                        *o = d * f32::from(u) + c;
+                    }
+                }
+                QuantFormat::Q4_1 => {
+                    let bytes = &self.bytes[b * BLOCK / 2..(b + 1) * BLOCK / 2];
+                    for (j, &u) in bytes.iter().enumerate() {
+                        o[j] = d * f32::from(u & 15) + c;
+                        o[j + BLOCK / 2] = d * f32::from(u >> 4) + c;
+                    }
+                }
+            }
+        }
+    }
+
+    /// All weights as f32, row-major.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.dequantize_row(r, row);
+        }
+        out
+    }
+
+    /// `w_r · x` for row `r` and a quantized token of the same width.
+    pub fn dot(&self, r: usize, x: &QuantToken) -> f32 {
+        debug_assert_eq!(x.len(), self.cols);
+        let nb = self.blocks_per_row();
+        let blocks = r * nb..(r + 1) * nb;
+        #[cfg(target_arch = "x86_64")]
+        if vnni() {
+            // SAFETY: the CPU has AVX-512 VNNI (detected at run time); the slices are
+            // the row's `nb` blocks and the token's `nb` blocks.
+            return unsafe {
+                match self.format {
+                    QuantFormat::Q8 => x86::dot_q8(
+                        &self.bytes[blocks.start * BLOCK..blocks.end * BLOCK],
+                        &self.scale[blocks.clone()],
+                        x,
+                    ),
+                    QuantFormat::Q4_1 => x86::dot_q4_1(
+                        &self.bytes[blocks.start * BLOCK / 2..blocks.end * BLOCK / 2],
+                        &self.scale[blocks.clone()],
+                        &self.offset[blocks],
+                        x,
+                    ),
+                }
+            };
+        }
+        self.dot_portable(r, x)
+    }
+
+    /// [`QuantRows::dot`] without SIMD: the reference the fast loops are tested against.
+    pub fn dot_portable(&self, r: usize, x: &QuantToken) -> f32 {
+        let nb = self.blocks_per_row();
+        let mut sum = 0f32;
+        for k in 0..nb {
+            let b = r * nb + k;
+            let xq = &x.q[k * BLOCK..(k + 1) * BLOCK];
+            let dot: i32 = match self.format {
+                QuantFormat::Q8 => self.bytes[b * BLOCK..(b + 1) * BLOCK]
+                    .iter()
+                    .zip(xq)
+                    .map(|(&u, &q)| i32::from(u) * i32::from(q))
+                    .sum(),
+                QuantFormat::Q4_1 => {
+                    let bytes = &self.bytes[b * BLOCK / 2..(b + 1) * BLOCK / 2];
+                    bytes
+                        .iter()
+                        .enumerate()
+                        .map(|(j, &u)| {
+                            i32::from(u & 15) * i32::from(xq[j])
+                                + i32::from(u >> 4) * i32::from(xq[j + BLOCK / 2])
+                        })
+                        .sum()
+                }
+            };
+            sum += x.scale[k] * self.scale[b] * dot as f32 + self.offset(b) * x.scaled_sum[k];
+        }
+        sum
+    }
+
+    /// `y += alpha · w_r`.
+    pub fn axpy(&self, r: usize, alpha: f32, y: &mut [f32]) {
+        debug_assert_eq!(y.len(), self.cols);
+        let nb = self.blocks_per_row();
+        #[cfg(target_arch = "x86_64")]
+        if self.format == QuantFormat::Q8 && vnni() {
+            // SAFETY: AVX-512 is present (VNNI implies it); the slices are row `r`'s.
+            unsafe {
+                x86::axpy_q8(
+                    alpha,
+                    &self.bytes[r * self.cols..(r + 1) * self.cols],
+                    &self.scale[r * nb..(r + 1) * nb],
+                    y,
+                )
+            };
+            return;
+        }
+        let mut row = [0f32; BLOCK];
+        for k in 0..nb {
+            let b = r * nb + k;
+            let (d, c) = (alpha * self.scale[b], alpha * self.offset(b));
+            match self.format {
+                QuantFormat::Q8 => {
+                    for (j, &u) in self.bytes[b * BLOCK..(b + 1) * BLOCK].iter().enumerate() {
+                        row[j] = d * f32::from(u) + c;
+                    }
+                }
+                QuantFormat::Q4_1 => {
+                    for (j, &u) in self.bytes[b * BLOCK / 2..(b + 1) * BLOCK / 2]
+                        .iter()
+                        .enumerate()
+                    {
+                        row[j] = d * f32::from(u & 15) + c;
+                        row[j + BLOCK / 2] = d * f32::from(u >> 4) + c;
+                    }
+                }
+            }
+            for (y, v) in y[k * BLOCK..(k + 1) * BLOCK].iter_mut().zip(&row) {
+                *y += v;
+            }
+        }
+    }
+
+    /// `out[t, r] = w_r · x_t` for every row and token (`out` is `[tokens, rows]`),
+    /// rows split over the rayon workers. Each worker reads a row once for all tokens.
+    pub fn matmul(&self, tokens: &[QuantToken], out: &mut [f32]) -> Result<()> {
+        let n = self.rows;
+        if out.len() != tokens.len() * n {
+            return Err(bad(format!(
+                "output of {} values for {} tokens of {n} rows",
+                out.len(),
+                tokens.len()
+            )));
+        }
+        if let Some(t) = tokens.iter().find(|t| t.len() != self.cols) {
+            return Err(bad(format!(
+                "a token of {} features for rows of {}",
+                t.len(),
+                self.cols
+            )));
+        }
+        let m = tokens.len();
+        if m == 1 {
+            out.par_chunks_mut(ROWS_PER_TASK)
+                .enumerate()
+                .for_each(|(c, o)| {
+                    for (i, o) in o.iter_mut().enumerate() {
+                        *o = self.dot(c * ROWS_PER_TASK + i, &tokens[0]);
+                    }
+                });
+            return Ok(());
+        }
+        // Row-major partial results per task, then scattered into `[tokens, rows]`.
+        let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(ROWS_PER_TASK))
+            .into_par_iter()
+            .map(|c| {
+                let rows = c * ROWS_PER_TASK..((c + 1) * ROWS_PER_TASK).min(n);
+                let mut part = Vec::with_capacity(rows.len() * m);
+                for r in rows {
+                    part.extend(tokens.iter().map(|t| self.dot(r, t)));
+                }
+                (c * ROWS_PER_TASK, part)
+            })
+            .collect();
+        for (start, part) in parts {
+            for (i, vals) in part.chunks_exact(m).enumerate() {
+                for (t, &v) in vals.iter().enumerate() {
+                    out[t * n + start + i] = v;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl QuantRows {
+    /// `x · Wᵀ` for an f32 tensor `[.., cols]` on the CPU: `[.., rows]`.
+    pub fn forward(&self, x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+        let tokens = quantize_tokens(x, self.cols, "QuantRows::forward")?;
+        let mut out = vec![0f32; tokens.len() * self.rows];
+        self.matmul(&tokens, &mut out)?;
+        let mut dims = x.dims().to_vec();
+        *dims.last_mut().expect("checked rank") = self.rows;
+        candle_core::Tensor::from_vec(out, dims, x.device())
+    }
+}
+
+/// The rows of an f32 CPU tensor `[.., width]`, each quantized.
+pub fn quantize_tokens(
+    x: &candle_core::Tensor,
+    width: usize,
+    what: &str,
+) -> Result<Vec<QuantToken>> {
+    if !x.device().is_cpu() || x.dtype() != candle_core::DType::F32 {
+        return Err(bad(format!(
+            "{what}: the quantized path takes f32 on the CPU, got {:?} on {:?}",
+            x.dtype(),
+            x.device()
+        )));
+    }
+    if x.dims().last() != Some(&width) {
+        return Err(bad(format!(
+            "{what}: input {:?} does not end in {width} features",
+            x.dims()
+        )));
+    }
+    let flat = x.flatten_all()?.to_vec1::<f32>()?;
+    Ok(flat.chunks_exact(width).map(QuantToken::new).collect())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn vnni() -> bool {
+    use std::sync::OnceLock;
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    *VNNI.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{QuantToken, BLOCK};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// `Σ_k a[k]·b[k]`, the blocks' offset terms (independent of the integer dots).
+    #[inline(always)]
+    fn offsets(a: &[f32], b: &[f32]) -> f32 {
+        let mut s = [0f32; 4];
+        let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
+        let tail: f32 = ca
+            .remainder()
+            .iter()
+            .zip(cb.remainder())
+            .map(|(x, y)| x * y)
+            .sum();
+        for (x, y) in ca.zip(cb) {
+            for j in 0..4 {
+                s[j] += x[j] * y[j];
+            }
+        }
+        s[0] + s[1] + s[2] + s[3] + tail
+    }
+
+    /// The integer dot of block `k` in f32 lanes, scaled: weights as given by `load`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn block(w: __m256i, x: &QuantToken, d: f32, k: usize, acc: __m256) -> __m256 {
+        let q = _mm256_loadu_si256(x.q.as_ptr().add(k * BLOCK) as *const __m256i);
+        let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, q);
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x.scale[k]), acc)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn load_q8(u: &[u8], k: usize) -> __m256i {
+        _mm256_loadu_si256(u.as_ptr().add(k * BLOCK) as *const __m256i)
+    }
+
+    /// Block `k`'s 32 nibbles as bytes, in the GGUF's order (low nibbles first).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn load_q4_1(nib: &[u8], k: usize) -> __m256i {
+        let mask = _mm_set1_epi8(15);
+        let b = _mm_loadu_si128(nib.as_ptr().add(k * BLOCK / 2) as *const __m128i);
+        let lo = _mm_and_si128(b, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    /// Q8 rows: `u` bytes, scales `d`, offsets `−128·d`. Four accumulators, so the
+    /// multiply-adds of neighbouring blocks overlap.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn dot_q8(u: &[u8], d: &[f32], x: &QuantToken) -> f32 {
+        let load = |k: usize| load_q8(u, k);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let nb = d.len();
+        let mut k = 0;
+        while k + 4 <= nb {
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = block(load(k + j), x, d[k + j], k + j, *a);
+            }
+            k += 4;
+        }
+        while k < nb {
+            acc[0] = block(load(k), x, d[k], k, acc[0]);
+            k += 1;
+        }
+        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        hsum(sum) - 128.0 * offsets(d, &x.scaled_sum)
+    }
+
+    /// Q4_1 rows: nibbles, scales `d`, offsets `c`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn dot_q4_1(nib: &[u8], d: &[f32], c: &[f32], x: &QuantToken) -> f32 {
+        let load = |k: usize| load_q4_1(nib, k);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let nb = d.len();
+        let mut k = 0;
+        while k + 4 <= nb {
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = block(load(k + j), x, d[k + j], k + j, *a);
+            }
+            k += 4;
+        }
+        while k < nb {
+            acc[0] = block(load(k), x, d[k], k, acc[0]);
+            k += 1;
+        }
+        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        hsum(sum) + offsets(c, &x.scaled_sum)
+    }
+
+    /// `y += alpha · (d·u − 128·d)` over a Q8 row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn axpy_q8(alpha: f32, u: &[u8], d: &[f32], y: &mut [f32]) {
+        let bias = _mm512_set1_epi32(128);
+        for (k, &dk) in d.iter().enumerate() {
+            let a = _mm512_set1_ps(alpha * dk);
+            for h in 0..2 {
+                let off = k * BLOCK + h * 16;
+                let b = _mm_loadu_si128(u.as_ptr().add(off) as *const __m128i);
+                let v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(b), bias);
+                let yp = y.as_mut_ptr().add(off);
+                let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), a, _mm512_loadu_ps(yp));
+                _mm512_storeu_ps(yp, acc);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
+            })
+            .collect()
+    }
+
+    fn exact_dot(a: &[f32], b: &[f32]) -> f64 {
+        a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
+    }
+
+    #[test]
+    fn quantized_rows_stay_within_half_a_step() -> Result<()> {
+        let (rows, cols) = (7, 96);
+        let w = random(rows * cols, 1, 0.3);
+        for format in [QuantFormat::Q8, QuantFormat::Q4_1] {
+            let q = QuantRows::quantize(&w, rows, cols, format)?;
+            let back = q.dequantize();
+            for (b, (ws, bs)) in w.chunks(BLOCK).zip(back.chunks(BLOCK)).enumerate() {
+                let step = q.scale[b];
+                for (a, c) in ws.iter().zip(bs) {
+                    assert!(
+                        (a - c).abs() <= 0.5 * step * 1.001 + 1e-7,
+                        "{format:?} {a} {c}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn simd_and_portable_dots_agree_and_track_f32() -> Result<()> {
+        let (rows, cols) = (33, 576);
+        let w = random(rows * cols, 2, 0.1);
+        let x = random(cols, 3, 2.0);
+        let token = QuantToken::new(&x);
+        for format in [QuantFormat::Q8, QuantFormat::Q4_1] {
+            let q = QuantRows::quantize(&w, rows, cols, format)?;
+            let deq = q.dequantize();
+            for r in 0..rows {
+                let (fast, slow) = (q.dot(r, &token), q.dot_portable(r, &token));
+                assert!(
+                    (fast - slow).abs() <= 1e-4 * (1.0 + slow.abs()),
+                    "{fast} {slow}"
+                );
+                // Against the dequantized row and the exact token: the token's int8
+                // rounding only (half a step of max|x|/127 per feature).
+                let exact = exact_dot(&deq[r * cols..(r + 1) * cols], &x);
+                let row_norm1: f64 = deq[r * cols..(r + 1) * cols]
+                    .iter()
+                    .map(|v| v.abs() as f64)
+                    .sum();
+                let bound = row_norm1 * (2.0 / 127.0) * 0.5 + 1e-4;
+                assert!(
+                    (fast as f64 - exact).abs() <= bound,
+                    "{format:?} r{r}: {fast} vs {exact}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn matmul_matches_row_dots_for_one_and_many_tokens() -> Result<()> {
+        let (rows, cols) = (200, 64);
+        let w = random(rows * cols, 4, 1.0);
+        let q = QuantRows::quantize(&w, rows, cols, QuantFormat::Q4_1)?;
+        for m in [1, 5] {
+            let tokens: Vec<QuantToken> = (0..m)
+                .map(|t| QuantToken::new(&random(cols, 10 + t as u64, 1.0)))
+                .collect();
+            let mut out = vec![0f32; m * rows];
+            q.matmul(&tokens, &mut out)?;
+            for t in 0..m {
+                for r in 0..rows {
+                    assert_eq!(out[t * rows + r], q.dot(r, &tokens[t]));
+                }
+            }
+        }
+        assert!(q
+            .matmul(&[QuantToken::new(&[0.0; 32])], &mut [0.0; 200])
+            .is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn axpy_adds_the_dequantized_row() -> Result<()> {
+        let (rows, cols) = (3, 96);
+        let w = random(rows * cols, 5, 1.0);
+        for format in [QuantFormat::Q8, QuantFormat::Q4_1] {
+            let q = QuantRows::quantize(&w, rows, cols, format)?;
+            let deq = q.dequantize();
+            let mut y = random(cols, 6, 1.0);
+            let y0 = y.clone();
+            q.axpy(1, -0.75, &mut y);
+            for j in 0..cols {
+                let want = y0[j] - 0.75 * deq[cols + j];
+                assert!((y[j] - want).abs() <= 1e-5, "{format:?} {j}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gguf_blocks_read_as_the_values_they_encode() -> Result<()> {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::{Device, Tensor};
+        let (rows, cols) = (4, 64);
+        let w = random(rows * cols, 7, 1.0);
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            let t = Tensor::from_vec(w.clone(), (rows, cols), &Device::Cpu)?;
+            let qt = QTensor::quantize(&t, dtype)?;
+            let want = qt
+                .dequantize(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let raw = qt.data()?;
+            let q = QuantRows::from_gguf_blocks(&raw, dtype, rows, cols)?;
+            for (a, b) in q.dequantize().iter().zip(&want) {
+                assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{dtype:?} {a} {b}");
+            }
+            assert!(QuantRows::from_gguf_blocks(&raw[1..], dtype, rows, cols).is_err());
+        }
+        let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu)?;
+        let q4k = QTensor::quantize(&Tensor::cat(&[&t, &t, &t, &t], 1)?, GgmlDType::Q4K)?;
+        let e = QuantRows::from_gguf_blocks(&q4k.data()?, GgmlDType::Q4K, rows, 256)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("Q4K"), "{e}");
+        Ok(())
+    }
+
+    #[test]
+    fn bad_shapes_and_values_are_refused() {
+        assert!(QuantRows::quantize(&[0.0; 40], 1, 40, QuantFormat::Q8).is_err());
+        assert!(QuantRows::quantize(&[0.0; 64], 3, 32, QuantFormat::Q8).is_err());
+        let mut w = vec![0.5f32; 64];
+        w[40] = f32::NAN;
+        let e = QuantRows::quantize(&w, 2, 32, QuantFormat::Q4_1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("row 1"), "{e}");
+    }
+}
