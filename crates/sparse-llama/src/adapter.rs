@@ -21,6 +21,7 @@
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
@@ -95,8 +96,9 @@ pub struct LoraAdapter {
     pub config: PeftConfig,
     pub info: TwellAdapterInfo,
     pub factors: Vec<LoraFactor>,
-    /// Deltas added to whole weights of the base (HF names, f32 on the CPU).
-    pub full: Vec<(String, Tensor)>,
+    /// Deltas added to whole weights of the base (HF names, on the CPU), kept in their
+    /// file's Q4_0 blocks until a merge reads each (in f32 they would be 7x the bytes).
+    pub full: Vec<(String, Arc<candle_core::quantized::QTensor>)>,
     pub dir: PathBuf,
 }
 
@@ -317,53 +319,87 @@ impl LoraAdapter {
     /// Adds `scale · B·A` to each adapted weight of `tensors` (HF names), in f32, keeping
     /// each weight's dtype and device.
     pub fn merge_into(&self, tensors: &mut HashMap<String, Tensor>) -> Result<()> {
+        self.check_names(|name| tensors.get(name).map(|t| t.dims().to_vec()))?;
+        for name in self.changed_names() {
+            let w = tensors[&name].clone();
+            tensors.insert(name.clone(), self.merge_one(&name, w)?);
+        }
+        Ok(())
+    }
+
+    /// The weights this adapter changes.
+    fn changed_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.full.iter().map(|(n, _)| n.clone()).collect();
+        names.extend(self.factors.iter().map(|f| f.weight.clone()));
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    /// Checks that every weight the adapter changes exists with the adapter's shape
+    /// (`dims` gives a model weight's shape by HF name), before anything is merged.
+    pub fn check_names(&self, dims: impl Fn(&str) -> Option<Vec<usize>>) -> Result<()> {
         for (name, t) in &self.full {
-            let Some(w) = tensors.get(name) else {
+            let Some(w) = dims(name) else {
                 return err(LlamaError::Invalid(format!(
                     "the adapter in {} changes {name}, which the model does not have",
                     self.dir.display()
                 )));
             };
-            if w.dims() != t.dims() {
+            if w != t.shape().dims() {
                 return err(LlamaError::Invalid(format!(
-                    "{name}: the adapter's weight is {:?}, the model's {:?}",
-                    t.dims(),
-                    w.dims()
+                    "{name}: the adapter's weight is {:?}, the model's {w:?}",
+                    t.shape().dims()
                 )));
             }
-            let changed = (w.to_dtype(DType::F32)? + t.to_device(w.device())?)?;
-            tensors.insert(name.clone(), changed.to_dtype(w.dtype())?);
         }
-        let scale = self.scale();
         for f in &self.factors {
-            let Some(w) = tensors.get(&f.weight) else {
+            let Some(w) = dims(&f.weight) else {
                 return err(LlamaError::Invalid(format!(
                     "the adapter in {} adapts {}, which the model does not have",
                     self.dir.display(),
                     f.weight
                 )));
             };
-            let (out, inp) = w.dims2()?;
             let (r, a_in) = f.a.dims2()?;
             let (b_out, _) = f.b.dims2()?;
-            if a_in != inp || b_out != out {
+            if w != [b_out, a_in] {
                 return err(LlamaError::Invalid(format!(
-                    "{}: the adapter's factors are [{b_out}, {r}]·[{r}, {a_in}], the weight is [{out}, {inp}]",
+                    "{}: the adapter's factors are [{b_out}, {r}]·[{r}, {a_in}], the weight is {w:?}",
                     f.weight
                 )));
             }
+        }
+        Ok(())
+    }
+
+    /// One weight `w` (HF name `name`) with this adapter's changes to it merged, in f32,
+    /// keeping its dtype and device; unchanged if the adapter does not touch it.
+    pub fn merge_one(&self, name: &str, w: Tensor) -> Result<Tensor> {
+        let dtype = w.dtype();
+        let mut merged = None;
+        let f32w = || w.to_dtype(DType::F32);
+        if let Some((_, t)) = self.full.iter().find(|(n, _)| n == name) {
+            merged = Some((f32w()? + t.dequantize(w.device())?)?);
+        }
+        if let Some(f) = self.factors.iter().find(|f| f.weight == name) {
             let delta =
                 (f.b.to_device(w.device())?
                     .matmul(&f.a.to_device(w.device())?)?
-                    * scale)?;
-            let mut merged = (w.to_dtype(DType::F32)? + delta)?;
-            if let Some(m) = &f.row_scale {
-                merged = merged.broadcast_mul(&m.to_device(w.device())?.unsqueeze(1)?)?;
+                    * self.scale())?;
+            let mut m = (match merged.take() {
+                Some(m) => m,
+                None => f32w()?,
+            } + delta)?;
+            if let Some(s) = &f.row_scale {
+                m = m.broadcast_mul(&s.to_device(w.device())?.unsqueeze(1)?)?;
             }
-            let merged = merged.to_dtype(w.dtype())?;
-            tensors.insert(f.weight.clone(), merged);
+            merged = Some(m);
         }
-        Ok(())
+        match merged {
+            Some(m) => m.to_dtype(dtype),
+            None => Ok(w),
+        }
     }
 
     /// Writes an adapter directory, `SHA256SUMS` included, through a temporary
@@ -430,8 +466,8 @@ fn write_full_deltas(path: &Path, full: &[(String, Tensor)]) -> Result<()> {
     gguf_file::write(&mut file, &[], &refs)
 }
 
-/// Reads the deltas of [`FULL_DELTAS_FILE`] (none when it is absent), dequantized.
-fn read_full_deltas(path: &Path) -> Result<Vec<(String, Tensor)>> {
+/// Reads the deltas of [`FULL_DELTAS_FILE`] (none when it is absent), in their blocks.
+fn read_full_deltas(path: &Path) -> Result<Vec<(String, Arc<candle_core::quantized::QTensor>)>> {
     use candle_core::quantized::gguf_file;
     if !path.exists() {
         return Ok(Vec::new());
@@ -447,7 +483,7 @@ fn read_full_deltas(path: &Path) -> Result<Vec<(String, Tensor)>> {
             let q = content
                 .tensor(&mut file, &name, &Device::Cpu)
                 .map_err(|e| bad(path, format!("tensor {name}: {e}")))?;
-            Ok((name, q.dequantize(&Device::Cpu)?))
+            Ok((name, Arc::new(q)))
         })
         .collect()
 }

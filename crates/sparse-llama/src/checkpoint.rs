@@ -4,6 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -13,7 +14,7 @@ use twell::{Activation, FfnMode};
 use crate::adapter::LoraAdapter;
 use crate::config::{Config, LlamaConfig};
 use crate::error::{err, LlamaError};
-use crate::gguf::load_gguf;
+use crate::gguf::{load_gguf, GgufTensors};
 use crate::model::Llama;
 use crate::tokenizer::{load_tokenizer, ChatFormat};
 
@@ -21,8 +22,60 @@ use crate::tokenizer::{load_tokenizer, ChatFormat};
 pub enum Weights {
     /// Safetensors files, memory-mapped on load.
     Safetensors(Vec<PathBuf>),
-    /// Tensors already in memory (a dequantized GGUF), HF names, f32 on the CPU.
+    /// Tensors already in memory, HF names, f32 on the CPU.
     Tensors(HashMap<String, Tensor>),
+    /// A GGUF's tensors, each dequantized when asked for, with an adapter merged into
+    /// each as it is read: loading never holds the whole f32 copy.
+    Gguf {
+        file: Arc<GgufTensors>,
+        adapter: Option<Arc<LoraAdapter>>,
+    },
+}
+
+/// A VarBuilder backend over [`Weights::Gguf`].
+struct GgufBackend {
+    file: Arc<GgufTensors>,
+    adapter: Option<Arc<LoraAdapter>>,
+}
+
+impl GgufBackend {
+    fn read(&self, name: &str) -> Result<Tensor> {
+        let t = self.file.tensor(name)?;
+        match &self.adapter {
+            Some(a) => a.merge_one(name, t),
+            None => Ok(t),
+        }
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for GgufBackend {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Tensor> {
+        let t = self.read(name)?;
+        if t.shape() != &s {
+            return Err(candle_core::Error::UnexpectedShape {
+                msg: format!("shape mismatch for {name}"),
+                expected: s,
+                got: t.shape().clone(),
+            }
+            .bt());
+        }
+        t.to_dtype(dtype)?.to_device(dev)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        self.read(name)?.to_dtype(dtype)?.to_device(dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.file.contains(name)
+    }
 }
 
 /// A checkpoint opened but not yet placed on a device.
@@ -140,7 +193,10 @@ impl Checkpoint {
         let g = load_gguf(path)?;
         Ok(Self {
             config: g.config,
-            weights: Weights::Tensors(g.tensors),
+            weights: Weights::Gguf {
+                file: Arc::new(g.tensors),
+                adapter: None,
+            },
             tokenizer: g.tokenizer,
             chat_template: g.chat_template,
             source: path.to_path_buf(),
@@ -178,6 +234,14 @@ impl Checkpoint {
                 VarBuilder::from_mmaped_safetensors(files, dtype, device)
             },
             Weights::Tensors(t) => Ok(VarBuilder::from_tensors(t.clone(), dtype, device)),
+            Weights::Gguf { file, adapter } => {
+                let backend: Box<dyn candle_nn::var_builder::SimpleBackend> =
+                    Box::new(GgufBackend {
+                        file: file.clone(),
+                        adapter: adapter.clone(),
+                    });
+                Ok(VarBuilder::from_backend(backend, dtype, device.clone()))
+            }
         }
     }
 
@@ -187,6 +251,17 @@ impl Checkpoint {
         Llama::load(self.var_builder(dtype, device)?, &cfg)
     }
 
+    /// The model for inference on the CPU through quantized rows, quantized layer by
+    /// layer as it loads ([`Llama::load_quantized`]).
+    pub fn load_model_quantized(
+        &self,
+        opts: &LoadOptions,
+        plan: crate::model::CpuQuantization,
+    ) -> Result<Llama> {
+        let cfg = self.runtime_config(opts)?;
+        Llama::load_quantized(self.var_builder(DType::F32, &Device::Cpu)?, &cfg, plan)
+    }
+
     /// Every weight, HF-named, on `device` in `dtype` (for training and conversion).
     pub fn tensors(&self, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
         match &self.weights {
@@ -194,6 +269,20 @@ impl Checkpoint {
                 .iter()
                 .map(|(k, v)| Ok((k.clone(), v.to_dtype(dtype)?.to_device(device)?)))
                 .collect(),
+            Weights::Gguf { file, adapter } => {
+                let backend = GgufBackend {
+                    file: file.clone(),
+                    adapter: adapter.clone(),
+                };
+                file.names()
+                    .map(|k| {
+                        Ok((
+                            k.clone(),
+                            backend.read(k)?.to_dtype(dtype)?.to_device(device)?,
+                        ))
+                    })
+                    .collect()
+            }
             Weights::Safetensors(files) => {
                 let mut out = HashMap::new();
                 for f in files {
@@ -213,12 +302,34 @@ impl Checkpoint {
         if self.source.is_file() {
             adapter.check_base(&self.source)?;
         }
-        let mut tensors = match self.weights {
-            Weights::Tensors(t) => t,
-            Weights::Safetensors(_) => self.tensors(DType::F32, &Device::Cpu)?,
+        let weights = std::mem::replace(&mut self.weights, Weights::Tensors(HashMap::new()));
+        self.weights = match weights {
+            Weights::Gguf {
+                file,
+                adapter: None,
+            } => {
+                adapter.check_names(|name| file.dims(name))?;
+                Weights::Gguf {
+                    file,
+                    adapter: Some(Arc::new(adapter.clone())),
+                }
+            }
+            Weights::Gguf { .. } => {
+                return err(LlamaError::Invalid(
+                    "an adapter is merged into this checkpoint already".into(),
+                ))
+            }
+            Weights::Tensors(mut tensors) => {
+                adapter.merge_into(&mut tensors)?;
+                Weights::Tensors(tensors)
+            }
+            Weights::Safetensors(files) => {
+                self.weights = Weights::Safetensors(files);
+                let mut tensors = self.tensors(DType::F32, &Device::Cpu)?;
+                adapter.merge_into(&mut tensors)?;
+                Weights::Tensors(tensors)
+            }
         };
-        adapter.merge_into(&mut tensors)?;
-        self.weights = Weights::Tensors(tensors);
         self.layer_block_type = None;
         self.config.hidden_act = adapter.activation()?.hf_name().into();
         Ok(self)

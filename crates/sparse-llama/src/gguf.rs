@@ -1,8 +1,10 @@
-//! GGUF checkpoints (llama.cpp's format): dequantized to f32, renamed to HF names,
-//! with Q/K rows un-permuted and the tokenizer rebuilt from the metadata.
+//! GGUF checkpoints (llama.cpp's format): renamed to HF names, each tensor read and
+//! dequantized to f32 when asked for (so a model quantized as it loads never holds the
+//! whole f32 copy), with Q/K rows un-permuted and the tokenizer rebuilt from the
+//! metadata.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Result, Tensor};
@@ -15,8 +17,8 @@ use crate::tokenizer::tokenizer_from_gguf;
 /// What a GGUF file holds, in HF terms.
 pub struct GgufCheckpoint {
     pub config: LlamaConfig,
-    /// HF-named f32 tensors on the CPU.
-    pub tensors: HashMap<String, Tensor>,
+    /// The tensors, HF-named, read when asked for.
+    pub tensors: GgufTensors,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<String>,
     /// The block type all the layers' matrices share in the file, if one.
@@ -156,30 +158,44 @@ pub fn load_gguf(path: &Path) -> Result<GgufCheckpoint> {
         torch_dtype: Some("float32".into()),
         twell: None,
     };
-    let mut tensors = HashMap::new();
     let mut layer_types = std::collections::HashSet::new();
-    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
-    names.sort();
-    for name in names {
+    let mut names = HashMap::new();
+    for (name, info) in &content.tensor_infos {
         let Some(hf) = hf_name(name)? else { continue };
-        let q = content
-            .tensor(&mut file, name, &Device::Cpu)
-            .map_err(|e| LlamaError::BadFile {
-                path: path.to_path_buf(),
-                detail: format!("tensor '{name}': {e}"),
-            })?;
-        if name.starts_with("blk.") && q.shape().rank() == 2 {
-            layer_types.insert(q.dtype());
+        if name.starts_with("blk.") && info.shape.rank() == 2 {
+            layer_types.insert(info.ggml_dtype);
         }
-        let mut t = q.dequantize(&Device::Cpu)?;
-        if hf.ends_with("q_proj.weight") {
-            t = unpermute_qk(&t, heads)?;
-        } else if hf.ends_with("k_proj.weight") {
-            t = unpermute_qk(&t, kv_heads)?;
-        }
-        tensors.insert(hf, t);
+        names.insert(hf, name.clone());
     }
-    let chat_template = content
+    // The data are read when asked for; a truncated file is refused now, not then.
+    let file_len = std::fs::metadata(path)
+        .map_err(|e| LlamaError::Io {
+            path: path.to_path_buf(),
+            source: e,
+        })?
+        .len();
+    for (name, info) in &content.tensor_infos {
+        let bytes =
+            info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        let end = content.tensor_data_offset + info.offset + bytes as u64;
+        if end > file_len {
+            return err(LlamaError::BadFile {
+                path: path.to_path_buf(),
+                detail: format!(
+                    "tensor '{name}' ends at byte {end}, past the file's {file_len} (truncated?)"
+                ),
+            });
+        }
+    }
+    let tensors = GgufTensors {
+        path: path.to_path_buf(),
+        content,
+        names,
+        heads,
+        kv_heads,
+    };
+    let chat_template = tensors
+        .content
         .metadata
         .get("tokenizer.chat_template")
         .and_then(|v| v.to_string().ok().cloned());
@@ -194,4 +210,61 @@ pub fn load_gguf(path: &Path) -> Result<GgufCheckpoint> {
         chat_template,
         layer_block_type,
     })
+}
+
+/// A GGUF's tensors under their HF names, read from the file one at a time.
+pub struct GgufTensors {
+    path: PathBuf,
+    content: gguf_file::Content,
+    /// HF name → GGUF name.
+    names: HashMap<String, String>,
+    heads: usize,
+    kv_heads: usize,
+}
+
+impl GgufTensors {
+    /// The HF names of the tensors.
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.names.keys()
+    }
+
+    pub fn contains(&self, hf: &str) -> bool {
+        self.names.contains_key(hf)
+    }
+
+    /// The HF-layout shape of a tensor, without reading it.
+    pub fn dims(&self, hf: &str) -> Option<Vec<usize>> {
+        let info = self.content.tensor_infos.get(self.names.get(hf)?)?;
+        Some(info.shape.dims().to_vec())
+    }
+
+    /// One tensor in f32 on the CPU, Q/K rows un-permuted.
+    pub fn tensor(&self, hf: &str) -> Result<Tensor> {
+        let Some(name) = self.names.get(hf) else {
+            return err(LlamaError::Invalid(format!(
+                "{} has no tensor '{hf}'",
+                self.path.display()
+            )));
+        };
+        let io = |e: std::io::Error| LlamaError::Io {
+            path: self.path.clone(),
+            source: e,
+        };
+        let mut file = std::fs::File::open(&self.path).map_err(io)?;
+        let q = self
+            .content
+            .tensor(&mut file, name, &Device::Cpu)
+            .map_err(|e| LlamaError::BadFile {
+                path: self.path.clone(),
+                detail: format!("tensor '{name}': {e}"),
+            })?;
+        let t = q.dequantize(&Device::Cpu)?;
+        if hf.ends_with("q_proj.weight") {
+            unpermute_qk(&t, self.heads)
+        } else if hf.ends_with("k_proj.weight") {
+            unpermute_qk(&t, self.kv_heads)
+        } else {
+            Ok(t)
+        }
+    }
 }

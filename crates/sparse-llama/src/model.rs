@@ -12,6 +12,7 @@
 //! * [`Llama::ffn_stats`] reports each layer's activation density after a forward.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear_b, Embedding, Linear, RmsNorm, VarBuilder};
@@ -330,9 +331,7 @@ impl CausalSelfAttention {
             }
             (Some(qkv), _) => {
                 let projected = match &self.quantized {
-                    Some(quantized) if QuantizedAttention::takes(x) => {
-                        quantized.qkv(x, qkv.bias())?
-                    }
+                    Some(quantized) if quantized.takes(x) => quantized.qkv(x, qkv.bias())?,
                     _ => qkv.forward(x)?,
                 };
                 let (q, kv) = fused_ops::rope_qkv(&projected, rope, nq, nkv)?;
@@ -375,7 +374,7 @@ impl CausalSelfAttention {
     /// The output projection of the heads' rows `y`.
     fn output(&self, y: &Tensor) -> Result<Tensor> {
         match &self.quantized {
-            Some(quantized) if QuantizedAttention::takes(y) => {
+            Some(quantized) if quantized.takes(y) => {
                 with_bias(quantized.o.forward(&y.contiguous()?)?, self.o_proj.bias())
             }
             _ => self.o_proj.forward(y),
@@ -495,7 +494,50 @@ struct Block {
     mlp: SparseMlp,
 }
 
+/// A weight's stand-in once its quantized copy is all a model keeps: the same shape,
+/// no storage.
+fn released(w: &Tensor) -> Result<Tensor> {
+    Tensor::zeros((), w.dtype(), w.device())?.broadcast_as(w.shape())
+}
+
 impl Block {
+    /// Quantizes the parts `plan` names and lets their f32 weights go
+    /// ([`Llama::load_quantized`]).
+    fn quantize_and_release(&mut self, plan: CpuQuantization) -> Result<()> {
+        if let Some(format) = plan.attention {
+            let attn = &mut self.self_attn;
+            attn.fuse_qkv()?;
+            let qkv = attn.qkv_proj.as_ref().expect("fused above");
+            attn.quantized = Some(QuantizedAttention {
+                qkv: quantized_rows(qkv.weight(), format)?,
+                o: quantized_rows(attn.o_proj.weight(), format)?,
+                every_row: true,
+            });
+            let stand_in = |l: &Linear| -> Result<Linear> {
+                Ok(Linear::new(released(l.weight())?, l.bias().cloned()))
+            };
+            for l in [
+                &mut attn.q_proj,
+                &mut attn.k_proj,
+                &mut attn.v_proj,
+                &mut attn.o_proj,
+            ] {
+                *l = stand_in(l)?;
+            }
+            for l in [&mut attn.qkv_proj, &mut attn.kv_proj]
+                .into_iter()
+                .flatten()
+            {
+                *l = stand_in(l)?;
+            }
+        }
+        if let Some(format) = plan.mlp {
+            self.mlp.quantize_for_cpu(format)?;
+            self.mlp.release_f32_weights()?;
+        }
+        Ok(())
+    }
+
     fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
         let mut mlp = SparseMlp::load(
             vb.pp("mlp"),
@@ -529,12 +571,14 @@ impl Block {
 /// A Llama causal LM whose feed-forward can run dense or TwELL-sparse.
 #[derive(Debug)]
 pub struct Llama {
-    embed_tokens: Embedding,
+    embed_tokens: Embed,
     blocks: Vec<Block>,
     norm: Norm,
     lm_head: Head,
     config: Config,
     attention_path: AttentionPath,
+    /// Some f32 weights were let go ([`Llama::load_quantized`]).
+    f32_released: bool,
 }
 
 /// Which implementation a forward pass takes for the attention (and, in training, for
@@ -559,6 +603,9 @@ pub enum AttentionPath {
 struct QuantizedAttention {
     qkv: QuantRows,
     o: QuantRows,
+    /// Every call takes the copies (the f32 weights are released,
+    /// [`Llama::load_quantized`]), not the decode sizes alone.
+    every_row: bool,
 }
 
 /// Rows up to which the attention takes its quantized copies: decode steps read each
@@ -567,10 +614,11 @@ struct QuantizedAttention {
 const QUANTIZED_MAX_ROWS: usize = 16;
 
 impl QuantizedAttention {
-    fn takes(x: &Tensor) -> bool {
-        x.dims()
-            .first()
-            .is_some_and(|&rows| rows <= QUANTIZED_MAX_ROWS)
+    fn takes(&self, x: &Tensor) -> bool {
+        self.every_row
+            || x.dims()
+                .first()
+                .is_some_and(|&rows| rows <= QUANTIZED_MAX_ROWS)
     }
 
     fn qkv(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
@@ -611,7 +659,7 @@ pub struct CpuQuantization {
 #[derive(Debug)]
 enum Head {
     Linear(Linear),
-    Quantized(QuantRows),
+    Quantized(Arc<QuantRows>),
 }
 
 impl Head {
@@ -619,6 +667,46 @@ impl Head {
         match self {
             Head::Linear(l) => l.forward(x),
             Head::Quantized(q) => q.forward(&x.contiguous()?),
+        }
+    }
+}
+
+/// The token embeddings: candle's table, or, after [`Llama::load_quantized`], rows of
+/// the quantized head they are tied to, dequantized per token.
+#[derive(Debug)]
+enum Embed {
+    Table(Embedding),
+    Rows(Arc<QuantRows>, Device),
+}
+
+impl Embed {
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        match self {
+            Embed::Table(t) => t.forward(ids),
+            Embed::Rows(rows, device) => {
+                let flat = ids.flatten_all()?.to_vec1::<u32>()?;
+                let (vocab, d) = (rows.rows(), rows.cols());
+                let mut out = vec![0f32; flat.len() * d];
+                for (o, &id) in out.chunks_exact_mut(d).zip(&flat) {
+                    if id as usize >= vocab {
+                        candle_core::bail!("token id {id} is past the vocabulary of {vocab}");
+                    }
+                    rows.dequantize_row(id as usize, o);
+                }
+                let mut dims = ids.dims().to_vec();
+                dims.push(d);
+                Tensor::from_vec(out, dims, device)
+            }
+        }
+    }
+
+    /// The f32 table, where there is one.
+    fn table(&self) -> Result<&Tensor> {
+        match self {
+            Embed::Table(t) => Ok(t.embeddings()),
+            Embed::Rows(..) => candle_core::bail!(
+                "this model's embeddings are quantized rows (load_quantized): inference on the CPU only"
+            ),
         }
     }
 }
@@ -636,15 +724,52 @@ pub struct TrainOutput {
 
 impl Llama {
     pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        Self::load_with(vb, cfg, None, |_| Ok(()))
+    }
+
+    /// [`Llama::load`], the head quantized to `head` (the embeddings, if tied, served
+    /// from its rows) before the blocks are read, and `prepare` run on each block as
+    /// soon as it is read.
+    fn load_with(
+        vb: VarBuilder,
+        cfg: &Config,
+        head: Option<QuantFormat>,
+        prepare: impl Fn(&mut Block) -> Result<()>,
+    ) -> Result<Self> {
         cfg.validate()?;
-        let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("model.embed_tokens"))?;
-        let lm_head = Head::Linear(if cfg.tie_word_embeddings {
-            Linear::new(embed_tokens.embeddings().clone(), None)
-        } else {
-            candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
-        });
+        let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+        let (embed_tokens, lm_head) = match head {
+            Some(format) if cfg.tie_word_embeddings => {
+                let table = vb.pp("model.embed_tokens").get((vocab, hidden), "weight")?;
+                let rows = Arc::new(quantized_rows(&table, format)?);
+                (
+                    Embed::Rows(rows.clone(), vb.device().clone()),
+                    Head::Quantized(rows),
+                )
+            }
+            Some(format) => {
+                let w = vb.pp("lm_head").get((vocab, hidden), "weight")?;
+                (
+                    Embed::Table(embedding(vocab, hidden, vb.pp("model.embed_tokens"))?),
+                    Head::Quantized(Arc::new(quantized_rows(&w, format)?)),
+                )
+            }
+            None => {
+                let table = embedding(vocab, hidden, vb.pp("model.embed_tokens"))?;
+                let head = Head::Linear(if cfg.tie_word_embeddings {
+                    Linear::new(table.embeddings().clone(), None)
+                } else {
+                    candle_nn::linear_no_bias(hidden, vocab, vb.pp("lm_head"))?
+                });
+                (Embed::Table(table), head)
+            }
+        };
         let blocks = (0..cfg.num_hidden_layers)
-            .map(|i| Block::load(vb.pp(format!("model.layers.{i}")), cfg))
+            .map(|i| {
+                let mut block = Block::load(vb.pp(format!("model.layers.{i}")), cfg)?;
+                prepare(&mut block)?;
+                Ok(block)
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             embed_tokens,
@@ -653,7 +778,25 @@ impl Llama {
             lm_head,
             config: cfg.clone(),
             attention_path: AttentionPath::Auto,
+            f32_released: false,
         })
+    }
+
+    /// [`Llama::load`] for inference on the CPU through quantized rows: as soon as a layer
+    /// is read, its q, k and v are fused, the parts `plan` names are quantized (as
+    /// [`Llama::quantize_for_cpu`] does) and their f32 weights let go. Loading then never
+    /// holds the f32 model: with a GGUF, whose tensors are read one at a time, the peak
+    /// is the quantized model, one layer in f32 and the embedding table. A quantized tied
+    /// head also serves the embeddings. The quantized parts run at every size, and the
+    /// model cannot train.
+    pub fn load_quantized(vb: VarBuilder, cfg: &Config, plan: CpuQuantization) -> Result<Self> {
+        if !vb.device().is_cpu() || vb.dtype() != DType::F32 {
+            candle_core::bail!("load_quantized: the quantized rows run on the CPU in f32");
+        }
+        let mut model =
+            Self::load_with(vb, cfg, plan.head, |block| block.quantize_and_release(plan))?;
+        model.f32_released = plan.attention.is_some() || plan.mlp.is_some();
+        Ok(model)
     }
 
     /// Stacks each layer's q, k and v projection weights into one matrix, so that an
@@ -713,7 +856,7 @@ impl Llama {
             candle_core::bail!("quantize_for_cpu: call fuse_qkv first");
         }
         if let (Some(format), Head::Linear(linear)) = (plan.head, &self.lm_head) {
-            self.lm_head = Head::Quantized(quantized_rows(linear.weight(), format)?);
+            self.lm_head = Head::Quantized(Arc::new(quantized_rows(linear.weight(), format)?));
         }
         for block in &mut self.blocks {
             if let Some(format) = plan.attention {
@@ -722,6 +865,7 @@ impl Llama {
                     attn.quantized = Some(QuantizedAttention {
                         qkv: quantized_rows(qkv.weight(), format)?,
                         o: quantized_rows(attn.o_proj.weight(), format)?,
+                        every_row: false,
                     });
                 }
             }
@@ -758,12 +902,18 @@ impl Llama {
 
     /// The dtype the model computes in (its embeddings'), which a KV cache must hold.
     pub fn dtype(&self) -> DType {
-        self.embed_tokens.embeddings().dtype()
+        match &self.embed_tokens {
+            Embed::Table(t) => t.embeddings().dtype(),
+            Embed::Rows(..) => DType::F32,
+        }
     }
 
     /// The device the model's weights live on.
     pub fn device(&self) -> &Device {
-        self.embed_tokens.embeddings().device()
+        match &self.embed_tokens {
+            Embed::Table(t) => t.embeddings().device(),
+            Embed::Rows(_, device) => device,
+        }
     }
 
     /// Runs the blocks; returns the final hidden states and, for training, each
@@ -796,7 +946,7 @@ impl Llama {
         // Training takes our embedding op for its one-pass backward (candle's is an
         // `index_add` on two thread blocks); it checks the ids, a read-back per pass.
         let x = match pass {
-            Pass::Train => fused_ops::embedding(&ids, self.embed_tokens.embeddings())?,
+            Pass::Train => fused_ops::embedding(&ids, self.embed_tokens.table()?)?,
             Pass::Inference => self.embed_tokens.forward(&ids)?,
         };
         self.run_embedded(x, (b, t), index_pos, cache, pass)
@@ -972,6 +1122,11 @@ impl Llama {
     /// Differentiable forward over whole sequences (no cache): all logits and the L1 term
     /// averaged over layers.
     pub fn forward_train(&self, x: &Tensor) -> Result<TrainOutput> {
+        if self.f32_released {
+            candle_core::bail!(
+                "this model keeps quantized rows only (load_quantized): load it again to train"
+            );
+        }
         if matches!(self.lm_head, Head::Quantized(_)) {
             candle_core::bail!(
                 "this model's head is quantized for inference (quantize_for_cpu): its gradient \

@@ -7,6 +7,7 @@ use candle_core::{DType, Device};
 use sparse_llama::adapter::{self, LoraAdapter};
 use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
 use sparse_llama::{CpuQuantization, Llama, QuantFormat};
+use twell::cpu::quant::BLOCK as QUANT_BLOCK;
 use twell::{Activation, FfnMode};
 
 use crate::device::{DeviceSpec, DtypeArg, FfnArg};
@@ -240,12 +241,33 @@ impl ModelArgs {
             ffn_mode: Some(mode),
             ..self.load_options()
         };
-        let mut model = ck.load_model(dtype, &device, &options)?;
-        model.fuse_qkv()?;
-        let plan = match device.is_cpu() && dtype == DType::F32 {
+        let mut plan = match device.is_cpu() && dtype == DType::F32 {
             true => self.quantize.plan(self.quant_format, ck.layer_block_type),
             false => CpuQuantization::default(),
         };
+        let cfg = ck.runtime_config(&options)?;
+        let widths = [
+            ("hidden size", cfg.hidden_size),
+            ("intermediate size", cfg.intermediate_size),
+            ("attention width", cfg.num_attention_heads * cfg.head_dim()),
+        ];
+        if plan != CpuQuantization::default() {
+            if let Some((what, n)) = widths.iter().find(|(_, n)| n % QUANT_BLOCK != 0) {
+                eprintln!(
+                    "note: the model's {what} ({n}) is not a multiple of {QUANT_BLOCK}, the \
+                     quantized rows' block: running its f32 weights (--quantize none)"
+                );
+                plan = CpuQuantization::default();
+            }
+        }
+        // Every matrix quantized: each layer as it loads, the f32 model never whole.
+        if plan.attention.is_some() && plan.mlp.is_some() {
+            let model = ck.load_model_quantized(&options, plan)?;
+            model.prepare_inference()?;
+            return Ok((ck, model));
+        }
+        let mut model = ck.load_model(dtype, &device, &options)?;
+        model.fuse_qkv()?;
         // Folding the norms' weights into the MLPs would move a GGUF's weights off their
         // Q4_1 grid, and the quantized MLP has no use for it (the CUDA kernels do).
         if plan.mlp.is_none() {

@@ -236,6 +236,34 @@ fn tiny_checkpoint(dir: &std::path::Path) -> (std::path::PathBuf, std::path::Pat
     (model, text)
 }
 
+/// A model whose widths do not fill 32-wide blocks runs its f32 weights, with a note,
+/// rather than failing under the default `--quantize all`.
+#[test]
+fn generate_falls_back_to_f32_weights_where_rows_do_not_fill_blocks() {
+    use candle_core::{DType, Device};
+    use sparse_llama::synthetic;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = synthetic::config(48, 96, 2, 2, 1, 258).unwrap();
+    let w = synthetic::weights(&cfg, 0.1, 1, DType::F32, &Device::Cpu).unwrap();
+    let model = dir.path().join("odd");
+    let tok = sparse_llama::tokenizer::byte_level_tokenizer().unwrap();
+    sparse_llama::checkpoint::save_hf(&model, &w, &cfg, &tok, None, DType::F32).unwrap();
+    let (ok, out) = twell(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "x",
+        "--max-tokens",
+        "3",
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("hidden size (48) is not a multiple of 32"),
+        "{out}"
+    );
+}
+
 #[test]
 fn generate_refuses_a_max_tokens_that_would_wrap() {
     let dir = tempfile::tempdir().unwrap();

@@ -223,6 +223,7 @@ enum LastForward {
         rows: usize,
         nonzeros: u64,
         sparse: bool,
+        fired: Vec<u32>,
     },
 }
 
@@ -265,6 +266,8 @@ pub struct SparseMlp {
     bias: Option<MlpBias>,
     /// Quantized rows that CPU inference runs on ([`SparseMlp::quantize_for_cpu`]).
     quantized: Option<Arc<quantized::QuantizedMlp>>,
+    /// The f32 weights were let go ([`SparseMlp::release_f32_weights`]).
+    f32_released: bool,
 }
 
 /// The biases of the three projections (HF Llama's `mlp_bias`): `gate [f]`, `up [f]`,
@@ -348,6 +351,7 @@ impl SparseMlp {
             unit_pre_norm: None,
             bias: None,
             quantized: None,
+            f32_released: false,
         })
     }
 
@@ -556,6 +560,25 @@ impl SparseMlp {
         Ok(())
     }
 
+    /// Lets the f32 weights go after [`SparseMlp::quantize_for_cpu`], keeping their
+    /// shapes: a quantized model then holds its quantized rows alone. Every later call
+    /// must be CPU inference (anything else is refused).
+    pub fn release_f32_weights(&mut self) -> Result<()> {
+        if self.quantized.is_none() {
+            return err(TwellError::Invalid(
+                "release_f32_weights: call quantize_for_cpu first".into(),
+            ));
+        }
+        let placeholder =
+            |w: &Tensor| Tensor::zeros((), w.dtype(), w.device())?.broadcast_as(w.shape());
+        self.gate = placeholder(&self.gate)?;
+        self.up = placeholder(&self.up)?;
+        self.down = placeholder(&self.down)?;
+        self.fused = None;
+        self.f32_released = true;
+        Ok(())
+    }
+
     /// Whether [`SparseMlp::quantize_for_cpu`] has run.
     pub fn is_quantized(&self) -> bool {
         self.quantized.is_some()
@@ -578,12 +601,16 @@ impl SparseMlp {
     fn run_quantized(&self, q: &quantized::QuantizedMlp, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let rows = x.elem_count() / q.hidden().max(1);
-        let res = q.forward(&fused_ops::checks::reshaped(x, &[rows, q.hidden()])?)?;
+        let res = q.forward(
+            &fused_ops::checks::reshaped(x, &[rows, q.hidden()])?,
+            self.record_stats,
+        )?;
         if self.record_stats {
             *self.last.lock().expect("stats lock") = Some(LastForward::Counted {
                 rows,
                 nonzeros: res.nonzeros,
                 sparse: q.is_sparse(),
+                fired: res.fired.unwrap_or_default(),
             });
         }
         Tensor::from_vec(res.out, dims, x.device())
@@ -877,6 +904,13 @@ impl SparseMlp {
         if let (Some(q), Some(_)) = (&self.quantized, self.quantized_side(x, want_l1)) {
             return Ok((self.run_quantized(q, x)?, None));
         }
+        if self.f32_released {
+            return err(TwellError::Invalid(
+                "this MLP keeps quantized rows only (release_f32_weights): CPU inference \
+                 without an L1 term is all it runs"
+                    .into(),
+            ));
+        }
         let dims = x.dims().to_vec();
         let d = *dims.last().unwrap_or(&0);
         if d != self.hidden() {
@@ -998,11 +1032,13 @@ impl SparseMlp {
             Some(LastForward::Sparse(res)) => Some(MlpStats::from_output(res, true)?),
             Some(LastForward::Products(res)) => Some(MlpStats::from_output(res, false)?),
             Some(LastForward::Dense(h)) => Some(MlpStats::from_dense(h)?),
-            Some(&LastForward::Counted {
+            Some(LastForward::Counted {
                 rows,
                 nonzeros,
                 sparse,
+                fired,
             }) => {
+                let (rows, nonzeros, sparse) = (*rows, *nonzeros, *sparse);
                 let ffn = self.ffn();
                 Some(MlpStats {
                     tokens: rows,
@@ -1011,7 +1047,7 @@ impl SparseMlp {
                     density: nonzeros as f64 / (rows * ffn).max(1) as f64,
                     overflow_tiles: 0,
                     overflow_rows: 0,
-                    fired: Vec::new(),
+                    fired: fired.clone(),
                     sparse,
                 })
             }
@@ -1074,8 +1110,8 @@ impl SparseMlp {
                     _ => Some((Nonzeros::Host(res.nnz()? as u64), n)),
                 }
             }
-            Some(&LastForward::Counted { rows, nonzeros, .. }) => {
-                Some((Nonzeros::Host(nonzeros), rows * self.ffn()))
+            Some(LastForward::Counted { rows, nonzeros, .. }) => {
+                Some((Nonzeros::Host(*nonzeros), rows * self.ffn()))
             }
             Some(LastForward::Dense(h)) => {
                 let (rows, ffn) = h.dims2()?;

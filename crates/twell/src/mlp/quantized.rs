@@ -42,6 +42,8 @@ pub struct QuantizedMlp {
 pub struct QuantizedOutput {
     pub out: Vec<f32>,
     pub nonzeros: u64,
+    /// How many tokens activated each neuron (`[d_ff]`), where asked for.
+    pub fired: Option<Vec<u32>>,
 }
 
 impl QuantizedMlp {
@@ -107,16 +109,32 @@ impl QuantizedMlp {
         self.gate.bytes() + self.up.bytes() + down
     }
 
-    /// The MLP of `x` (`[rows, hidden]`, f32 on the CPU), row-major `[rows, hidden]`.
-    pub fn forward(&self, x: &Tensor) -> Result<QuantizedOutput> {
+    /// The MLP of `x` (`[rows, hidden]`, f32 on the CPU), row-major `[rows, hidden]`;
+    /// with `count_fired`, also how often each neuron fired (for statistics).
+    pub fn forward(&self, x: &Tensor, count_fired: bool) -> Result<QuantizedOutput> {
         let tokens = quantize_tokens(x, self.hidden(), "QuantizedMlp::forward")?;
         let (m, f) = (tokens.len(), self.ffn());
         let mut gate = vec![0f32; m * f];
         self.gate.matmul(&tokens, &mut gate)?;
-        match &self.down {
-            Down::Columns(columns) => Ok(self.sparse(&tokens, &gate, columns)),
-            Down::Rows(rows) => self.dense(&tokens, gate, rows),
-        }
+        let fired = count_fired.then(|| {
+            let mut fired = vec![0u32; f];
+            let active = |g: f32| match self.activation {
+                Activation::Relu => g > 0.0,
+                Activation::Silu => true,
+            };
+            for row in gate.chunks_exact(f) {
+                for (c, &g) in fired.iter_mut().zip(row) {
+                    *c += u32::from(active(g));
+                }
+            }
+            fired
+        });
+        let mut res = match &self.down {
+            Down::Columns(columns) => self.sparse(&tokens, &gate, columns),
+            Down::Rows(rows) => self.dense(&tokens, gate, rows)?,
+        };
+        res.fired = fired;
+        Ok(res)
     }
 
     fn dense(
@@ -138,7 +156,11 @@ impl QuantizedMlp {
         let hq: Vec<QuantToken> = h.chunks_exact(self.ffn()).map(QuantToken::new).collect();
         let mut out = vec![0f32; tokens.len() * self.hidden()];
         down.matmul(&hq, &mut out)?;
-        Ok(QuantizedOutput { out, nonzeros })
+        Ok(QuantizedOutput {
+            out,
+            nonzeros,
+            fired: None,
+        })
     }
 
     fn sparse(&self, tokens: &[QuantToken], gate: &[f32], down: &QuantRows) -> QuantizedOutput {
@@ -173,6 +195,7 @@ impl QuantizedMlp {
             return QuantizedOutput {
                 out,
                 nonzeros: a.len() as u64,
+                fired: None,
             };
         }
         let rows: Vec<(Vec<f32>, usize)> = (0..tokens.len())
@@ -186,6 +209,7 @@ impl QuantizedMlp {
         QuantizedOutput {
             out: rows.into_iter().flat_map(|(y, _)| y).collect(),
             nonzeros,
+            fired: None,
         }
     }
 }
@@ -233,7 +257,7 @@ mod tests {
             ] {
                 for format in [QuantFormat::Q8, QuantFormat::Q4_1] {
                     let q = QuantizedMlp::quantize(&g, &u, &dn, act, sparse, format)?;
-                    let got = q.forward(&x)?;
+                    let got = q.forward(&x, false)?;
                     let got = Tensor::from_vec(got.out, (m, d), &dev)?;
                     // Against the f32 MLP of the weights the rows hold: only the
                     // tokens' (and the dense path's activations') int8 rounding is left.
@@ -267,7 +291,13 @@ mod tests {
         let x = Tensor::randn(0f32, 1.0, (5, d), &dev)?;
         let sparse = QuantizedMlp::quantize(&g, &u, &dn, Activation::Relu, true, QuantFormat::Q8)?;
         let dense = QuantizedMlp::quantize(&g, &u, &dn, Activation::Relu, false, QuantFormat::Q8)?;
-        let (s, t) = (sparse.forward(&x)?, dense.forward(&x)?);
+        let (s, t) = (sparse.forward(&x, true)?, dense.forward(&x, false)?);
+        let fired: u64 = s.fired.as_ref().unwrap().iter().map(|&c| c as u64).sum();
+        assert!(
+            fired >= s.nonzeros && fired <= s.nonzeros + 2,
+            "{fired} {}",
+            s.nonzeros
+        );
         // Up values that round to exactly zero aside, the counts agree.
         assert!(
             s.nonzeros >= t.nonzeros && s.nonzeros <= t.nonzeros + 2,
@@ -303,9 +333,17 @@ mod tests {
         );
         let q = QuantizedMlp::quantize(&g, &g, &dn, Activation::Relu, true, QuantFormat::Q8)?;
         let wrong = Tensor::zeros((2, 48), candle_core::DType::F32, &dev)?;
-        assert!(q.forward(&wrong).unwrap_err().to_string().contains("48"));
+        assert!(q
+            .forward(&wrong, false)
+            .unwrap_err()
+            .to_string()
+            .contains("48"));
         let bf16 = Tensor::zeros((2, 32), candle_core::DType::BF16, &dev)?;
-        assert!(q.forward(&bf16).unwrap_err().to_string().contains("f32"));
+        assert!(q
+            .forward(&bf16, false)
+            .unwrap_err()
+            .to_string()
+            .contains("f32"));
         Ok(())
     }
 }
