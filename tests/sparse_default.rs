@@ -10,10 +10,11 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use sparse_llama::adapter::{self, LoraAdapter};
 use sparse_llama::checkpoint::{Checkpoint, LoadOptions};
 use sparse_llama::generate::{generate, GenerationConfig};
+use sparse_llama::{CpuQuantization, QuantFormat};
 use twell::{Activation, FfnMode};
 
 fn shipped_adapter() -> PathBuf {
@@ -97,9 +98,16 @@ fn sparse_default_answers_paris_and_part_of_the_chat_prompts() {
     let Some(gguf) = common::default_model() else {
         return;
     };
+    // As the main job runs them on the CPU: through quantized rows, the dense default
+    // in its GGUF's Q4_1, the sparse default (merged weights) in Q8.
+    let plan = |layers| CpuQuantization {
+        head: Some(QuantFormat::Q8),
+        attention: Some(layers),
+        mlp: Some(layers),
+    };
     let dense_ck = Checkpoint::open(gguf.to_str().unwrap()).unwrap();
     let dense = dense_ck
-        .load_model(DType::F32, &Device::Cpu, &LoadOptions::default())
+        .load_model_quantized(&LoadOptions::default(), plan(QuantFormat::Q4_1))
         .unwrap();
     let adapter = LoraAdapter::load(&shipped_adapter()).unwrap();
     let sparse_ck = Checkpoint::open(gguf.to_str().unwrap())
@@ -107,13 +115,12 @@ fn sparse_default_answers_paris_and_part_of_the_chat_prompts() {
         .with_adapter(&adapter)
         .unwrap();
     let mut sparse = sparse_ck
-        .load_model(
-            DType::F32,
-            &Device::Cpu,
+        .load_model_quantized(
             &LoadOptions {
                 activation: None,
                 ffn_mode: Some(FfnMode::Sparse),
             },
+            plan(QuantFormat::Q8),
         )
         .unwrap();
     assert_eq!(sparse.config().activation, Activation::Relu);
@@ -138,18 +145,19 @@ fn sparse_default_answers_paris_and_part_of_the_chat_prompts() {
         count(&sparse_hits),
         sparse_hits.len()
     );
-    // The README's question, and at least the share of the list it answered when it
-    // shipped (8 of 20), less a margin for rounding on other hosts.
+    // The README's question, and at least the share of the list it answers on this
+    // path (6 of 20; 8 with f32 weights), less a margin for rounding on other hosts;
+    // the dense default, as a check of the harness, most of the list (15; 16 in f32).
     assert!(sparse_hits[0], "no Paris: {}", sparse_texts[0]);
     assert!(
-        dense_hits[0],
-        "the dense model lost Paris: {}",
-        dense_texts[0]
-    );
-    assert!(
-        count(&sparse_hits) >= 6,
+        count(&sparse_hits) >= 5,
         "sparse {} right against dense {}",
         count(&sparse_hits),
+        count(&dense_hits)
+    );
+    assert!(
+        count(&dense_hits) >= 12,
+        "dense {} right",
         count(&dense_hits)
     );
     // Held-out speeches read 5.00% (docs/finetuning.md); chat answers run a little
