@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use candle_core::{Result, Tensor};
 
 use super::Activation;
-use crate::cpu::quant::{quantize_tokens, QuantFormat, QuantRows, QuantToken};
+use crate::cpu::quant::{f32_rows, QuantFormat, QuantRows, QuantToken};
 
 /// Active neurons per task when one token's neurons are split over the workers.
 const NEURONS_PER_TASK: usize = 32;
@@ -112,10 +112,9 @@ impl QuantizedMlp {
     /// The MLP of `x` (`[rows, hidden]`, f32 on the CPU), row-major `[rows, hidden]`;
     /// with `count_fired`, also how often each neuron fired (for statistics).
     pub fn forward(&self, x: &Tensor, count_fired: bool) -> Result<QuantizedOutput> {
-        let tokens = quantize_tokens(x, self.hidden(), "QuantizedMlp::forward")?;
-        let (m, f) = (tokens.len(), self.ffn());
-        let mut gate = vec![0f32; m * f];
-        self.gate.matmul(&tokens, &mut gate)?;
+        let x = f32_rows(x, self.hidden(), "QuantizedMlp::forward")?;
+        let f = self.ffn();
+        let gate = self.gate.apply(&x)?;
         let fired = count_fired.then(|| {
             let mut fired = vec![0u32; f];
             let active = |g: f32| match self.activation {
@@ -130,21 +129,19 @@ impl QuantizedMlp {
             fired
         });
         let mut res = match &self.down {
-            Down::Columns(columns) => self.sparse(&tokens, &gate, columns),
-            Down::Rows(rows) => self.dense(&tokens, gate, rows)?,
+            Down::Columns(columns) => {
+                let tokens: Vec<QuantToken> =
+                    x.chunks_exact(self.hidden()).map(QuantToken::new).collect();
+                self.sparse(&tokens, &gate, columns)
+            }
+            Down::Rows(rows) => self.dense(&x, gate, rows)?,
         };
         res.fired = fired;
         Ok(res)
     }
 
-    fn dense(
-        &self,
-        tokens: &[QuantToken],
-        mut h: Vec<f32>,
-        down: &QuantRows,
-    ) -> Result<QuantizedOutput> {
-        let mut up = vec![0f32; h.len()];
-        self.up.matmul(tokens, &mut up)?;
+    fn dense(&self, x: &[f32], mut h: Vec<f32>, down: &QuantRows) -> Result<QuantizedOutput> {
+        let up = self.up.apply(x)?;
         let act = |g: f32| match self.activation {
             Activation::Silu => g / (1.0 + (-g).exp()),
             Activation::Relu => g.max(0.0),
@@ -153,9 +150,7 @@ impl QuantizedMlp {
             *h = act(*h) * u;
         }
         let nonzeros = h.iter().filter(|&&v| v != 0.0).count() as u64;
-        let hq: Vec<QuantToken> = h.chunks_exact(self.ffn()).map(QuantToken::new).collect();
-        let mut out = vec![0f32; tokens.len() * self.hidden()];
-        down.matmul(&hq, &mut out)?;
+        let out = down.apply(&h)?;
         Ok(QuantizedOutput {
             out,
             nonzeros,
@@ -248,7 +243,7 @@ mod tests {
         let g = Tensor::randn(0f32, 0.1, (f, d), &dev)?;
         let u = Tensor::randn(0f32, 0.1, (f, d), &dev)?;
         let dn = Tensor::randn(0f32, 0.1, (d, f), &dev)?;
-        for m in [1usize, 3, 17] {
+        for m in [1usize, 3, 17, 40] {
             let x = Tensor::randn(0f32, 1.0, (m, d), &dev)?;
             for (act, sparse) in [
                 (Activation::Silu, false),
