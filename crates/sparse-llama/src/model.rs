@@ -508,11 +508,7 @@ impl Block {
             let attn = &mut self.self_attn;
             attn.fuse_qkv()?;
             let qkv = attn.qkv_proj.as_ref().expect("fused above");
-            attn.quantized = Some(QuantizedAttention {
-                qkv: quantized_rows(qkv.weight(), format)?,
-                o: quantized_rows(attn.o_proj.weight(), format)?,
-                every_row: true,
-            });
+            attn.quantized = Some(QuantizedAttention::new(qkv, &attn.o_proj, format, true)?);
             let stand_in = |l: &Linear| -> Result<Linear> {
                 Ok(Linear::new(released(l.weight())?, l.bias().cloned()))
             };
@@ -614,6 +610,14 @@ struct QuantizedAttention {
 const QUANTIZED_MAX_ROWS: usize = 16;
 
 impl QuantizedAttention {
+    fn new(qkv: &Linear, o: &Linear, format: QuantFormat, every_row: bool) -> Result<Self> {
+        Ok(Self {
+            qkv: quantized_rows(qkv.weight(), format)?,
+            o: quantized_rows(o.weight(), format)?,
+            every_row,
+        })
+    }
+
     fn takes(&self, x: &Tensor) -> bool {
         self.every_row
             || x.dims()
@@ -862,11 +866,8 @@ impl Llama {
             if let Some(format) = plan.attention {
                 let attn = &mut block.self_attn;
                 if let Some(qkv) = &attn.qkv_proj {
-                    attn.quantized = Some(QuantizedAttention {
-                        qkv: quantized_rows(qkv.weight(), format)?,
-                        o: quantized_rows(attn.o_proj.weight(), format)?,
-                        every_row: false,
-                    });
+                    attn.quantized =
+                        Some(QuantizedAttention::new(qkv, &attn.o_proj, format, false)?);
                 }
             }
             if let Some(format) = plan.mlp {

@@ -220,9 +220,17 @@ fn bad_mlp_train_bench_flags_are_rejected() {
 /// A tiny random ReLU Llama checkpoint (10% FFN density) in a fresh directory, and a
 /// text file.
 fn tiny_checkpoint(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    tiny_checkpoint_of_width(dir, 32)
+}
+
+/// [`tiny_checkpoint`] with a hidden size of `hidden`.
+fn tiny_checkpoint_of_width(
+    dir: &std::path::Path,
+    hidden: usize,
+) -> (std::path::PathBuf, std::path::PathBuf) {
     use candle_core::{DType, Device};
     use sparse_llama::synthetic;
-    let cfg = synthetic::config(32, 96, 2, 2, 1, 258).unwrap();
+    let cfg = synthetic::config(hidden, 96, 2, 2, 1, 258).unwrap();
     let w = synthetic::weights(&cfg, 0.1, 1, DType::F32, &Device::Cpu).unwrap();
     let model = dir.join("tiny");
     let tok = sparse_llama::tokenizer::byte_level_tokenizer().unwrap();
@@ -240,14 +248,8 @@ fn tiny_checkpoint(dir: &std::path::Path) -> (std::path::PathBuf, std::path::Pat
 /// rather than failing under the default `--quantize all`.
 #[test]
 fn generate_falls_back_to_f32_weights_where_rows_do_not_fill_blocks() {
-    use candle_core::{DType, Device};
-    use sparse_llama::synthetic;
     let dir = tempfile::tempdir().unwrap();
-    let cfg = synthetic::config(48, 96, 2, 2, 1, 258).unwrap();
-    let w = synthetic::weights(&cfg, 0.1, 1, DType::F32, &Device::Cpu).unwrap();
-    let model = dir.path().join("odd");
-    let tok = sparse_llama::tokenizer::byte_level_tokenizer().unwrap();
-    sparse_llama::checkpoint::save_hf(&model, &w, &cfg, &tok, None, DType::F32).unwrap();
+    let (model, _) = tiny_checkpoint_of_width(dir.path(), 48);
     let (ok, out) = twell(&[
         "generate",
         "--model",

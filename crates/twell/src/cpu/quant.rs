@@ -308,28 +308,37 @@ impl QuantRows {
         out
     }
 
+    /// Row `r`'s weight bytes, scales and (Q4_1) offsets.
+    fn row_parts(&self, r: usize) -> (&[u8], &[f32], &[f32]) {
+        let nb = self.blocks_per_row();
+        let bytes_per_block = match self.format {
+            QuantFormat::Q8 => BLOCK,
+            QuantFormat::Q4_1 => BLOCK / 2,
+        };
+        let blocks = r * nb..(r + 1) * nb;
+        let offset = match self.format {
+            QuantFormat::Q8 => &[][..],
+            QuantFormat::Q4_1 => &self.offset[blocks.clone()],
+        };
+        (
+            &self.bytes[blocks.start * bytes_per_block..blocks.end * bytes_per_block],
+            &self.scale[blocks],
+            offset,
+        )
+    }
+
     /// `w_r · x` for row `r` and a quantized token of the same width.
     pub fn dot(&self, r: usize, x: &QuantToken) -> f32 {
         debug_assert_eq!(x.len(), self.cols);
-        let nb = self.blocks_per_row();
-        let blocks = r * nb..(r + 1) * nb;
         #[cfg(target_arch = "x86_64")]
         if vnni() {
+            let (bytes, scale, offset) = self.row_parts(r);
             // SAFETY: the CPU has AVX-512 VNNI (detected at run time); the slices are
-            // the row's `nb` blocks and the token's `nb` blocks.
+            // the row's blocks, as many as the token's.
             return unsafe {
                 match self.format {
-                    QuantFormat::Q8 => x86::dot_q8(
-                        &self.bytes[blocks.start * BLOCK..blocks.end * BLOCK],
-                        &self.scale[blocks.clone()],
-                        x,
-                    ),
-                    QuantFormat::Q4_1 => x86::dot_q4_1(
-                        &self.bytes[blocks.start * BLOCK / 2..blocks.end * BLOCK / 2],
-                        &self.scale[blocks.clone()],
-                        &self.offset[blocks],
-                        x,
-                    ),
+                    QuantFormat::Q8 => x86::dot_q8(bytes, scale, x),
+                    QuantFormat::Q4_1 => x86::dot_q4_1(bytes, scale, offset, x),
                 }
             };
         }
@@ -339,24 +348,14 @@ impl QuantRows {
     /// [`QuantRows::dot`] of row `r` with four tokens: each weight block is read (and a
     /// Q4_1 block unpacked) once for the four, as a prefill's rows are.
     pub fn dot4(&self, r: usize, x: [&QuantToken; 4]) -> [f32; 4] {
-        let nb = self.blocks_per_row();
-        let blocks = r * nb..(r + 1) * nb;
         #[cfg(target_arch = "x86_64")]
         if vnni() {
+            let (bytes, scale, offset) = self.row_parts(r);
             // SAFETY: as in `dot`.
             return unsafe {
                 match self.format {
-                    QuantFormat::Q8 => x86::dot4_q8(
-                        &self.bytes[blocks.start * BLOCK..blocks.end * BLOCK],
-                        &self.scale[blocks.clone()],
-                        x,
-                    ),
-                    QuantFormat::Q4_1 => x86::dot4_q4_1(
-                        &self.bytes[blocks.start * BLOCK / 2..blocks.end * BLOCK / 2],
-                        &self.scale[blocks.clone()],
-                        &self.offset[blocks],
-                        x,
-                    ),
+                    QuantFormat::Q8 => x86::dot4_q8(bytes, scale, x),
+                    QuantFormat::Q4_1 => x86::dot4_q4_1(bytes, scale, offset, x),
                 }
             };
         }
