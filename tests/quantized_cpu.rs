@@ -142,13 +142,20 @@ fn the_sparse_default_quantized_as_it_loads_runs_the_sparse_path() {
         ck.layer_block_type, None,
         "merged weights are off the GGUF's grid"
     );
+    assert_eq!(
+        ck.attention_block_type,
+        Some(candle_core::quantized::GgmlDType::Q4_1),
+        "the attention's low-rank factors run beside the GGUF's own blocks"
+    );
     let opts = LoadOptions {
         ffn_mode: Some(twell::FfnMode::Sparse),
         ..Default::default()
     };
-    let mut streamed = ck
-        .load_model_quantized(&opts, plan(QuantFormat::Q8))
-        .unwrap();
+    let quantized = CpuQuantization {
+        attention: Some(QuantFormat::Q4_1),
+        ..plan(QuantFormat::Q8)
+    };
+    let mut streamed = ck.load_model_quantized(&opts, quantized).unwrap();
     streamed.record_ffn_stats(true);
     let mut f32_model = ck.load_model(DType::F32, &Device::Cpu, &opts).unwrap();
     f32_model.record_ffn_stats(true);

@@ -36,6 +36,7 @@ mod kl_divergence;
 pub mod per_key;
 mod residual_linear;
 mod rope;
+pub mod simd;
 
 pub use adamw::{adamw_step, adamw_step_mixed, sum_squares, AdamwStep};
 pub use add_rms_norm::{add_rms_norm, rms_norm, AddRmsNorm, RmsNorm};

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use twell::cpu::low_rank::{LowRankFactors, LowRankStack};
 use twell::Activation;
 
 use crate::checkpoint::io_err;
@@ -376,13 +377,20 @@ impl LoraAdapter {
     /// One weight `w` (HF name `name`) with this adapter's changes to it merged, in f32,
     /// keeping its dtype and device; unchanged if the adapter does not touch it.
     pub fn merge_one(&self, name: &str, w: Tensor) -> Result<Tensor> {
+        self.merge_parts(name, w, true)
+    }
+
+    /// [`LoraAdapter::merge_one`], merging the low-rank factors only if `factors`: a
+    /// quantized model applies them beside the base's own blocks instead
+    /// ([`LoraAdapter::low_rank_stack`]).
+    pub fn merge_parts(&self, name: &str, w: Tensor, factors: bool) -> Result<Tensor> {
         let dtype = w.dtype();
         let mut merged = None;
         let f32w = || w.to_dtype(DType::F32);
         if let Some((_, t)) = self.full.iter().find(|(n, _)| n == name) {
             merged = Some((f32w()? + t.dequantize(w.device())?)?);
         }
-        if let Some(f) = self.factors.iter().find(|f| f.weight == name) {
+        if let Some(f) = self.factors.iter().find(|f| factors && f.weight == name) {
             let delta =
                 (f.b.to_device(w.device())?
                     .matmul(&f.a.to_device(w.device())?)?
@@ -400,6 +408,52 @@ impl LoraAdapter {
             Some(m) => m.to_dtype(dtype),
             None => Ok(w),
         }
+    }
+
+    /// Whether a weight (HF name) is trained whole, as a delta in `full_deltas.gguf`.
+    pub fn has_full_delta(&self, name: &str) -> bool {
+        self.full.iter().any(|(n, _)| n == name)
+    }
+
+    /// The factors of the weights `stack` names (HF names, with their row counts), in
+    /// the order their rows are stacked, for inputs of width `cols`: `None` if none of
+    /// them is adapted.
+    pub fn low_rank_stack(
+        &self,
+        stack: &[(String, usize)],
+        cols: usize,
+    ) -> Result<Option<LowRankStack>> {
+        let scale = self.scale() as f32;
+        let values = |t: &Tensor| -> Result<Vec<f32>> {
+            t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+        };
+        let mut held = Vec::new();
+        for (name, rows) in stack {
+            let factors = match self.factors.iter().find(|f| &f.weight == name) {
+                Some(f) => Some((
+                    values(&f.a)?,
+                    values(&f.b)?,
+                    f.a.dim(0)?,
+                    f.row_scale.as_ref().map(values).transpose()?,
+                )),
+                None => None,
+            };
+            held.push((*rows, factors));
+        }
+        let parts: Vec<_> = held
+            .iter()
+            .map(|(rows, f)| {
+                let factors = f.as_ref().map(|(a, b, rank, row_scale)| LowRankFactors {
+                    a,
+                    b,
+                    rank: *rank,
+                    scale,
+                    row_scale: row_scale.as_deref(),
+                });
+                (*rows, factors)
+            })
+            .collect();
+        LowRankStack::new(cols, &parts)
     }
 
     /// Writes an adapter directory, `SHA256SUMS` included, through a temporary

@@ -36,16 +36,27 @@ pub enum Weights {
 struct GgufBackend {
     file: Arc<GgufTensors>,
     adapter: Option<Arc<LoraAdapter>>,
+    /// Leaves the adapter's low-rank factors of the attention out: the model applies
+    /// them itself ([`Llama::load_quantized`]).
+    attention_factors_apart: bool,
 }
 
 impl GgufBackend {
     fn read(&self, name: &str) -> Result<Tensor> {
         let t = self.file.tensor(name)?;
         match &self.adapter {
-            Some(a) => a.merge_one(name, t),
+            Some(a) => {
+                let factors = !(self.attention_factors_apart && is_attention_weight(name));
+                a.merge_parts(name, t, factors)
+            }
             None => Ok(t),
         }
     }
+}
+
+/// Whether an HF weight name is one of a layer's attention projections.
+fn is_attention_weight(name: &str) -> bool {
+    name.contains(".self_attn.") && name.ends_with("_proj.weight")
 }
 
 impl candle_nn::var_builder::SimpleBackend for GgufBackend {
@@ -90,6 +101,10 @@ pub struct Checkpoint {
     /// weights are the file's own: quantized inference can keep that format without
     /// rounding anything again. `None` elsewhere, and after an adapter is merged.
     pub layer_block_type: Option<candle_core::quantized::GgmlDType>,
+    /// The same for the attention's matrices, which stay the file's own also under an
+    /// adapter that changes them through low-rank factors only: quantized CPU inference
+    /// runs those factors beside the file's blocks ([`Checkpoint::load_model_quantized`]).
+    pub attention_block_type: Option<candle_core::quantized::GgmlDType>,
 }
 
 /// Overrides applied when building the model.
@@ -186,6 +201,7 @@ impl Checkpoint {
             chat_template,
             source: dir.to_path_buf(),
             layer_block_type: None,
+            attention_block_type: None,
         })
     }
 
@@ -201,6 +217,7 @@ impl Checkpoint {
             chat_template: g.chat_template,
             source: path.to_path_buf(),
             layer_block_type: g.layer_block_type,
+            attention_block_type: g.layer_block_type,
         })
     }
 
@@ -239,6 +256,7 @@ impl Checkpoint {
                     Box::new(GgufBackend {
                         file: file.clone(),
                         adapter: adapter.clone(),
+                        attention_factors_apart: false,
                     });
                 Ok(VarBuilder::from_backend(backend, dtype, device.clone()))
             }
@@ -259,7 +277,28 @@ impl Checkpoint {
         plan: crate::model::CpuQuantization,
     ) -> Result<Llama> {
         let cfg = self.runtime_config(opts)?;
-        Llama::load_quantized(self.var_builder(DType::F32, &Device::Cpu)?, &cfg, plan)
+        match &self.weights {
+            // The attention's factors beside the file's blocks: no rounding of a merged
+            // weight, and the base's 4-bit bytes.
+            Weights::Gguf {
+                file,
+                adapter: Some(adapter),
+            } if plan.attention.is_some() && self.attention_block_type.is_some() => {
+                let backend = GgufBackend {
+                    file: file.clone(),
+                    adapter: Some(adapter.clone()),
+                    attention_factors_apart: true,
+                };
+                let vb = VarBuilder::from_backend(Box::new(backend), DType::F32, Device::Cpu);
+                Llama::load_quantized(vb, &cfg, plan, Some(adapter))
+            }
+            _ => Llama::load_quantized(
+                self.var_builder(DType::F32, &Device::Cpu)?,
+                &cfg,
+                plan,
+                None,
+            ),
+        }
     }
 
     /// Every weight, HF-named, on `device` in `dtype` (for training and conversion).
@@ -273,6 +312,7 @@ impl Checkpoint {
                 let backend = GgufBackend {
                     file: file.clone(),
                     adapter: adapter.clone(),
+                    attention_factors_apart: false,
                 };
                 file.names()
                     .map(|k| {
@@ -331,6 +371,13 @@ impl Checkpoint {
             }
         };
         self.layer_block_type = None;
+        let whole_attention_delta = adapter
+            .full
+            .iter()
+            .any(|(name, _)| is_attention_weight(name));
+        if whole_attention_delta || !matches!(self.weights, Weights::Gguf { .. }) {
+            self.attention_block_type = None;
+        }
         self.config.hidden_act = adapter.activation()?.hf_name().into();
         Ok(self)
     }

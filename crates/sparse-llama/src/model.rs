@@ -14,9 +14,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::adapter::LoraAdapter;
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear_b, Embedding, Linear, RmsNorm, VarBuilder};
 use fused_ops::RopeTable;
+use twell::cpu::low_rank::{AdaptedRows, LowRankStack};
 use twell::cpu::quant::{QuantFormat, QuantRows};
 use twell::{FfnMode, MlpBias, MlpStats, SparseMlp};
 
@@ -180,9 +182,11 @@ impl Cache {
 
 /// Whether a pass runs the fused causal attention: on CUDA in bf16 with a supported
 /// head size ([`AttentionPath::Plain`] turns it off). Training takes
-/// it too (its backward recomputes the scores); on the CPU both passes keep the plain
-/// ops, whose matrix products are faster there than the op's row loop.
-/// `rows` is batch × query heads.
+/// it too (its backward recomputes the scores). On the CPU, decode steps (one token a
+/// sequence) take it: it reads the KV cache in place, where the plain ops copy every
+/// cached row of every layer each token (at 1,500 positions most of a step); prompts
+/// and training keep the plain ops, whose matrix products are faster there than the
+/// op's row loop. `rows` is batch × query heads.
 ///
 /// A one-token step over up to `CUDA_DECODE_MAX_KEYS` keys runs the kernel that spreads
 /// the keys over a block. Past that the prefill kernel would take the step with one
@@ -201,6 +205,9 @@ fn fused_attention(
     tokens: usize,
     keys: usize,
 ) -> bool {
+    if device.is_cpu() {
+        return tokens == 1;
+    }
     if !device.is_cuda() || dtype != DType::BF16 || !fused_ops::CUDA_HEAD_DIMS.contains(&head_dim) {
         return false;
     }
@@ -317,7 +324,8 @@ impl CausalSelfAttention {
         }
         // With fused weights under the fused attention at inference, q and `k | v` come
         // apart and the attention turns q; elsewhere one product and RoPE turn both.
-        let keys_in_place = fused && pass != Pass::Train;
+        // Not over quantized copies: those hold q, k and v stacked only.
+        let keys_in_place = fused && pass != Pass::Train && self.quantized.is_none();
         // `q_turned` is false where q is still the projection's: the fused attention
         // turns it as it reads it, one pass over q fewer.
         let (q, mut k, mut v, kv, q_turned) = match (&self.qkv_proj, &self.kv_proj) {
@@ -369,6 +377,31 @@ impl CausalSelfAttention {
             return Ok(y);
         }
         self.plain_attention(heads(&q, nq)?, heads(&k, nkv)?, heads(&v, nkv)?, mask, pass)
+    }
+
+    /// `adapter`'s factors for this attention (layer `layer`): of q, k and v stacked as
+    /// [`CausalSelfAttention::fuse_qkv`] stacks them, and of the output projection.
+    fn low_rank_factors(
+        &self,
+        adapter: &LoraAdapter,
+        layer: usize,
+    ) -> Result<(Option<LowRankStack>, Option<LowRankStack>)> {
+        let name = |proj: &str| format!("model.layers.{layer}.self_attn.{proj}.weight");
+        let rows = |l: &Linear| l.weight().dim(0);
+        let cols = self.q_proj.weight().dim(1)?;
+        let qkv = adapter.low_rank_stack(
+            &[
+                (name("q_proj"), rows(&self.q_proj)?),
+                (name("k_proj"), rows(&self.k_proj)?),
+                (name("v_proj"), rows(&self.v_proj)?),
+            ],
+            cols,
+        )?;
+        let o = adapter.low_rank_stack(
+            &[(name("o_proj"), rows(&self.o_proj)?)],
+            self.o_proj.weight().dim(1)?,
+        )?;
+        Ok((qkv, o))
     }
 
     /// The output projection of the heads' rows `y`.
@@ -503,12 +536,29 @@ fn released(w: &Tensor) -> Result<Tensor> {
 impl Block {
     /// Quantizes the parts `plan` names and lets their f32 weights go
     /// ([`Llama::load_quantized`]).
-    fn quantize_and_release(&mut self, plan: CpuQuantization) -> Result<()> {
+    /// `adapter`'s low-rank factors of the attention (layer `layer`) run beside its
+    /// quantized rows, unmerged: the loader left them out of the weights.
+    fn quantize_and_release(
+        &mut self,
+        plan: CpuQuantization,
+        layer: usize,
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<()> {
         if let Some(format) = plan.attention {
             let attn = &mut self.self_attn;
+            let factors = match adapter {
+                Some(adapter) => attn.low_rank_factors(adapter, layer)?,
+                None => (None, None),
+            };
             attn.fuse_qkv()?;
             let qkv = attn.qkv_proj.as_ref().expect("fused above");
-            attn.quantized = Some(QuantizedAttention::new(qkv, &attn.o_proj, format, true)?);
+            attn.quantized = Some(QuantizedAttention::new(
+                qkv,
+                &attn.o_proj,
+                format,
+                true,
+                factors,
+            )?);
             let stand_in = |l: &Linear| -> Result<Linear> {
                 Ok(Linear::new(released(l.weight())?, l.bias().cloned()))
             };
@@ -597,8 +647,8 @@ pub enum AttentionPath {
 /// biases, if any, stay the `Linear`s'.
 #[derive(Debug, Clone)]
 struct QuantizedAttention {
-    qkv: QuantRows,
-    o: QuantRows,
+    qkv: AdaptedRows,
+    o: AdaptedRows,
     /// Every call takes the copies (the f32 weights are released,
     /// [`Llama::load_quantized`]), not the decode sizes alone.
     every_row: bool,
@@ -610,10 +660,18 @@ struct QuantizedAttention {
 const QUANTIZED_MAX_ROWS: usize = 16;
 
 impl QuantizedAttention {
-    fn new(qkv: &Linear, o: &Linear, format: QuantFormat, every_row: bool) -> Result<Self> {
+    /// `factors`: low-rank adapters of the stacked q/k/v and of the output projection,
+    /// applied beside the rows.
+    fn new(
+        qkv: &Linear,
+        o: &Linear,
+        format: QuantFormat,
+        every_row: bool,
+        factors: (Option<LowRankStack>, Option<LowRankStack>),
+    ) -> Result<Self> {
         Ok(Self {
-            qkv: quantized_rows(qkv.weight(), format)?,
-            o: quantized_rows(o.weight(), format)?,
+            qkv: AdaptedRows::new(quantized_rows(qkv.weight(), format)?, factors.0)?,
+            o: AdaptedRows::new(quantized_rows(o.weight(), format)?, factors.1)?,
             every_row,
         })
     }
@@ -728,7 +786,7 @@ pub struct TrainOutput {
 
 impl Llama {
     pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
-        Self::load_with(vb, cfg, None, |_| Ok(()))
+        Self::load_with(vb, cfg, None, |_, _| Ok(()))
     }
 
     /// [`Llama::load`], the head quantized to `head` (the embeddings, if tied, served
@@ -738,7 +796,7 @@ impl Llama {
         vb: VarBuilder,
         cfg: &Config,
         head: Option<QuantFormat>,
-        prepare: impl Fn(&mut Block) -> Result<()>,
+        prepare: impl Fn(usize, &mut Block) -> Result<()>,
     ) -> Result<Self> {
         cfg.validate()?;
         let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
@@ -771,7 +829,7 @@ impl Llama {
         let blocks = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let mut block = Block::load(vb.pp(format!("model.layers.{i}")), cfg)?;
-                prepare(&mut block)?;
+                prepare(i, &mut block)?;
                 Ok(block)
             })
             .collect::<Result<Vec<_>>>()?;
@@ -793,12 +851,26 @@ impl Llama {
     /// is the quantized model, one layer in f32 and the embedding table. A quantized tied
     /// head also serves the embeddings. The quantized parts run at every size, and the
     /// model cannot train.
-    pub fn load_quantized(vb: VarBuilder, cfg: &Config, plan: CpuQuantization) -> Result<Self> {
+    ///
+    /// `attention_adapter`: a LoRA adapter whose attention factors `vb` does not merge
+    /// (they run beside the quantized rows, which then keep the base's own blocks).
+    pub fn load_quantized(
+        vb: VarBuilder,
+        cfg: &Config,
+        plan: CpuQuantization,
+        attention_adapter: Option<&LoraAdapter>,
+    ) -> Result<Self> {
         if !vb.device().is_cpu() || vb.dtype() != DType::F32 {
             candle_core::bail!("load_quantized: the quantized rows run on the CPU in f32");
         }
-        let mut model =
-            Self::load_with(vb, cfg, plan.head, |block| block.quantize_and_release(plan))?;
+        if attention_adapter.is_some() && plan.attention.is_none() {
+            candle_core::bail!(
+                "load_quantized: unmerged attention factors need quantized attention"
+            );
+        }
+        let mut model = Self::load_with(vb, cfg, plan.head, |layer, block| {
+            block.quantize_and_release(plan, layer, attention_adapter)
+        })?;
         model.f32_released = plan.attention.is_some() || plan.mlp.is_some();
         Ok(model)
     }
@@ -866,8 +938,13 @@ impl Llama {
             if let Some(format) = plan.attention {
                 let attn = &mut block.self_attn;
                 if let Some(qkv) = &attn.qkv_proj {
-                    attn.quantized =
-                        Some(QuantizedAttention::new(qkv, &attn.o_proj, format, false)?);
+                    attn.quantized = Some(QuantizedAttention::new(
+                        qkv,
+                        &attn.o_proj,
+                        format,
+                        false,
+                        (None, None),
+                    )?);
                 }
             }
             if let Some(format) = plan.mlp {

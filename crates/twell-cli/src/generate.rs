@@ -24,6 +24,10 @@ pub struct GenerateArgs {
     pub system: Option<String>,
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
+    /// Keep generating past the end-of-sequence tokens, to --max-tokens (as llama.cpp's
+    /// `--ignore-eos`): decode speed at a known context.
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
@@ -78,7 +82,9 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         .context("tokenizing the prompt")?;
     let prompt = enc.get_ids().to_vec();
     let mut eos = model.config().eos_ids();
-    if args.chat {
+    if args.ignore_eos {
+        eos.clear();
+    } else if args.chat {
         if let Some(id) = ck.tokenizer.token_to_id("<|im_end|>") {
             eos.push(id);
         }

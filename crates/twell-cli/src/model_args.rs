@@ -100,16 +100,19 @@ pub enum QuantFormatArg {
 }
 
 impl QuantizeArg {
-    /// The plan for a checkpoint whose layers are stored as `layer_block_type`.
+    /// The plan for a checkpoint whose attention and MLP matrices are stored as
+    /// `attention_block_type` and `mlp_block_type` (`None` where they are not a file's
+    /// own blocks): `auto` keeps a file's Q4_1, else quantizes to Q8.
     pub fn plan(
         self,
         format: QuantFormatArg,
-        layer_block_type: Option<candle_core::quantized::GgmlDType>,
+        attention_block_type: Option<candle_core::quantized::GgmlDType>,
+        mlp_block_type: Option<candle_core::quantized::GgmlDType>,
     ) -> CpuQuantization {
-        let layers = match format {
+        let pick = |stored: Option<candle_core::quantized::GgmlDType>| match format {
             QuantFormatArg::Q8 => QuantFormat::Q8,
             QuantFormatArg::Q4_1 => QuantFormat::Q4_1,
-            QuantFormatArg::Auto => match layer_block_type {
+            QuantFormatArg::Auto => match stored {
                 Some(candle_core::quantized::GgmlDType::Q4_1) => QuantFormat::Q4_1,
                 _ => QuantFormat::Q8,
             },
@@ -118,12 +121,12 @@ impl QuantizeArg {
         match self {
             Self::All => CpuQuantization {
                 head,
-                attention: Some(layers),
-                mlp: Some(layers),
+                attention: Some(pick(attention_block_type)),
+                mlp: Some(pick(mlp_block_type)),
             },
             Self::Attention => CpuQuantization {
                 head,
-                attention: Some(layers),
+                attention: Some(pick(attention_block_type)),
                 mlp: None,
             },
             Self::Head => CpuQuantization {
@@ -242,7 +245,11 @@ impl ModelArgs {
             ..self.load_options()
         };
         let mut plan = match device.is_cpu() && dtype == DType::F32 {
-            true => self.quantize.plan(self.quant_format, ck.layer_block_type),
+            true => self.quantize.plan(
+                self.quant_format,
+                ck.attention_block_type,
+                ck.layer_block_type,
+            ),
             false => CpuQuantization::default(),
         };
         let cfg = ck.runtime_config(&options)?;

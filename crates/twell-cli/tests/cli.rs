@@ -266,6 +266,31 @@ fn generate_falls_back_to_f32_weights_where_rows_do_not_fill_blocks() {
     );
 }
 
+/// `--ignore-eos` decodes to `--max-tokens` whatever the model predicts.
+#[test]
+fn generate_ignores_end_of_sequence_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = tiny_checkpoint(dir.path());
+    let json = dir.path().join("stats.json");
+    let (ok, out) = twell(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "x",
+        "--ignore-eos",
+        "--max-tokens",
+        "40",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+    let stats: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(stats["generated_tokens"].as_u64(), Some(40), "{stats}");
+    assert_eq!(stats["stopped_on_eos"].as_bool(), Some(false), "{stats}");
+}
+
 #[test]
 fn generate_refuses_a_max_tokens_that_would_wrap() {
     let dir = tempfile::tempdir().unwrap();

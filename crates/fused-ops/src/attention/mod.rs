@@ -19,6 +19,7 @@ mod split;
 #[cfg(feature = "cuda")]
 mod step_scratch;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -194,39 +195,39 @@ impl CustomOp3 for CausalAttention {
         let (b, heads, t, kv_heads, total, hd) = self.dims(ql, kl, vl)?;
         let q_rows = Rows::new("q", qs, ql)?;
         let dtype = q_rows.dtype();
-        let (q, k, v) = (
-            q_rows.to_f32_vec(),
-            Rows::new("k", ks, kl)?.to_f32_vec(),
-            Rows::new("v", vs, vl)?.to_f32_vec(),
+        let q = q_rows.to_f32_vec();
+        let width = kv_heads * hd;
+        let (k, v) = (
+            KvRows::new("k", ks, kl, b, total, width)?,
+            KvRows::new("v", vs, vl, b, total, width)?,
         );
         let past = total - t;
         let group = heads / kv_heads;
         let mut out = vec![0f32; b * heads * t * hd];
-        // Rows: query (bi, i, h) at ((bi·t + i)·heads + h)·hd, key (bi, j, kh) at
-        // ((bi·T + j)·kv_heads + kh)·hd, and the output as the queries.
-        out.par_chunks_mut(hd).enumerate().for_each(|(row, o)| {
-            let (bi, i, h) = (row / (t * heads), (row / heads) % t, row % heads);
-            let key = |j: usize| ((bi * total + j) * kv_heads + h / group) * hd;
-            let qr = &q[row * hd..(row + 1) * hd];
-            let visible = past + i + 1;
-            let scores: Vec<f32> = (0..visible)
-                .map(|j| {
-                    let kr = &k[key(j)..key(j) + hd];
-                    self.scale * qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>()
-                })
-                .collect();
-            let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for (j, s) in scores.iter().enumerate() {
-                let p = (s - max).exp();
-                sum += p;
-                let vr = &v[key(j)..key(j) + hd];
-                for (acc, x) in o.iter_mut().zip(vr) {
-                    *acc += p * x;
-                }
-            }
-            o.iter_mut().for_each(|x| *x /= sum);
-        });
+        // Rows: query (bi, i, h) at ((bi·t + i)·heads + h)·hd, the key and value of head
+        // kh at position j in row (bi, j) of k and v, and the output as the queries. A
+        // task takes the `group` query heads that share one key head, so that each key
+        // and value row is read once for all of them.
+        out.par_chunks_mut(group * hd)
+            .enumerate()
+            .for_each(|(task, o)| {
+                let (bi, i, kh) = (
+                    task / (t * kv_heads),
+                    (task / kv_heads) % t,
+                    task % kv_heads,
+                );
+                let first_row = (bi * t + i) * heads + kh * group;
+                let task = HeadGroup {
+                    q: &q[first_row * hd..(first_row + group) * hd],
+                    k: &k,
+                    v: &v,
+                    batch: bi,
+                    head: kh * hd..(kh + 1) * hd,
+                    visible: past + i + 1,
+                    scale: self.scale,
+                };
+                task.attend(o);
+            });
         Ok((
             crate::host::storage_from_f32(out, dtype)?,
             Shape::from(ql.dims()),
@@ -366,7 +367,7 @@ pub fn causal_attention_rows(
         head_dim,
         q_angles: None,
     };
-    let (q, k, v) = (readable(q)?, readable(k)?, readable(v)?);
+    let (q, k, v) = (readable(q)?, readable_kv(k)?, readable_kv(v)?);
     q.apply_op3(&k, &v, op)
 }
 
@@ -400,7 +401,7 @@ pub fn causal_attention_rows_turning_q(
         head_dim,
         q_angles: Some(cs.contiguous()?),
     };
-    let (q, k, v) = (readable(q)?, readable(k)?, readable(v)?);
+    let (q, k, v) = (readable(q)?, readable_kv(k)?, readable_kv(v)?);
     q.apply_op3_no_bwd(&k, &v, &op)
 }
 
@@ -417,17 +418,161 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         .transpose(1, 2)
 }
 
-/// Rows the CUDA kernel reads in place though they are not contiguous: `[n, width]`
-/// with a row stride (a view of wider rows, e.g. the keys of fused key | value rows) or
-/// `[b, positions, width]` with a row and a batch stride (a view of a longer KV buffer),
-/// every row 16-byte aligned.
-#[cfg(feature = "cuda")]
+/// Rows the CUDA kernel (and the CPU forward) reads in place though they are not
+/// contiguous: `[n, width]` with a row stride (a view of wider rows, e.g. the keys of
+/// fused key | value rows) or `[b, positions, width]` with a row and a batch stride (a
+/// view of a longer KV buffer), every row 16-byte aligned.
 fn strided_rows(l: &Layout) -> bool {
     let aligned = |xs: &[usize]| xs.iter().chain([&l.start_offset()]).all(|x| x % 8 == 0);
     match (l.dims(), l.stride()) {
         (&[_, width], &[rs, 1]) => rs >= width && aligned(&[rs]),
         (&[_, n, width], &[bs, ts, 1]) => (ts >= width || n == 1) && aligned(&[bs, ts]),
         _ => false,
+    }
+}
+
+/// One CPU task of the attention: the query heads that share key head `head` (the
+/// columns of k and v), for one query row of one sequence, over its `visible` keys.
+struct HeadGroup<'a> {
+    /// `[group, hd]`.
+    q: &'a [f32],
+    k: &'a KvRows<'a>,
+    v: &'a KvRows<'a>,
+    batch: usize,
+    head: std::ops::Range<usize>,
+    visible: usize,
+    scale: f32,
+}
+
+impl HeadGroup<'_> {
+    /// Writes the group's outputs `[group, hd]` into `o` (zeros on entry).
+    fn attend(&self, o: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx2_fma() {
+            // SAFETY: the CPU supports AVX2 and FMA (checked above).
+            return unsafe { self.attend_avx2(o) };
+        }
+        self.attend_portable(o)
+    }
+
+    /// The same loops, compiled for AVX2: every key and value row feeds all the group's
+    /// queries while it is in registers, and the loops over a head's 64 values are
+    /// inlined and vectorised (a call per row and head cost more than the arithmetic).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn attend_avx2(&self, o: &mut [f32]) {
+        self.attend_portable(o)
+    }
+
+    #[inline(always)]
+    fn attend_portable(&self, o: &mut [f32]) {
+        let hd = self.head.len();
+        let (group, visible) = (self.q.len() / hd, self.visible);
+        let mut scores = vec![0f32; group * visible];
+        for j in 0..visible {
+            let kr = &self.k.row(self.batch, j)[self.head.clone()];
+            for (g, qr) in self.q.chunks_exact(hd).enumerate() {
+                scores[g * visible + j] = self.scale * lanes_dot(qr, kr);
+            }
+        }
+        let mut sums = vec![0f32; group];
+        for (sc, sum) in scores.chunks_exact_mut(visible).zip(&mut sums) {
+            let max = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            for s in sc.iter_mut() {
+                *s = (*s - max).exp();
+                *sum += *s;
+            }
+        }
+        for j in 0..visible {
+            let vr = &self.v.row(self.batch, j)[self.head.clone()];
+            for (g, og) in o.chunks_exact_mut(hd).enumerate() {
+                let p = scores[g * visible + j];
+                og.iter_mut().zip(vr).for_each(|(acc, x)| *acc += p * x);
+            }
+        }
+        for (og, sum) in o.chunks_exact_mut(hd).zip(&sums) {
+            og.iter_mut().for_each(|x| *x /= sum);
+        }
+    }
+}
+
+/// `Σ a·b` in eight independent lanes, which the compiler vectorises (one running f32
+/// sum cannot be reordered).
+#[inline(always)]
+fn lanes_dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// Keys or values as the CPU forward reads them: rows `(batch, position)` of `width`
+/// f32, in place where the storage is f32 (contiguous, or a view of a wider row or a
+/// longer KV buffer, as [`strided_rows`] accepts), widened otherwise. Reading the cache
+/// in place matters at decode: a copy of every cached row per layer and token costs
+/// more than the attention itself on long contexts.
+struct KvRows<'a> {
+    values: std::borrow::Cow<'a, [f32]>,
+    batch_stride: usize,
+    row_stride: usize,
+    width: usize,
+}
+
+impl<'a> KvRows<'a> {
+    fn new(
+        what: &'static str,
+        storage: &'a CpuStorage,
+        l: &Layout,
+        batch: usize,
+        positions: usize,
+        width: usize,
+    ) -> Result<Self> {
+        let (batch_stride, row_stride) = match (l.is_contiguous(), l.stride()) {
+            (true, _) => (positions * width, width),
+            (false, &[rs, 1]) if strided_rows(l) => (positions * rs, rs),
+            (false, &[bs, ts, 1]) if strided_rows(l) => (bs, ts),
+            _ => {
+                return err(OpError::Invalid(format!(
+                    "{what}: want contiguous rows or strided rows, got strides {:?}",
+                    l.stride()
+                )))
+            }
+        };
+        let start = l.start_offset();
+        let end = start + (batch - 1) * batch_stride + (positions - 1) * row_stride + width;
+        let values = match storage {
+            CpuStorage::F32(v) => std::borrow::Cow::Borrowed(&v[start..end]),
+            CpuStorage::BF16(v) => v[start..end].iter().map(|x| x.to_f32()).collect(),
+            CpuStorage::F16(v) => v[start..end].iter().map(|x| x.to_f32()).collect(),
+            other => {
+                return err(OpError::BadDtype {
+                    what,
+                    dtype: other.dtype(),
+                })
+            }
+        };
+        Ok(Self {
+            values,
+            batch_stride,
+            row_stride,
+            width,
+        })
+    }
+
+    #[inline]
+    fn row(&self, batch: usize, position: usize) -> &[f32] {
+        let at = batch * self.batch_stride + position * self.row_stride;
+        &self.values[at..at + self.width]
     }
 }
 
@@ -444,6 +589,15 @@ fn readable(t: &Tensor) -> Result<Tensor> {
         return t.affine(1.0, 0.0);
     }
     Ok(t)
+}
+
+/// Keys and values as the op reads them: [`readable`], and on the CPU strided rows in
+/// place as well ([`KvRows`]).
+fn readable_kv(t: &Tensor) -> Result<Tensor> {
+    if t.device().is_cpu() && !t.is_contiguous() && strided_rows(t.layout()) {
+        return Ok(t.clone());
+    }
+    readable(t)
 }
 
 /// The op behind [`causal_attention_step`]: inputs `qkv [b, (heads + 2·kv_heads)·hd]`,

@@ -5,6 +5,7 @@
 pub mod gate;
 pub mod huge_pages;
 pub mod int8;
+pub mod low_rank;
 pub mod quant;
 pub mod screen;
 pub mod simd;
