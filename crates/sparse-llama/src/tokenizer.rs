@@ -146,6 +146,35 @@ impl ChatFormat {
         full[..end].to_string()
     }
 
+    /// A conversation of `(role, content)` turns (`system`, `user`, `assistant`), ready
+    /// for the assistant's next reply. The template's default system turn opens it when
+    /// the conversation has none, as the template itself does.
+    pub fn conversation<'a>(
+        &self,
+        turns: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<String> {
+        match self {
+            Self::ChatMl { default_system } => {
+                let mut s = String::new();
+                for (i, (role, content)) in turns.into_iter().enumerate() {
+                    if !matches!(role, "system" | "user" | "assistant") {
+                        return err(LlamaError::Invalid(format!(
+                            "chat turn {i}: unknown role {role:?} (want system, user or assistant)"
+                        )));
+                    }
+                    if i == 0 && role != "system" {
+                        if let Some(sys) = default_system {
+                            s.push_str(&format!("<|im_start|>system\n{sys}<|im_end|>\n"));
+                        }
+                    }
+                    s.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
+                }
+                s.push_str("<|im_start|>assistant\n");
+                Ok(s)
+            }
+        }
+    }
+
     /// The prompt for one user turn, ready for the assistant's reply.
     pub fn prompt(&self, system: Option<&str>, user: &str) -> String {
         match self {
@@ -188,4 +217,29 @@ pub fn byte_level_tokenizer() -> Result<Tokenizer> {
         ])
         .map_err(tok_err)?;
     Ok(tokenizer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ChatFormat;
+
+    #[test]
+    fn a_conversation_equals_the_one_turn_prompt_and_checks_roles() {
+        let chat = ChatFormat::ChatMl {
+            default_system: Some("Be brief.".into()),
+        };
+        let one = chat.conversation([("user", "Hi")]).unwrap();
+        assert_eq!(one, chat.prompt(None, "Hi"));
+        let own = chat
+            .conversation([("system", "S"), ("user", "Hi")])
+            .unwrap();
+        assert_eq!(own, chat.prompt(Some("S"), "Hi"));
+        let turns = chat
+            .conversation([("user", "Hi"), ("assistant", "Hello"), ("user", "Bye")])
+            .unwrap();
+        assert!(turns.ends_with(
+            "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+        ));
+        assert!(chat.conversation([("robot", "x")]).is_err());
+    }
 }

@@ -12,6 +12,7 @@ mod generate;
 mod host_tuning;
 mod model_args;
 mod sample;
+mod serve;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -43,6 +44,9 @@ enum Command {
     /// Texts sampled from a model, prompted from training documents: more text for
     /// `finetune --extra-data`.
     Sample(sample::SampleArgs),
+    /// An OpenAI-compatible HTTP server (chat and text completions, streaming,
+    /// continuous batching) over the model `generate` would run.
+    Serve(serve::ServeArgs),
     /// Convert a checkpoint (e.g. GGUF) to an HF directory.
     Convert(convert::ConvertArgs),
     /// Training curves (validation perplexity, mean L0) of `finetune` logs as one SVG.
@@ -92,6 +96,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Finetune(args) => finetune::run(&args)?,
         Command::Eval(args) => eval::run(&args)?,
         Command::Sample(args) => sample::run(&args)?,
+        Command::Serve(args) => serve::run(&args)?,
         Command::Convert(args) => convert::run(&args)?,
         Command::Curves(args) => curves::run(&args)?,
         Command::Bench(BenchCommand::Model(args)) => {

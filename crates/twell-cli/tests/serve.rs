@@ -1,0 +1,462 @@
+//! `twell serve` on a loopback port, driven by curl and by the OpenAI Python client:
+//! chat and text completions, streaming, 16 concurrent streams, a client that goes
+//! away, a full queue, bad requests (and a bounded fuzz of bodies), the metrics'
+//! accounting, and a graceful shutdown with a request in flight.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// The data directory `scripts/setup.sh` fills.
+fn data_dir() -> PathBuf {
+    std::env::var_os("TWELL_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data"))
+}
+
+/// Whether the default model is installed; under `CI=true` it must be.
+fn default_model_installed() -> bool {
+    let ok = data_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf").exists()
+        && data_dir().join("python/.complete").exists();
+    if !ok {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "the default model or the openai client is missing: CI must run scripts/setup.sh"
+        );
+        eprintln!("skipping: run scripts/setup.sh for the default model and the openai client");
+    }
+    ok
+}
+
+/// A running `twell serve`, killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_twell"))
+            .arg("serve")
+            .args(["--port", "0"])
+            .args(args)
+            .env("TWELL_DATA", data_dir())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start twell serve");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut seen = String::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(at) = line.find("http://") {
+                        let addr = line[at + 7..].split('/').next().unwrap().to_string();
+                        return Self { child, addr };
+                    }
+                    seen.push_str(&line);
+                    seen.push('\n');
+                }
+                Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("twell serve did not start:\n{seen}");
+                }
+            }
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// `curl` a request: the status and the body.
+    fn curl(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+        let mut cmd = Command::new("curl");
+        cmd.args(["-sN", "-X", method, "-w", "\n%{http_code}", &self.url(path)]);
+        if body.is_some() {
+            cmd.args([
+                "-H",
+                "content-type: application/json",
+                "--data-binary",
+                "@-",
+            ]);
+            cmd.stdin(Stdio::piped());
+        }
+        cmd.stdout(Stdio::piped());
+        let mut child = cmd.spawn().expect("curl");
+        if let Some(b) = body {
+            child.stdin.take().unwrap().write_all(b.as_bytes()).unwrap();
+        }
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    }
+
+    fn metrics(&self) -> String {
+        self.curl("GET", "/metrics", None).1
+    }
+
+    /// One metric's value (the sum over its labels).
+    fn metric(&self, name: &str) -> f64 {
+        metric_sum(&self.metrics(), name)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Waits until `cond` holds (the engine runs on its own clock).
+fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn tiny_model(dir: &Path) -> PathBuf {
+    use candle_core::{DType, Device};
+    use sparse_llama::synthetic;
+    let cfg = synthetic::config(32, 96, 2, 2, 1, 258).unwrap();
+    let w = synthetic::weights(&cfg, 0.1, 1, DType::F32, &Device::Cpu).unwrap();
+    let model = dir.join("tiny");
+    let tok = sparse_llama::tokenizer::byte_level_tokenizer().unwrap();
+    sparse_llama::checkpoint::save_hf(&model, &w, &cfg, &tok, None, DType::F32).unwrap();
+    model
+}
+
+fn completion(max_tokens: usize, stream: bool) -> String {
+    format!(
+        r#"{{"model":"default","prompt":"It is a great honor","max_tokens":{max_tokens},"temperature":0.8,"seed":3,"stream":{stream}}}"#
+    )
+}
+
+#[test]
+fn sixteen_concurrent_streams_bad_requests_and_the_metrics_account_for_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let server = Server::start(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--max-sequences",
+        "16",
+        "--max-body-bytes",
+        "4096",
+    ]);
+    let mut requests = 0;
+    let (code, body) = server.curl("GET", "/health", None);
+    assert_eq!(code, 200, "{body}");
+    requests += 1;
+    let (code, body) = server.curl("GET", "/v1/models", None);
+    assert!(
+        code == 200 && body.contains("\"tiny\"") && body.contains("\"default\""),
+        "{body}"
+    );
+    requests += 1;
+
+    // 16 streams at once, each ending in [DONE].
+    let streams: Vec<_> = (0..16)
+        .map(|i| {
+            let url = server.url("/v1/completions");
+            std::thread::spawn(move || {
+                let body = format!(
+                    r#"{{"model":"tiny","prompt":"Speech {i}:","max_tokens":48,"temperature":0.9,"seed":{i},"stream":true}}"#
+                );
+                let out = Command::new("curl")
+                    .args(["-sN", "-H", "content-type: application/json", "-d", &body, &url])
+                    .output()
+                    .unwrap();
+                String::from_utf8_lossy(&out.stdout).into_owned()
+            })
+        })
+        .collect();
+    for s in streams {
+        let text = s.join().unwrap();
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        assert!(
+            text.contains("\"finish_reason\":\"stop\"")
+                || text.contains("\"finish_reason\":\"length\""),
+            "{text}"
+        );
+        requests += 1;
+    }
+
+    // Bad requests: an OpenAI-style error with a 4xx, and the server keeps serving.
+    let big = format!(r#"{{"model":"default","prompt":"{}"}}"#, "a".repeat(5000));
+    let bad: &[(&str, &str, u16, &str)] = &[
+        ("/v1/completions", "{not json", 400, "request body"),
+        (
+            "/v1/completions",
+            r#"{"model":"default","prompt":7}"#,
+            400,
+            "request body",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"default","prompt":"x","max_tokens":"ten"}"#,
+            400,
+            "request body",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"gpt-4","prompt":"x"}"#,
+            404,
+            "model_not_found",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"default","messages":[]}"#,
+            400,
+            "messages",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"default","prompt":"x","max_tokens":100000}"#,
+            400,
+            "context",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"default","prompt":"x","max_tokens":0}"#,
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"default","prompt":"x","temperature":9}"#,
+            400,
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"default","prompt":"x","n":3}"#,
+            400,
+            "n:",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"default","prompt":""}"#,
+            400,
+            "no tokens",
+        ),
+        ("/v1/completions", &big, 413, "length limit"),
+        ("/v1/nothing", "{}", 404, "no such route"),
+    ];
+    for (path, body, want, needle) in bad {
+        let (code, reply) = server.curl("POST", path, Some(body));
+        assert_eq!(code, *want, "{path} {body}: {reply}");
+        let json: serde_json::Value =
+            serde_json::from_str(&reply).unwrap_or_else(|e| panic!("{reply}: {e}"));
+        let message = json["error"]["message"].as_str().unwrap_or_default();
+        let code_field = json["error"]["code"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(needle) || code_field.contains(needle),
+            "{reply}"
+        );
+        assert!(
+            !message.contains("backtrace") && !message.contains(" at ./"),
+            "{reply}"
+        );
+        requests += 1;
+    }
+    // A bounded fuzz: random bodies, each answered with a 4xx or a completion.
+    let mut seed = 0x2545f4914f6cdd1du64;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let pieces = [
+        "{",
+        "}",
+        "\"model\"",
+        ":",
+        "\"default\"",
+        ",",
+        "\"prompt\"",
+        "\"x\"",
+        "\"max_tokens\"",
+        "5",
+        "-1",
+        "null",
+        "[",
+        "]",
+        "\"stream\"",
+        "true",
+        "1e999",
+        "\"\\u0000\"",
+        "\u{ff}",
+    ];
+    for _ in 0..60 {
+        let len = (next() % 12) as usize;
+        let body: String = (0..len)
+            .map(|_| pieces[(next() % pieces.len() as u64) as usize])
+            .collect();
+        let (code, reply) = server.curl("POST", "/v1/completions", Some(&body));
+        assert!(
+            (200..500).contains(&code) && code != 0,
+            "{body:?} -> {code} {reply}"
+        );
+        if code >= 400 {
+            assert!(reply.contains("\"error\""), "{body:?} -> {reply}");
+        }
+        requests += 1;
+    }
+    let (code, reply) = server.curl("POST", "/v1/completions", Some(&completion(8, false)));
+    assert_eq!(code, 200, "{reply}");
+    requests += 1;
+
+    // Every response is counted, by endpoint and status.
+    let metrics = server.metrics();
+    assert_eq!(
+        metric_sum(&metrics, "twell_requests_total") as usize,
+        requests,
+        "{metrics}"
+    );
+    assert!(
+        metric_sum(&metrics, "twell_generated_tokens_total") > 0.0,
+        "{metrics}"
+    );
+    assert!(metrics.contains("twell_ffn_density{"), "{metrics}");
+    assert!(
+        metrics.contains("twell_time_to_first_token_seconds_count"),
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_sum(&metrics, "twell_running_sequences"),
+        0.0,
+        "{metrics}"
+    );
+}
+
+/// The default model: the OpenAI client's calls, a client that goes away mid-stream,
+/// a full queue, and a shutdown with a request in flight.
+#[test]
+fn the_default_model_serves_the_openai_client_and_frees_what_clients_drop() {
+    if !default_model_installed() {
+        return;
+    }
+    let server = Server::start(&[]);
+    let out = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py"))
+        .arg(server.url("/v1"))
+        .arg("smollm2-135m-sparse")
+        .env("PYTHONPATH", data_dir().join("python"))
+        .output()
+        .expect("python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let client_requests: f64 = stdout.trim().parse().unwrap();
+    assert_eq!(server.metric("twell_requests_total"), client_requests);
+
+    // A client that reads the first piece of a long stream and hangs up: its sequence
+    // is cancelled and its slot freed.
+    let mut socket = TcpStream::connect(&server.addr).unwrap();
+    let body = completion(2000, true);
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 512];
+    let n = socket.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
+    drop(socket);
+    eventually("the cancelled stream", || {
+        server.metric("twell_requests_cancelled_total") == 1.0
+            && server.metric("twell_running_sequences") == 0.0
+    });
+    drop(server);
+
+    // One slot and one place in the queue: of six requests at once, some get 429.
+    let server = Server::start(&["--max-sequences", "1", "--queue", "1"]);
+    let url = server.url("/v1/completions");
+    let codes: Vec<u16> = (0..6)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let out = Command::new("curl")
+                    .args([
+                        "-s",
+                        "-o",
+                        "/dev/null",
+                        "-w",
+                        "%{http_code}",
+                        "-H",
+                        "content-type: application/json",
+                    ])
+                    .args(["-d", &completion(24, false), &url])
+                    .output()
+                    .unwrap();
+                String::from_utf8_lossy(&out.stdout).parse::<u16>().unwrap()
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    assert!(codes.contains(&429) && codes.contains(&200), "{codes:?}");
+    assert!(codes.iter().all(|c| *c == 200 || *c == 429), "{codes:?}");
+
+    // SIGTERM with a stream in flight: the stream still ends in [DONE], then the server
+    // exits cleanly.
+    let mut server = server;
+    let mut socket = TcpStream::connect(&server.addr).unwrap();
+    let body = completion(40, true);
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(socket);
+    let mut line = String::new();
+    while !line.starts_with("data:") {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+    }
+    let pid = server.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let mut rest = String::new();
+    reader.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    let status = server.child.wait().unwrap();
+    assert!(status.success(), "{status}");
+}

@@ -1,0 +1,347 @@
+//! The engine: one thread owns the model and runs every sequence in flight, a step
+//! each in turn, so that new requests join between steps (continuous batching) and a
+//! long prompt is prefilled in chunks instead of stalling the streams already running.
+//!
+//! Each sequence keeps its own KV cache and runs its own forward pass: the model has no
+//! ragged batched decode yet, so the steps of several sequences share the model's
+//! weights in cache, not one product.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+use sparse_llama::{Cache, Llama};
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc;
+
+use crate::metrics::Metrics;
+
+/// How a request samples and when it stops.
+#[derive(Clone, Debug)]
+pub struct SamplingParams {
+    pub max_tokens: usize,
+    /// 0 is greedy.
+    pub temperature: f64,
+    pub top_p: Option<f64>,
+    pub seed: u64,
+    /// Texts that end the completion (not included in it).
+    pub stop: Vec<String>,
+    /// 1.0 is none (llama.cpp's and vLLM's `repetition_penalty`).
+    pub repeat_penalty: f32,
+}
+
+/// Why a completion ended, as the OpenAI API names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-sequence token or a stop text.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// What the engine sends back for a request, in order: text pieces, then `Done` or
+/// `Failed`.
+#[derive(Debug)]
+pub enum Event {
+    Text(String),
+    Done {
+        finish: Finish,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Failed(String),
+}
+
+/// A request for the engine.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub events: mpsc::UnboundedSender<Event>,
+    pub queued_at: Instant,
+}
+
+/// Limits of the engine.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineConfig {
+    /// Sequences in flight at once; more wait in the queue.
+    pub max_sequences: usize,
+    /// Prompt tokens a sequence prefills per step.
+    pub prefill_chunk: usize,
+}
+
+/// The model as the engine runs it.
+pub struct EngineModel {
+    pub llama: Llama,
+    pub tokenizer: Tokenizer,
+    /// Token ids that end a sequence.
+    pub eos: Vec<u32>,
+    pub device: Device,
+    pub dtype: DType,
+}
+
+/// One sequence in flight.
+struct Sequence {
+    job: Job,
+    cache: Cache,
+    sampler: LogitsProcessor,
+    /// Prompt tokens not yet prefilled.
+    prefilled: usize,
+    /// Every token so far (prompt and generated), for the repeat penalty.
+    tokens: Vec<u32>,
+    generated: Vec<u32>,
+    /// Bytes of the generated text already sent.
+    sent: usize,
+    /// The token the next decode step feeds, once the prefill is done.
+    next_input: Option<u32>,
+    first_token_at: Option<Instant>,
+}
+
+/// What one step of a sequence did.
+enum StepResult {
+    Running,
+    Finished,
+}
+
+impl EngineModel {
+    fn start(&self, job: Job) -> candle_core::Result<Sequence> {
+        let sampling = if job.params.temperature <= 0.0 {
+            Sampling::ArgMax
+        } else {
+            match job.params.top_p {
+                Some(p) if p < 1.0 => Sampling::TopP {
+                    p,
+                    temperature: job.params.temperature,
+                },
+                _ => Sampling::All {
+                    temperature: job.params.temperature,
+                },
+            }
+        };
+        Ok(Sequence {
+            cache: Cache::new(true, self.dtype, self.llama.config(), &self.device)?,
+            sampler: LogitsProcessor::from_sampling(job.params.seed, sampling),
+            prefilled: 0,
+            tokens: job.prompt.clone(),
+            generated: Vec::new(),
+            sent: 0,
+            next_input: None,
+            first_token_at: None,
+            job,
+        })
+    }
+
+    /// One step of `seq`: a chunk of its prompt, or one new token.
+    fn step(
+        &self,
+        seq: &mut Sequence,
+        cfg: &EngineConfig,
+        metrics: &Metrics,
+    ) -> candle_core::Result<StepResult> {
+        let (input, pos) = match seq.next_input {
+            Some(t) => (vec![t], seq.job.prompt.len() + seq.generated.len() - 1),
+            None => {
+                let end = (seq.prefilled + cfg.prefill_chunk).min(seq.job.prompt.len());
+                (seq.job.prompt[seq.prefilled..end].to_vec(), seq.prefilled)
+            }
+        };
+        let x = Tensor::new(input.as_slice(), &self.device)?.unsqueeze(0)?;
+        let logits = self.llama.forward(&x, pos, &mut seq.cache)?.squeeze(0)?;
+        metrics.record_ffn(&self.llama, input.len())?;
+        if seq.next_input.is_none() {
+            seq.prefilled = pos + input.len();
+            if seq.prefilled < seq.job.prompt.len() {
+                return Ok(StepResult::Running);
+            }
+        }
+        let logits = if seq.job.params.repeat_penalty != 1.0 {
+            let start = seq.tokens.len().saturating_sub(64);
+            candle_transformers::utils::apply_repeat_penalty(
+                &logits,
+                seq.job.params.repeat_penalty,
+                &seq.tokens[start..],
+            )?
+        } else {
+            logits
+        };
+        let next = seq.sampler.sample(&logits)?;
+        if seq.first_token_at.is_none() {
+            let now = Instant::now();
+            seq.first_token_at = Some(now);
+            metrics.record_first_token(now - seq.job.queued_at);
+        }
+        if self.eos.contains(&next) {
+            self.finish(seq, Finish::Stop)?;
+            return Ok(StepResult::Finished);
+        }
+        metrics.add_generated(1);
+        seq.tokens.push(next);
+        seq.generated.push(next);
+        seq.next_input = Some(next);
+        if self.emit(seq)? {
+            return Ok(StepResult::Finished);
+        }
+        if seq.generated.len() >= seq.job.params.max_tokens {
+            self.finish(seq, Finish::Length)?;
+            return Ok(StepResult::Finished);
+        }
+        Ok(StepResult::Running)
+    }
+
+    fn text(&self, tokens: &[u32]) -> candle_core::Result<String> {
+        self.tokenizer
+            .decode(tokens, true)
+            .map_err(|e| candle_core::Error::Msg(format!("detokenizing: {e}")))
+    }
+
+    /// Sends the text that is now certain: whole characters, and nothing that a stop
+    /// text could still begin. Returns true if a stop text ended the sequence.
+    fn emit(&self, seq: &mut Sequence) -> candle_core::Result<bool> {
+        let text = self.text(&seq.generated)?;
+        if text.ends_with('\u{fffd}') {
+            return Ok(false);
+        }
+        if let Some(at) = seq
+            .job
+            .params
+            .stop
+            .iter()
+            .filter_map(|s| text.find(s.as_str()))
+            .min()
+        {
+            if at > seq.sent {
+                let _ = seq.job.events.send(Event::Text(text[seq.sent..at].into()));
+            }
+            seq.sent = at.max(seq.sent);
+            self.send_done(seq, Finish::Stop);
+            return Ok(true);
+        }
+        // Hold back the longest tail that is a prefix of a stop text.
+        let held = seq
+            .job
+            .params
+            .stop
+            .iter()
+            .flat_map(|s| (1..s.len()).filter(|&n| text.ends_with(&s[..n])))
+            .max()
+            .unwrap_or(0);
+        let mut upto = text.len() - held;
+        while !text.is_char_boundary(upto) {
+            upto -= 1;
+        }
+        if upto > seq.sent {
+            let _ = seq
+                .job
+                .events
+                .send(Event::Text(text[seq.sent..upto].into()));
+            seq.sent = upto;
+        }
+        Ok(false)
+    }
+
+    /// Sends what is left of the text, then `Done`.
+    fn finish(&self, seq: &mut Sequence, finish: Finish) -> candle_core::Result<()> {
+        let text = self.text(&seq.generated)?;
+        if text.len() > seq.sent {
+            let _ = seq.job.events.send(Event::Text(text[seq.sent..].into()));
+            seq.sent = text.len();
+        }
+        self.send_done(seq, finish);
+        Ok(())
+    }
+
+    fn send_done(&self, seq: &Sequence, finish: Finish) {
+        let _ = seq.job.events.send(Event::Done {
+            finish,
+            prompt_tokens: seq.job.prompt.len(),
+            completion_tokens: seq.generated.len(),
+        });
+    }
+}
+
+/// Runs the engine until `jobs` is closed (the server shut down) and every sequence in
+/// flight has finished or been cancelled.
+pub fn run(
+    model: EngineModel,
+    mut jobs: mpsc::Receiver<Job>,
+    cfg: EngineConfig,
+    metrics: Arc<Metrics>,
+) {
+    let mut running: Vec<Sequence> = Vec::new();
+    let mut open = true;
+    loop {
+        // Join: new requests take free slots between steps.
+        while open && running.len() < cfg.max_sequences {
+            let job = if running.is_empty() {
+                // Idle: wait for work rather than spin.
+                match jobs.blocking_recv() {
+                    Some(job) => job,
+                    None => {
+                        open = false;
+                        break;
+                    }
+                }
+            } else {
+                match jobs.try_recv() {
+                    Ok(job) => job,
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            };
+            metrics.queue_left();
+            if job.events.is_closed() {
+                metrics.cancelled();
+                continue;
+            }
+            match model.start(job) {
+                Ok(seq) => running.push(seq),
+                Err(e) => {
+                    metrics.failed(&e.to_string());
+                }
+            }
+        }
+        if running.is_empty() {
+            if open {
+                continue;
+            }
+            return;
+        }
+        metrics.set_running(running.len());
+        let mut i = 0;
+        while i < running.len() {
+            let seq = &mut running[i];
+            // The client went away: free its slot.
+            if seq.job.events.is_closed() {
+                metrics.cancelled();
+                running.swap_remove(i);
+                continue;
+            }
+            match model.step(seq, &cfg, &metrics) {
+                Ok(StepResult::Running) => i += 1,
+                Ok(StepResult::Finished) => {
+                    metrics.add_prompt(seq.job.prompt.len());
+                    running.swap_remove(i);
+                }
+                Err(e) => {
+                    let why = crate::app::first_line(&e);
+                    let _ = seq.job.events.send(Event::Failed(why.clone()));
+                    metrics.failed(&why);
+                    running.swap_remove(i);
+                }
+            }
+        }
+        metrics.set_running(running.len());
+    }
+}
