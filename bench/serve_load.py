@@ -52,6 +52,7 @@ async def level(base_url, concurrency, rounds, max_tokens):
     start = time.perf_counter()
     await asyncio.gather(*(gated(i) for i in range(rounds * concurrency)))
     wall = time.perf_counter() - start
+    await client.close()
     q = statistics.quantiles(ttfts, n=100, method="inclusive") if len(ttfts) > 1 else ttfts * 99
     return {
         "concurrency": concurrency,
