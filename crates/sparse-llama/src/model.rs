@@ -1158,6 +1158,104 @@ impl Llama {
         Ok((rows_to_batch(h)?, l1))
     }
 
+    /// One decode step of several sequences at once, each with its own cache and at its
+    /// own position: `tokens[i]` at `positions[i]` of `caches[i]` (continuous batching:
+    /// the sequences need not have started together). Returns logits `[n, vocab]`.
+    ///
+    /// The attention runs per sequence, over its own cache; the output projections, the
+    /// MLPs and the head run once over the n rows, so a step reads their weights once
+    /// for all the sequences instead of once each.
+    pub fn forward_decode_batch(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor> {
+        let n = tokens.len();
+        if n == 0 || positions.len() != n || caches.len() != n {
+            candle_core::bail!(
+                "forward_decode_batch: {} tokens, {} positions and {} caches (want as many, at least one)",
+                n,
+                positions.len(),
+                caches.len()
+            );
+        }
+        let max_pos = self.config.max_position_embeddings;
+        for (i, (&pos, cache)) in positions.iter().zip(caches.iter()).enumerate() {
+            if pos >= max_pos {
+                candle_core::bail!(
+                    "sequence {i} reaches position {} but the model supports {max_pos}",
+                    pos + 1
+                );
+            }
+            if !cache.use_kv_cache || cache.len() != pos {
+                candle_core::bail!(
+                    "sequence {i}: its cache holds {} positions, the step is at {pos} (a decode step continues its cache)",
+                    cache.len()
+                );
+            }
+        }
+        let device = self.device();
+        let ids = Tensor::new(tokens, device)?;
+        let mut x = self.embed_tokens.forward(&ids)?;
+        let ropes = positions
+            .iter()
+            .zip(caches.iter())
+            .map(|(&pos, c)| c.rope.narrow(pos, 1))
+            .collect::<Result<Vec<_>>>()?;
+        let longest = positions.iter().max().copied().unwrap_or(0) + 1;
+        let fused = match self.attention_path {
+            AttentionPath::Auto => fused_attention(
+                device,
+                x.dtype(),
+                self.config.head_dim(),
+                self.config.num_attention_heads,
+                1,
+                longest,
+            ),
+            AttentionPath::Fused => true,
+            AttentionPath::Plain => false,
+        };
+        let Some(first) = self.blocks.first() else {
+            return self
+                .lm_head
+                .forward(&self.norm.forward(&x, Pass::Inference)?)?
+                .to_dtype(DType::F32);
+        };
+        let mut h = first.input_layernorm.forward(&x, Pass::Inference)?;
+        for (l, block) in self.blocks.iter().enumerate() {
+            let ys = caches
+                .iter_mut()
+                .zip(&ropes)
+                .enumerate()
+                .map(|(i, (cache, rope))| {
+                    block.self_attn.attend(
+                        &h.narrow(0, i, 1)?,
+                        (1, 1),
+                        rope,
+                        None,
+                        Some(&mut cache.kvs[l]),
+                        Pass::Inference,
+                        fused,
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let attn = block.self_attn.output(&Tensor::cat(&ys, 0)?)?;
+            let next = match self.blocks.get(l + 1) {
+                Some(b) => &b.input_layernorm,
+                None => &self.norm,
+            };
+            let norm = &block.post_attention_layernorm;
+            (x, h) = block.mlp.forward_sublayer(
+                &x,
+                &attn,
+                (&norm.weight, norm.eps),
+                (&next.weight, next.eps),
+            )?;
+        }
+        self.lm_head.forward(&h)?.to_dtype(DType::F32)
+    }
+
     /// Logits of the last position, `[b, vocab]` in f32 (as candle-transformers).
     pub fn forward(&self, x: &Tensor, index_pos: usize, cache: &mut Cache) -> Result<Tensor> {
         let (_, t) = x.dims2()?;

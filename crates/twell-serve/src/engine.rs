@@ -1,10 +1,10 @@
-//! The engine: one thread owns the model and runs every sequence in flight, a step
-//! each in turn, so that new requests join between steps (continuous batching) and a
-//! long prompt is prefilled in chunks instead of stalling the streams already running.
-//!
-//! Each sequence keeps its own KV cache and runs its own forward pass: the model has no
-//! ragged batched decode yet, so the steps of several sequences share the model's
-//! weights in cache, not one product.
+//! The engine: one thread owns the model and runs every sequence in flight. Each step
+//! prefills a chunk of every prompt still coming in, then decodes one token for every
+//! other sequence in one batched pass (`Llama::forward_decode_batch`: each sequence
+//! attends over its own KV cache at its own position; the projections after the
+//! attention, the MLPs and the head read their weights once for all of them). New
+//! requests join between steps (continuous batching), and a long prompt does not stall
+//! the streams already running.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -94,7 +94,7 @@ struct Sequence {
     job: Job,
     cache: Cache,
     sampler: LogitsProcessor,
-    /// Prompt tokens not yet prefilled.
+    /// Prompt tokens prefilled so far.
     prefilled: usize,
     /// Every token so far (prompt and generated), for the repeat penalty.
     tokens: Vec<u32>,
@@ -140,29 +140,58 @@ impl EngineModel {
         })
     }
 
-    /// One step of `seq`: a chunk of its prompt, or one new token.
-    fn step(
+    /// A chunk of `seq`'s prompt; the first new token once the prompt is all in.
+    fn prefill_step(
         &self,
         seq: &mut Sequence,
         cfg: &EngineConfig,
         metrics: &Metrics,
     ) -> candle_core::Result<StepResult> {
-        let (input, pos) = match seq.next_input {
-            Some(t) => (vec![t], seq.job.prompt.len() + seq.generated.len() - 1),
-            None => {
-                let end = (seq.prefilled + cfg.prefill_chunk).min(seq.job.prompt.len());
-                (seq.job.prompt[seq.prefilled..end].to_vec(), seq.prefilled)
-            }
-        };
-        let x = Tensor::new(input.as_slice(), &self.device)?.unsqueeze(0)?;
-        let logits = self.llama.forward(&x, pos, &mut seq.cache)?.squeeze(0)?;
-        metrics.record_ffn(&self.llama, input.len())?;
-        if seq.next_input.is_none() {
-            seq.prefilled = pos + input.len();
-            if seq.prefilled < seq.job.prompt.len() {
-                return Ok(StepResult::Running);
-            }
+        let start = seq.prefilled;
+        let end = (start + cfg.prefill_chunk).min(seq.job.prompt.len());
+        let x = Tensor::new(&seq.job.prompt[start..end], &self.device)?.unsqueeze(0)?;
+        let logits = self.llama.forward(&x, start, &mut seq.cache)?.squeeze(0)?;
+        metrics.record_ffn(&self.llama, end - start)?;
+        seq.prefilled = end;
+        if end < seq.job.prompt.len() {
+            return Ok(StepResult::Running);
         }
+        self.accept(seq, logits, metrics)
+    }
+
+    /// One new token for each of `seqs` (all past their prompts), in one batched step.
+    fn decode_step(
+        &self,
+        seqs: &mut [&mut Sequence],
+        metrics: &Metrics,
+    ) -> candle_core::Result<Vec<candle_core::Result<StepResult>>> {
+        let tokens: Vec<u32> = seqs
+            .iter()
+            .map(|s| s.next_input.expect("decoding sequences have a next input"))
+            .collect();
+        let positions: Vec<usize> = seqs
+            .iter()
+            .map(|s| s.job.prompt.len() + s.generated.len() - 1)
+            .collect();
+        let mut caches: Vec<&mut Cache> = seqs.iter_mut().map(|s| &mut s.cache).collect();
+        let logits = self
+            .llama
+            .forward_decode_batch(&tokens, &positions, &mut caches)?;
+        metrics.record_ffn(&self.llama, seqs.len())?;
+        Ok(seqs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, seq)| self.accept(seq, logits.get(i)?, metrics))
+            .collect())
+    }
+
+    /// Samples `seq`'s next token from its `logits` and sends what it makes certain.
+    fn accept(
+        &self,
+        seq: &mut Sequence,
+        logits: Tensor,
+        metrics: &Metrics,
+    ) -> candle_core::Result<StepResult> {
         let logits = if seq.job.params.repeat_penalty != 1.0 {
             let start = seq.tokens.len().saturating_sub(64);
             candle_transformers::utils::apply_repeat_penalty(
@@ -319,29 +348,62 @@ pub fn run(
             return;
         }
         metrics.set_running(running.len());
-        let mut i = 0;
-        while i < running.len() {
-            let seq = &mut running[i];
-            // The client went away: free its slot.
-            if seq.job.events.is_closed() {
+        // The client went away: free its slot.
+        running.retain(|seq| {
+            let gone = seq.job.events.is_closed();
+            if gone {
                 metrics.cancelled();
-                running.swap_remove(i);
-                continue;
             }
-            match model.step(seq, &cfg, &metrics) {
-                Ok(StepResult::Running) => i += 1,
-                Ok(StepResult::Finished) => {
-                    metrics.add_prompt(seq.job.prompt.len());
-                    running.swap_remove(i);
-                }
+            !gone
+        });
+        // Prompts a chunk each, then every other sequence's next token in one step.
+        let mut results: Vec<(usize, candle_core::Result<StepResult>)> = Vec::new();
+        for (i, seq) in running.iter_mut().enumerate() {
+            if seq.next_input.is_none() {
+                results.push((i, model.prefill_step(seq, &cfg, &metrics)));
+            }
+        }
+        let decoding: Vec<usize> = (0..running.len())
+            .filter(|&i| running[i].next_input.is_some() && !results.iter().any(|(j, _)| *j == i))
+            .collect();
+        if !decoding.is_empty() {
+            let mut seqs: Vec<&mut Sequence> = running
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| decoding.contains(i))
+                .map(|(_, s)| s)
+                .collect();
+            match model.decode_step(&mut seqs, &metrics) {
+                Ok(each) => results.extend(decoding.iter().copied().zip(each)),
                 Err(e) => {
                     let why = crate::app::first_line(&e);
-                    let _ = seq.job.events.send(Event::Failed(why.clone()));
-                    metrics.failed(&why);
-                    running.swap_remove(i);
+                    for &i in &decoding {
+                        results.push((i, Err(candle_core::Error::Msg(why.clone()))));
+                    }
                 }
             }
         }
+        let mut done = vec![false; running.len()];
+        for (i, result) in results {
+            match result {
+                Ok(StepResult::Running) => {}
+                Ok(StepResult::Finished) => {
+                    metrics.add_prompt(running[i].job.prompt.len());
+                    done[i] = true;
+                }
+                Err(e) => {
+                    let why = crate::app::first_line(&e);
+                    let _ = running[i].job.events.send(Event::Failed(why.clone()));
+                    metrics.failed(&why);
+                    done[i] = true;
+                }
+            }
+        }
+        let mut index = 0;
+        running.retain(|_| {
+            index += 1;
+            !done[index - 1]
+        });
         metrics.set_running(running.len());
     }
 }

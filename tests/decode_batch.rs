@@ -1,0 +1,86 @@
+//! `Llama::forward_decode_batch`: one decode step of sequences at different positions,
+//! each with its own cache, gives each the logits of its own one-sequence step; bad
+//! batches are refused.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use common::{rel_l2, tiny_config, tiny_weights};
+use sparse_llama::{Cache, Llama};
+
+fn prefill(model: &Llama, prompt: &[u32], cfg: &sparse_llama::Config) -> Cache {
+    let dev = Device::Cpu;
+    let mut cache = Cache::new(true, DType::F32, cfg, &dev).unwrap();
+    let x = Tensor::new(prompt, &dev).unwrap().unsqueeze(0).unwrap();
+    model.forward(&x, 0, &mut cache).unwrap();
+    cache
+}
+
+#[test]
+fn a_batched_step_equals_each_sequences_own_step() {
+    let dev = Device::Cpu;
+    for (act, mode) in [
+        ("silu", twell::FfnMode::Dense),
+        ("relu", twell::FfnMode::Sparse),
+    ] {
+        let cfg = tiny_config(act, 256).into_config(false);
+        let w = tiny_weights(&cfg, 5);
+        let mut model =
+            Llama::load(VarBuilder::from_tensors(w.clone(), DType::F32, &dev), &cfg).unwrap();
+        model.set_ffn_mode(mode).unwrap();
+        model.fuse_qkv().unwrap();
+        let prompts: [&[u32]; 3] = [&[5, 17, 99], &[3], &[250, 42, 7, 7, 1, 200, 11]];
+        let next = [13u32, 14, 15];
+        // Each sequence alone.
+        let alone: Vec<Tensor> = prompts
+            .iter()
+            .zip(next)
+            .map(|(p, t)| {
+                let mut cache = prefill(&model, p, &cfg);
+                let x = Tensor::new(&[[t]], &dev).unwrap();
+                model.forward(&x, p.len(), &mut cache).unwrap()
+            })
+            .collect();
+        // The three in one step, then a second step, against the same done alone.
+        let mut caches: Vec<Cache> = prompts.iter().map(|p| prefill(&model, p, &cfg)).collect();
+        let positions: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        let mut refs: Vec<&mut Cache> = caches.iter_mut().collect();
+        let batched = model
+            .forward_decode_batch(&next, &positions, &mut refs)
+            .unwrap();
+        assert_eq!(batched.dims(), &[3, cfg.vocab_size]);
+        for (i, a) in alone.iter().enumerate() {
+            let b = batched.narrow(0, i, 1).unwrap();
+            let err = rel_l2(&b, a);
+            assert!(err < 1e-5, "{act} sequence {i}: {err}");
+        }
+        let again: Vec<usize> = positions.iter().map(|p| p + 1).collect();
+        let second = model
+            .forward_decode_batch(&[1, 2, 3], &again, &mut refs)
+            .unwrap();
+        for (i, (p, t)) in prompts.iter().zip(next).enumerate() {
+            let mut cache = prefill(&model, p, &cfg);
+            let x = Tensor::new(&[[t]], &dev).unwrap();
+            model.forward(&x, p.len(), &mut cache).unwrap();
+            let x = Tensor::new(&[[[1u32, 2, 3][i]]], &dev).unwrap();
+            let want = model.forward(&x, p.len() + 1, &mut cache).unwrap();
+            let err = rel_l2(&second.narrow(0, i, 1).unwrap(), &want);
+            assert!(err < 1e-5, "{act} second step, sequence {i}: {err}");
+        }
+        // Bad batches: mismatched lengths, a position that does not continue the cache,
+        // an empty batch.
+        let e = model
+            .forward_decode_batch(&[1, 2], &again, &mut refs)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("positions"), "{e}");
+        let e = model
+            .forward_decode_batch(&[1, 2, 3], &positions, &mut refs)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("continues its cache"), "{e}");
+        let mut none: Vec<&mut Cache> = Vec::new();
+        assert!(model.forward_decode_batch(&[], &[], &mut none).is_err());
+    }
+}
