@@ -399,6 +399,27 @@ fn the_default_model_serves_the_openai_client_and_frees_what_clients_drop() {
         server.metric("twell_requests_cancelled_total") == 1.0
             && server.metric("twell_running_sequences") == 0.0
     });
+    // The same for a whole (not streamed) request whose client gives up waiting.
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "--max-time",
+            "1",
+            "-H",
+            "content-type: application/json",
+        ])
+        .args([
+            "-d",
+            &completion(2000, false),
+            &server.url("/v1/completions"),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "curl should have timed out");
+    eventually("the cancelled whole request", || {
+        server.metric("twell_requests_cancelled_total") == 2.0
+            && server.metric("twell_running_sequences") == 0.0
+    });
     drop(server);
 
     // One slot and one place in the queue: of six requests at once, some get 429.

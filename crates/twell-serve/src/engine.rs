@@ -15,7 +15,7 @@ use sparse_llama::{Cache, Llama};
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc;
 
-use crate::metrics::Metrics;
+use crate::metrics::{FfnTally, Metrics};
 
 /// How a request samples and when it stops.
 #[derive(Clone, Debug)]
@@ -146,12 +146,13 @@ impl EngineModel {
         seq: &mut Sequence,
         cfg: &EngineConfig,
         metrics: &Metrics,
+        tally: &mut FfnTally,
     ) -> candle_core::Result<StepResult> {
         let start = seq.prefilled;
         let end = (start + cfg.prefill_chunk).min(seq.job.prompt.len());
         let x = Tensor::new(&seq.job.prompt[start..end], &self.device)?.unsqueeze(0)?;
         let logits = self.llama.forward(&x, start, &mut seq.cache)?.squeeze(0)?;
-        metrics.record_ffn(&self.llama, end - start)?;
+        tally.record(&self.llama)?;
         seq.prefilled = end;
         if end < seq.job.prompt.len() {
             return Ok(StepResult::Running);
@@ -164,6 +165,7 @@ impl EngineModel {
         &self,
         seqs: &mut [&mut Sequence],
         metrics: &Metrics,
+        tally: &mut FfnTally,
     ) -> candle_core::Result<Vec<candle_core::Result<StepResult>>> {
         let tokens: Vec<u32> = seqs
             .iter()
@@ -177,7 +179,7 @@ impl EngineModel {
         let logits = self
             .llama
             .forward_decode_batch(&tokens, &positions, &mut caches)?;
-        metrics.record_ffn(&self.llama, seqs.len())?;
+        tally.record(&self.llama)?;
         Ok(seqs
             .iter_mut()
             .enumerate()
@@ -306,8 +308,14 @@ pub fn run(
     metrics: Arc<Metrics>,
 ) {
     let mut running: Vec<Sequence> = Vec::new();
+    let mut tally = FfnTally::default();
     let mut open = true;
     loop {
+        if running.is_empty() || tally.due() {
+            // A count that cannot be read back leaves the densities as they were: the
+            // requests themselves are unaffected.
+            tally.flush(&metrics).ok();
+        }
         // Join: new requests take free slots between steps.
         while open && running.len() < cfg.max_sequences {
             let job = if running.is_empty() {
@@ -360,7 +368,7 @@ pub fn run(
         let mut results: Vec<(usize, candle_core::Result<StepResult>)> = Vec::new();
         for (i, seq) in running.iter_mut().enumerate() {
             if seq.next_input.is_none() {
-                results.push((i, model.prefill_step(seq, &cfg, &metrics)));
+                results.push((i, model.prefill_step(seq, &cfg, &metrics, &mut tally)));
             }
         }
         let decoding: Vec<usize> = (0..running.len())
@@ -373,7 +381,7 @@ pub fn run(
                 .filter(|(i, _)| decoding.contains(i))
                 .map(|(_, s)| s)
                 .collect();
-            match model.decode_step(&mut seqs, &metrics) {
+            match model.decode_step(&mut seqs, &metrics, &mut tally) {
                 Ok(each) => results.extend(decoding.iter().copied().zip(each)),
                 Err(e) => {
                     let why = crate::app::first_line(&e);

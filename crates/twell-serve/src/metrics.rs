@@ -24,6 +24,56 @@ struct FfnCounts {
     activations: u64,
 }
 
+/// Steps whose FFN counts the engine holds before adding them to the metrics.
+const FFN_FLUSH_STEPS: usize = 64;
+
+/// Per-layer FFN counts as the engine collects them: left where the MLPs put them (on
+/// the device, on CUDA) and added to the metrics every [`FFN_FLUSH_STEPS`] steps or when
+/// the engine idles, not read back (a synchronisation per layer) every step.
+#[derive(Default)]
+pub struct FfnTally {
+    /// Per layer: the counts of the steps since the last flush, and the activations
+    /// they were counted over.
+    layers: Vec<(Vec<twell::Nonzeros>, u64)>,
+    steps: usize,
+}
+
+impl FfnTally {
+    /// Takes each layer's counts of the model's last forward pass, where it records
+    /// them (a ReLU model).
+    pub fn record(&mut self, model: &Llama) -> candle_core::Result<()> {
+        for (i, mlp) in model.mlps().enumerate() {
+            if let Some((count, entries)) = mlp.last_nonzeros()? {
+                if self.layers.len() <= i {
+                    self.layers.resize_with(i + 1, Default::default);
+                }
+                self.layers[i].0.push(count);
+                self.layers[i].1 += entries as u64;
+            }
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    pub fn due(&self) -> bool {
+        self.steps >= FFN_FLUSH_STEPS
+    }
+
+    /// Adds what it holds to `metrics`.
+    pub fn flush(&mut self, metrics: &Metrics) -> candle_core::Result<()> {
+        for (layer, (counts, activations)) in self.layers.iter_mut().enumerate() {
+            if counts.is_empty() {
+                continue;
+            }
+            metrics.add_ffn(layer, twell::Nonzeros::sum(counts)?, *activations);
+            counts.clear();
+            *activations = 0;
+        }
+        self.steps = 0;
+        Ok(())
+    }
+}
+
 /// Every figure `GET /metrics` reports.
 pub struct Metrics {
     started: Instant,
@@ -103,20 +153,14 @@ impl Metrics {
         h.count += 1;
     }
 
-    /// Adds each layer's last forward pass (`tokens` rows) to its FFN counts, where the
-    /// model records them (a ReLU model).
-    pub fn record_ffn(&self, model: &Llama, _tokens: usize) -> candle_core::Result<()> {
+    /// Adds counts to layer `layer`'s FFN density.
+    pub fn add_ffn(&self, layer: usize, nonzeros: u64, activations: u64) {
         let mut ffn = self.ffn.lock().expect("metrics lock");
-        for (i, mlp) in model.mlps().enumerate() {
-            if let Some((count, entries)) = mlp.last_nonzeros()? {
-                if ffn.len() <= i {
-                    ffn.resize_with(i + 1, FfnCounts::default);
-                }
-                ffn[i].nonzeros += count.read()?;
-                ffn[i].activations += entries as u64;
-            }
+        if ffn.len() <= layer {
+            ffn.resize_with(layer + 1, FfnCounts::default);
         }
-        Ok(())
+        ffn[layer].nonzeros += nonzeros;
+        ffn[layer].activations += activations;
     }
 
     /// Requests waiting for a slot.
