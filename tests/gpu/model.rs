@@ -193,3 +193,38 @@ fn a_training_step_matches_the_cpu_f32_gradients() {
     eprintln!("{r:?}");
     assert!(r.pass, "{r:?}");
 }
+
+/// `forward_decode_batch` on the GPU (bf16, fused attention's decode-step kernel per
+/// sequence, TwELL MLPs over the rows): three sequences at different positions give
+/// each one's own one-sequence step.
+#[test]
+fn a_batched_decode_step_matches_each_sequences_own() {
+    use sparse_llama::{Cache, Llama};
+    let dev = gpu();
+    let (weights, cfg) = check_weights(&dev).unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(weights, DType::BF16, &dev);
+    let mut model = Llama::load(vb, &cfg).unwrap();
+    model.fuse_qkv().unwrap();
+    model.set_ffn_mode(twell::FfnMode::Sparse).unwrap();
+    let prompts: [&[u32]; 3] = [&[5, 17, 99], &[3], &[250, 42, 7, 7, 1, 200, 11, 9, 900]];
+    let next = [13u32, 14, 15];
+    let prefill = |p: &[u32]| {
+        let mut cache = Cache::new(true, DType::BF16, &cfg, &dev).unwrap();
+        let x = Tensor::new(p, &dev).unwrap().unsqueeze(0).unwrap();
+        model.forward(&x, 0, &mut cache).unwrap();
+        cache
+    };
+    let mut caches: Vec<Cache> = prompts.iter().map(|p| prefill(p)).collect();
+    let positions: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+    let mut refs: Vec<&mut Cache> = caches.iter_mut().collect();
+    let batched = model
+        .forward_decode_batch(&next, &positions, &mut refs)
+        .unwrap();
+    for (i, (p, t)) in prompts.iter().zip(next).enumerate() {
+        let mut cache = prefill(p);
+        let x = Tensor::new(&[[t]], &dev).unwrap();
+        let alone = model.forward(&x, p.len(), &mut cache).unwrap();
+        let err = rel_l2(&batched.narrow(0, i, 1).unwrap(), &alone).unwrap();
+        assert!(err < TOLERANCE, "sequence {i}: rel err {err:.2e}");
+    }
+}
