@@ -266,6 +266,29 @@ fn generate_falls_back_to_f32_weights_where_rows_do_not_fill_blocks() {
     );
 }
 
+/// `twell serve`'s bad flags and a port already taken fail with a clear message.
+#[test]
+fn bad_serve_flags_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = tiny_checkpoint(dir.path());
+    let m = model.to_str().unwrap();
+    fails_with(&["serve", "--model", m, "--port", "99999"], "--port");
+    fails_with(
+        &["serve", "--model", m, "--port", "0", "--max-sequences", "0"],
+        "--max-sequences",
+    );
+    fails_with(
+        &["serve", "--model", m, "--port", "0", "--queue", "0"],
+        "--queue",
+    );
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    fails_with(
+        &["serve", "--model", m, "--port", &port],
+        "binding 127.0.0.1",
+    );
+}
+
 /// `--ignore-eos` decodes to `--max-tokens` whatever the model predicts.
 #[test]
 fn generate_ignores_end_of_sequence_when_asked() {
