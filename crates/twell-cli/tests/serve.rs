@@ -141,6 +141,19 @@ fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Sends a JSON POST over a plain socket and returns the socket, to read the answer
+/// as it comes (or to hang up part way).
+fn post_raw(addr: &str, path: &str, body: &str) -> TcpStream {
+    let mut socket = TcpStream::connect(addr).unwrap();
+    write!(
+        socket,
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    socket
+}
+
 fn tiny_model(dir: &Path) -> PathBuf {
     use candle_core::{DType, Device};
     use sparse_llama::synthetic;
@@ -152,9 +165,11 @@ fn tiny_model(dir: &Path) -> PathBuf {
     model
 }
 
+/// A completion request that runs to `max_tokens` (`ignore_eos`), so that it is still
+/// running when a test hangs up on it.
 fn completion(max_tokens: usize, stream: bool) -> String {
     format!(
-        r#"{{"model":"default","prompt":"It is a great honor","max_tokens":{max_tokens},"temperature":0.8,"seed":3,"stream":{stream}}}"#
+        r#"{{"model":"default","prompt":"It is a great honor","max_tokens":{max_tokens},"temperature":0.8,"seed":3,"stream":{stream},"ignore_eos":true}}"#
     )
 }
 
@@ -383,14 +398,7 @@ fn the_default_model_serves_the_openai_client_and_frees_what_clients_drop() {
 
     // A client that reads the first piece of a long stream and hangs up: its sequence
     // is cancelled and its slot freed.
-    let mut socket = TcpStream::connect(&server.addr).unwrap();
-    let body = completion(2000, true);
-    write!(
-        socket,
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
+    let mut socket = post_raw(&server.addr, "/v1/completions", &completion(2000, true));
     let mut first = [0u8; 512];
     let n = socket.read(&mut first).unwrap();
     assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
@@ -455,14 +463,7 @@ fn the_default_model_serves_the_openai_client_and_frees_what_clients_drop() {
     // SIGTERM with a stream in flight: the stream still ends in [DONE], then the server
     // exits cleanly.
     let mut server = server;
-    let mut socket = TcpStream::connect(&server.addr).unwrap();
-    let body = completion(40, true);
-    write!(
-        socket,
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
+    let socket = post_raw(&server.addr, "/v1/completions", &completion(40, true));
     let mut reader = BufReader::new(socket);
     let mut line = String::new();
     while !line.starts_with("data:") {

@@ -93,6 +93,10 @@ pub struct Common {
     /// llama.cpp's and vLLM's name; 1.0 (none) by default.
     #[serde(default)]
     pub repetition_penalty: Option<f32>,
+    /// Generate past the end-of-sequence token, to `max_tokens` (vLLM's and llama.cpp's
+    /// extension, for benchmarks).
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

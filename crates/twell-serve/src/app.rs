@@ -241,6 +241,7 @@ impl AppState {
                     .unwrap_or_else(|| self.next_id.load(Ordering::Relaxed)),
                 stop,
                 repeat_penalty,
+                ignore_eos: common.ignore_eos.unwrap_or(false),
             },
             stream: common.stream.unwrap_or(false),
             include_usage,

@@ -29,6 +29,8 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// 1.0 is none (llama.cpp's and vLLM's `repetition_penalty`).
     pub repeat_penalty: f32,
+    /// Generate to `max_tokens` whatever the model predicts.
+    pub ignore_eos: bool,
 }
 
 /// Why a completion ended, as the OpenAI API names it.
@@ -113,7 +115,12 @@ enum StepResult {
 }
 
 impl EngineModel {
-    fn start(&self, job: Job) -> candle_core::Result<Sequence> {
+    fn new_cache(&self) -> candle_core::Result<Cache> {
+        Cache::new(true, self.dtype, self.llama.config(), &self.device)
+    }
+
+    /// A sequence for `job`, over its own `cache`.
+    fn start(&self, job: Job, cache: Cache) -> Sequence {
         let sampling = if job.params.temperature <= 0.0 {
             Sampling::ArgMax
         } else {
@@ -127,8 +134,8 @@ impl EngineModel {
                 },
             }
         };
-        Ok(Sequence {
-            cache: Cache::new(true, self.dtype, self.llama.config(), &self.device)?,
+        Sequence {
+            cache,
             sampler: LogitsProcessor::from_sampling(job.params.seed, sampling),
             prefilled: 0,
             tokens: job.prompt.clone(),
@@ -137,7 +144,7 @@ impl EngineModel {
             next_input: None,
             first_token_at: None,
             job,
-        })
+        }
     }
 
     /// A chunk of `seq`'s prompt; the first new token once the prompt is all in.
@@ -210,7 +217,7 @@ impl EngineModel {
             seq.first_token_at = Some(now);
             metrics.record_first_token(now - seq.job.queued_at);
         }
-        if self.eos.contains(&next) {
+        if !seq.job.params.ignore_eos && self.eos.contains(&next) {
             self.finish(seq, Finish::Stop)?;
             return Ok(StepResult::Finished);
         }
@@ -342,10 +349,11 @@ pub fn run(
                 metrics.cancelled();
                 continue;
             }
-            match model.start(job) {
-                Ok(seq) => running.push(seq),
+            match model.new_cache() {
+                Ok(cache) => running.push(model.start(job, cache)),
                 Err(e) => {
-                    metrics.failed(&e.to_string());
+                    let _ = job.events.send(Event::Failed(crate::app::first_line(&e)));
+                    metrics.failed();
                 }
             }
         }
@@ -402,7 +410,7 @@ pub fn run(
                 Err(e) => {
                     let why = crate::app::first_line(&e);
                     let _ = running[i].job.events.send(Event::Failed(why.clone()));
-                    metrics.failed(&why);
+                    metrics.failed();
                     done[i] = true;
                 }
             }

@@ -137,7 +137,7 @@ impl Metrics {
         self.cancelled.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn failed(&self, _why: &str) {
+    pub fn failed(&self) {
         self.failed.fetch_add(1, Ordering::Relaxed);
     }
 
