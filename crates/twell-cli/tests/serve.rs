@@ -223,6 +223,63 @@ fn sixteen_concurrent_streams_bad_requests_and_the_metrics_account_for_each() {
         requests += 1;
     }
 
+    // Greedy completions of prompts of different lengths, decoded together in batched
+    // steps, each equal to what `twell generate` writes for its prompt alone.
+    let prompts = ["It", "It is a great honor to", "The state of our union is"];
+    let together: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let url = server.url("/v1/completions");
+            let body = format!(
+                r#"{{"model":"tiny","prompt":"{p}","max_tokens":40,"temperature":0,"ignore_eos":true}}"#
+            );
+            std::thread::spawn(move || {
+                let out = Command::new("curl")
+                    .args(["-s", "-H", "content-type: application/json", "-d", &body, &url])
+                    .output()
+                    .unwrap();
+                let reply: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                reply["choices"][0]["text"].as_str().unwrap().to_string()
+            })
+        })
+        .collect();
+    for (p, served) in prompts.iter().zip(together) {
+        let served = served.join().unwrap();
+        requests += 1;
+        let out = Command::new(env!("CARGO_BIN_EXE_twell"))
+            .args([
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--prompt",
+                p,
+            ])
+            .args([
+                "--max-tokens",
+                "40",
+                "--repeat-penalty",
+                "1",
+                "--ignore-eos",
+            ])
+            .output()
+            .unwrap();
+        let generated = String::from_utf8_lossy(&out.stdout);
+        let generated = generated.strip_prefix(p).unwrap().trim_end_matches('\n');
+        assert_eq!(served.trim_end_matches('\n'), generated, "prompt {p:?}");
+        assert!(!served.is_empty());
+    }
+
+    // Stop texts with characters of several bytes are held back whole.
+    let (code, reply) = server.curl(
+        "POST",
+        "/v1/completions",
+        Some(
+            r#"{"model":"tiny","prompt":"It","max_tokens":30,"temperature":0,"stop":["éé","→x"]}"#,
+        ),
+    );
+    assert_eq!(code, 200, "{reply}");
+    requests += 1;
+
     // Bad requests: an OpenAI-style error with a 4xx, and the server keeps serving.
     let big = format!(r#"{{"model":"default","prompt":"{}"}}"#, "a".repeat(5000));
     let bad: &[(&str, &str, u16, &str)] = &[

@@ -101,7 +101,13 @@ struct Sequence {
     /// Every token so far (prompt and generated), for the repeat penalty.
     tokens: Vec<u32>,
     generated: Vec<u32>,
-    /// Bytes of the generated text already sent.
+    /// The generated text as far as it is decoded.
+    text: String,
+    /// `generated[prefix_offset..read_offset]` are the tokens of the last decoded piece:
+    /// decoding again from there keeps the spacing a tokenizer gives a piece in context.
+    prefix_offset: usize,
+    read_offset: usize,
+    /// Bytes of `text` already sent.
     sent: usize,
     /// The token the next decode step feeds, once the prefill is done.
     next_input: Option<u32>,
@@ -140,6 +146,9 @@ impl EngineModel {
             prefilled: 0,
             tokens: job.prompt.clone(),
             generated: Vec::new(),
+            text: String::new(),
+            prefix_offset: 0,
+            read_offset: 0,
             sent: 0,
             next_input: None,
             first_token_at: None,
@@ -241,13 +250,31 @@ impl EngineModel {
             .map_err(|e| candle_core::Error::Msg(format!("detokenizing: {e}")))
     }
 
+    /// Extends `seq.text` by what its newest tokens spell, decoding only the tokens since
+    /// the last whole piece (decoding the whole text every token grows with its length).
+    /// Tokens that do not yet form whole characters wait, unless `last`.
+    fn advance_text(&self, seq: &mut Sequence, last: bool) -> candle_core::Result<()> {
+        let prefix = self.text(&seq.generated[seq.prefix_offset..seq.read_offset])?;
+        let full = self.text(&seq.generated[seq.prefix_offset..])?;
+        if full.ends_with('\u{fffd}') && !last {
+            return Ok(());
+        }
+        if let Some(new) = full
+            .get(prefix.len()..)
+            .filter(|_| full.starts_with(&prefix))
+        {
+            seq.text.push_str(new);
+            seq.prefix_offset = seq.read_offset;
+            seq.read_offset = seq.generated.len();
+        }
+        Ok(())
+    }
+
     /// Sends the text that is now certain: whole characters, and nothing that a stop
     /// text could still begin. Returns true if a stop text ended the sequence.
     fn emit(&self, seq: &mut Sequence) -> candle_core::Result<bool> {
-        let text = self.text(&seq.generated)?;
-        if text.ends_with('\u{fffd}') {
-            return Ok(false);
-        }
+        self.advance_text(seq, false)?;
+        let text = &seq.text;
         if let Some(at) = seq
             .job
             .params
@@ -258,8 +285,8 @@ impl EngineModel {
         {
             if at > seq.sent {
                 let _ = seq.job.events.send(Event::Text(text[seq.sent..at].into()));
+                seq.sent = at;
             }
-            seq.sent = at.max(seq.sent);
             self.send_done(seq, Finish::Stop);
             return Ok(true);
         }
@@ -269,7 +296,9 @@ impl EngineModel {
             .params
             .stop
             .iter()
-            .flat_map(|s| (1..s.len()).filter(|&n| text.ends_with(&s[..n])))
+            .flat_map(|s| {
+                (1..s.len()).filter(|&n| s.is_char_boundary(n) && text.ends_with(&s[..n]))
+            })
             .max()
             .unwrap_or(0);
         let mut upto = text.len() - held;
@@ -277,10 +306,8 @@ impl EngineModel {
             upto -= 1;
         }
         if upto > seq.sent {
-            let _ = seq
-                .job
-                .events
-                .send(Event::Text(text[seq.sent..upto].into()));
+            let piece = text[seq.sent..upto].to_string();
+            let _ = seq.job.events.send(Event::Text(piece));
             seq.sent = upto;
         }
         Ok(false)
@@ -288,10 +315,13 @@ impl EngineModel {
 
     /// Sends what is left of the text, then `Done`.
     fn finish(&self, seq: &mut Sequence, finish: Finish) -> candle_core::Result<()> {
-        let text = self.text(&seq.generated)?;
-        if text.len() > seq.sent {
-            let _ = seq.job.events.send(Event::Text(text[seq.sent..].into()));
-            seq.sent = text.len();
+        self.advance_text(seq, true)?;
+        if seq.text.len() > seq.sent {
+            let _ = seq
+                .job
+                .events
+                .send(Event::Text(seq.text[seq.sent..].into()));
+            seq.sent = seq.text.len();
         }
         self.send_done(seq, finish);
         Ok(())
