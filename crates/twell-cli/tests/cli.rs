@@ -3,6 +3,9 @@
 
 use std::process::Command;
 
+mod common;
+use common::{tiny_checkpoint, tiny_checkpoint_of_width};
+
 fn twell(args: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_twell"))
         .args(args)
@@ -215,33 +218,6 @@ fn bad_mlp_train_bench_flags_are_rejected() {
     fails_with(&["bench", "mlp-train", "--dtype", "f64"], "--dtype");
     // A mistyped backward path is an error that names the flag, not the default measured.
     fails_with(&["bench", "mlp-train", "--backward", "gemm"], "--backward");
-}
-
-/// A tiny random ReLU Llama checkpoint (10% FFN density) in a fresh directory, and a
-/// text file.
-fn tiny_checkpoint(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
-    tiny_checkpoint_of_width(dir, 32)
-}
-
-/// [`tiny_checkpoint`] with a hidden size of `hidden`.
-fn tiny_checkpoint_of_width(
-    dir: &std::path::Path,
-    hidden: usize,
-) -> (std::path::PathBuf, std::path::PathBuf) {
-    use candle_core::{DType, Device};
-    use sparse_llama::synthetic;
-    let cfg = synthetic::config(hidden, 96, 2, 2, 1, 258).unwrap();
-    let w = synthetic::weights(&cfg, 0.1, 1, DType::F32, &Device::Cpu).unwrap();
-    let model = dir.join("tiny");
-    let tok = sparse_llama::tokenizer::byte_level_tokenizer().unwrap();
-    sparse_llama::checkpoint::save_hf(&model, &w, &cfg, &tok, None, DType::F32).unwrap();
-    let text = dir.join("text.txt");
-    std::fs::write(
-        &text,
-        "It is a great honor to report on the state of our union. ".repeat(8),
-    )
-    .unwrap();
-    (model, text)
 }
 
 /// A model whose widths do not fill 32-wide blocks runs its f32 weights, with a note,

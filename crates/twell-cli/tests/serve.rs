@@ -10,6 +10,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+mod common;
+use common::tiny_checkpoint;
+
 /// The data directory `scripts/setup.sh` fills.
 fn data_dir() -> PathBuf {
     std::env::var_os("TWELL_DATA")
@@ -154,17 +157,6 @@ fn post_raw(addr: &str, path: &str, body: &str) -> TcpStream {
     socket
 }
 
-fn tiny_model(dir: &Path) -> PathBuf {
-    use candle_core::{DType, Device};
-    use sparse_llama::synthetic;
-    let cfg = synthetic::config(32, 96, 2, 2, 1, 258).unwrap();
-    let w = synthetic::weights(&cfg, 0.1, 1, DType::F32, &Device::Cpu).unwrap();
-    let model = dir.join("tiny");
-    let tok = sparse_llama::tokenizer::byte_level_tokenizer().unwrap();
-    sparse_llama::checkpoint::save_hf(&model, &w, &cfg, &tok, None, DType::F32).unwrap();
-    model
-}
-
 /// A completion request that runs to `max_tokens` (`ignore_eos`), so that it is still
 /// running when a test hangs up on it.
 fn completion(max_tokens: usize, stream: bool) -> String {
@@ -176,7 +168,7 @@ fn completion(max_tokens: usize, stream: bool) -> String {
 #[test]
 fn sixteen_concurrent_streams_bad_requests_and_the_metrics_account_for_each() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
+    let (model, _) = tiny_checkpoint(dir.path());
     let server = Server::start(&[
         "--model",
         model.to_str().unwrap(),

@@ -167,13 +167,14 @@ impl AppState {
         })
     }
 
+    /// Checks a request's fields (its model checked first, by the handler) and
+    /// tokenizes its text.
     fn prepare(
         &self,
         text: &str,
         common: Common,
         default_max: Option<u64>,
     ) -> Result<Prepared, ApiError> {
-        self.check_model(&common.model)?;
         if common.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid(
                 "n: only one choice per request is served",
@@ -366,6 +367,7 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse(body)?;
+    state.check_model(&req.common.model)?;
     let text = match req.prompt {
         Prompt::One(t) => t,
         Prompt::Many(mut v) if v.len() == 1 => v.remove(0),

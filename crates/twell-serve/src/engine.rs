@@ -111,7 +111,6 @@ struct Sequence {
     sent: usize,
     /// The token the next decode step feeds, once the prefill is done.
     next_input: Option<u32>,
-    first_token_at: Option<Instant>,
 }
 
 /// What one step of a sequence did.
@@ -151,7 +150,6 @@ impl EngineModel {
             read_offset: 0,
             sent: 0,
             next_input: None,
-            first_token_at: None,
             job,
         }
     }
@@ -221,10 +219,9 @@ impl EngineModel {
             logits
         };
         let next = seq.sampler.sample(&logits)?;
-        if seq.first_token_at.is_none() {
-            let now = Instant::now();
-            seq.first_token_at = Some(now);
-            metrics.record_first_token(now - seq.job.queued_at);
+        // No next input yet: this is the sequence's first token.
+        if seq.next_input.is_none() {
+            metrics.record_first_token(seq.job.queued_at.elapsed());
         }
         if !seq.job.params.ignore_eos && self.eos.contains(&next) {
             self.finish(seq, Finish::Stop)?;
@@ -402,22 +399,22 @@ pub fn run(
             }
             !gone
         });
-        // Prompts a chunk each, then every other sequence's next token in one step.
+        // Prompts a chunk each, then every other sequence's next token in one step (a
+        // sequence whose prompt ends in this step got its first token from the prefill).
+        let decodes: Vec<bool> = running.iter().map(|s| s.next_input.is_some()).collect();
         let mut results: Vec<(usize, candle_core::Result<StepResult>)> = Vec::new();
         for (i, seq) in running.iter_mut().enumerate() {
-            if seq.next_input.is_none() {
+            if !decodes[i] {
                 results.push((i, model.prefill_step(seq, &cfg, &metrics, &mut tally)));
             }
         }
-        let decoding: Vec<usize> = (0..running.len())
-            .filter(|&i| running[i].next_input.is_some() && !results.iter().any(|(j, _)| *j == i))
-            .collect();
+        let decoding: Vec<usize> = (0..running.len()).filter(|&i| decodes[i]).collect();
         if !decoding.is_empty() {
             let mut seqs: Vec<&mut Sequence> = running
                 .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| decoding.contains(i))
-                .map(|(_, s)| s)
+                .zip(&decodes)
+                .filter(|(_, &d)| d)
+                .map(|(s, _)| s)
                 .collect();
             match model.decode_step(&mut seqs, &metrics, &mut tally) {
                 Ok(each) => results.extend(decoding.iter().copied().zip(each)),
