@@ -6,6 +6,11 @@ The same shapes as `twell bench model --device cuda --dtype bf16 --shape HxFxL -
 --vocab 49152`: a random-init transformers LlamaForCausalLM with a ReLU gate (ReGLU), bf16,
 SDPA attention. It times prefill (no cache), decode with a KV cache at a set context, and a
 training step (forward + backward + AdamW on f32 master weights under bf16 autocast).
+With --graph-decode-batch it also times a gpt-fast-style decode (static KV cache, each
+step one replayed CUDA graph; with --compile also through torch.compile first), the strong
+anchor of `twell bench model`'s decode-graph rows:
+  python3 bench/torch_model.py --shape 2048x5632x28 --prefill "" --decode-batch "" \
+      --train "" --graph-decode-batch 1,16,64 --compile
 CUDA events, the median of repeated runs after warm-up. Peak memory comes from
 torch.cuda.max_memory_allocated.
 """
@@ -36,6 +41,89 @@ def timed(fn, reps, warmup):
     return statistics.median(times)
 
 
+def graph_decode(hidden, ffn, layers, args, batch, compiled):
+    """A gpt-fast-style dense decode: a plain-torch Llama (ReGLU MLP, tied head) with a
+    static KV cache, one step captured as a CUDA graph and replayed per token; with
+    `compiled`, the step goes through torch.compile (inductor, no cudagraphs of its own)
+    before the capture. The strong anchor for `twell bench model`'s `decode-graph`."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    heads, kv_heads = args.heads, args.kv_heads or args.heads
+    hd = hidden // heads
+    ctx = args.context + args.decode_steps + 1
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, device=dev, generator=g, dtype=torch.float32) * 0.02).to(dt)
+
+    embed = w(args.vocab, hidden)
+    blocks = [dict(qkv=w((heads + 2 * kv_heads) * hd, hidden), o=w(hidden, heads * hd),
+                   gate=w(ffn, hidden), up=w(ffn, hidden), down=w(hidden, ffn),
+                   n1=torch.ones(hidden, device=dev, dtype=dt), n2=torch.ones(hidden, device=dev, dtype=dt))
+              for _ in range(layers)]
+    norm = torch.ones(hidden, device=dev, dtype=dt)
+    kc = [torch.zeros(batch, kv_heads, ctx, hd, device=dev, dtype=dt) for _ in range(layers)]
+    vc = [torch.zeros(batch, kv_heads, ctx, hd, device=dev, dtype=dt) for _ in range(layers)]
+    inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
+    ang = torch.outer(torch.arange(ctx, device=dev, dtype=torch.float32), inv)
+    cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+
+    def rms(x, a):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dt) * a
+
+    def rope(x, pos):  # x [b, h, 1, hd]
+        c, s_ = cos[pos].view(1, 1, 1, -1), sin[pos].view(1, 1, 1, -1)
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], -1)
+
+    def step(ids, pos):  # ids [b], pos [1] (one position for the batch, as gpt-fast)
+        x = embed[ids]
+        mask = (torch.arange(ctx, device=dev) <= pos).view(1, 1, 1, ctx)
+        for l, bl in enumerate(blocks):
+            h = rms(x, bl["n1"])
+            qkv = h @ bl["qkv"].t()
+            q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], -1)
+            q = rope(q.view(batch, 1, heads, hd).transpose(1, 2), pos)
+            k = rope(k.view(batch, 1, kv_heads, hd).transpose(1, 2), pos)
+            v = v.view(batch, 1, kv_heads, hd).transpose(1, 2)
+            kc[l].index_copy_(2, pos, k)
+            vc[l].index_copy_(2, pos, v)
+            kk, vv = kc[l], vc[l]
+            if kv_heads != heads:
+                kk = kk.repeat_interleave(heads // kv_heads, 1)
+                vv = vv.repeat_interleave(heads // kv_heads, 1)
+            y = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+            x = x + y.transpose(1, 2).reshape(batch, heads * hd) @ bl["o"].t()
+            h = rms(x, bl["n2"])
+            x = x + (torch.relu(h @ bl["gate"].t()) * (h @ bl["up"].t())) @ bl["down"].t()
+        return (rms(x, norm) @ embed.t()).float()
+
+    fn = torch.compile(step, mode="max-autotune-no-cudagraphs", fullgraph=True) if compiled else step
+    ids = torch.randint(0, args.vocab, (batch,), device=dev)
+    pos = torch.tensor([args.context], device=dev)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn(ids, pos)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(ids, pos)
+
+        def decode():
+            for s in range(args.decode_steps):
+                pos.fill_(args.context + s)
+                graph.replay()
+
+        per_run = timed(decode, args.reps, args.warmup)
+    per_step = per_run / args.decode_steps
+    return dict(phase="decode-graph-compiled" if compiled else "decode-graph", batch=batch,
+                seq=args.context, tokens_per_sec=batch / per_step, ms=per_step * 1e3,
+                peak_extra_bytes=0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="2048x5632x28")
@@ -48,6 +136,11 @@ def main():
     ap.add_argument("--train", default="1x2048")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--graph-decode-batch", default="",
+                    help="batch sizes of the static-cache decode replayed as a CUDA graph")
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the graph decode with torch.compile (inductor) before capture")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     hidden, ffn, layers = (int(v) for v in args.shape.split("x"))
@@ -122,6 +215,10 @@ def main():
                          peak_extra_bytes=torch.cuda.max_memory_allocated() - base))
         del model, opt
         torch.cuda.empty_cache()
+
+    for b in (int(v) for v in args.graph_decode_batch.split(",") if v):
+        for compiled in ([False, True] if args.compile else [False]):
+            rows.append(graph_decode(hidden, ffn, layers, args, b, compiled))
 
     report = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), shape=args.shape,
                   heads=args.heads, vocab=args.vocab, rows=rows)

@@ -1,6 +1,6 @@
 //! `Llama::forward_decode_batch`: one decode step of sequences at different positions,
 //! each with its own cache, gives each the logits of its own one-sequence step; bad
-//! batches are refused.
+//! batches are refused; the CUDA slot decoder refuses the CPU.
 
 mod common;
 
@@ -83,4 +83,26 @@ fn a_batched_step_equals_each_sequences_own_step() {
         let mut none: Vec<&mut Cache> = Vec::new();
         assert!(model.forward_decode_batch(&[], &[], &mut none).is_err());
     }
+}
+
+/// The slot decoder (CUDA graphs over a preallocated cache) says so on the CPU, where
+/// `forward_decode_batch` is the batched decode.
+#[test]
+fn the_slot_decoder_refuses_the_cpu_with_a_clear_error() {
+    let dev = Device::Cpu;
+    let cfg = tiny_config("relu", 256).into_config(false);
+    let model = Llama::load(
+        VarBuilder::from_tensors(tiny_weights(&cfg, 5), DType::F32, &dev),
+        &cfg,
+    )
+    .unwrap();
+    let options = sparse_llama::DecodeOptions {
+        slots: 2,
+        context: 16,
+        graphs: true,
+    };
+    let e = sparse_llama::SlotDecoder::new(&model, options)
+        .err()
+        .expect("refused on the CPU");
+    assert!(e.to_string().contains("forward_decode_batch"), "{e}");
 }

@@ -43,7 +43,7 @@ fn tokenizer_rebuilt_from_gguf_matches_upstream_ids() {
 #[test]
 fn greedy_generation_says_paris() {
     let Some(ck) = open() else { return };
-    let model = ck
+    let mut model = ck
         .load_model(DType::F32, &Device::Cpu, &LoadOptions::default())
         .unwrap();
     let prompt = ck
@@ -58,7 +58,7 @@ fn greedy_generation_says_paris() {
     };
     let mut text = String::new();
     let (tokens, stats) = generate(
-        &model,
+        &mut model,
         &ck.tokenizer,
         &prompt,
         &[2],

@@ -48,7 +48,11 @@ fn chat_prompts() -> Vec<ChatPrompt> {
 
 /// Greedy answers (at most `max` tokens) to each prompt in the model's chat template, and
 /// the mean FFN density of the decode steps where recorded.
-fn answers(ck: &Checkpoint, model: &sparse_llama::Llama, max: usize) -> (Vec<String>, Option<f64>) {
+fn answers(
+    ck: &Checkpoint,
+    model: &mut sparse_llama::Llama,
+    max: usize,
+) -> (Vec<String>, Option<f64>) {
     let chat = ck.chat_format().unwrap();
     let end = ck.tokenizer.token_to_id("<|im_end|>").unwrap();
     let cfg = GenerationConfig {
@@ -106,7 +110,7 @@ fn sparse_default_answers_paris_and_part_of_the_chat_prompts() {
         mlp: Some(layers),
     };
     let dense_ck = Checkpoint::open(gguf.to_str().unwrap()).unwrap();
-    let dense = dense_ck
+    let mut dense = dense_ck
         .load_model_quantized(&LoadOptions::default(), plan(QuantFormat::Q4_1))
         .unwrap();
     let adapter = LoraAdapter::load(&shipped_adapter()).unwrap();
@@ -126,8 +130,8 @@ fn sparse_default_answers_paris_and_part_of_the_chat_prompts() {
     assert_eq!(sparse.config().activation, Activation::Relu);
     sparse.record_ffn_stats(true);
 
-    let (dense_texts, _) = answers(&dense_ck, &dense, 32);
-    let (sparse_texts, density) = answers(&sparse_ck, &sparse, 32);
+    let (dense_texts, _) = answers(&dense_ck, &mut dense, 32);
+    let (sparse_texts, density) = answers(&sparse_ck, &mut sparse, 32);
     let (dense_hits, sparse_hits) = (hits(&dense_texts), hits(&sparse_texts));
     for ((p, d), s) in chat_prompts().iter().zip(&dense_texts).zip(&sparse_texts) {
         eprintln!(

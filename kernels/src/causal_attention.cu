@@ -798,7 +798,9 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
                             int heads, int kv_heads, int len, long long cache_b, float scale,
                             int chunk,        // cached positions per split (len with one split)
                             float* part,      // [b, heads, splits, 2 + HD], with splits > 1
-                            uint32_t* tickets) {  // [b, heads], zero, with splits > 1
+                            uint32_t* tickets,  // [b, heads], zero, with splits > 1
+                            const uint32_t* __restrict__ positions,  // [b] or null: len per row
+                            const uint32_t* __restrict__ slots) {    // [b] or null: cache row
     extern __shared__ float scores[];  // [chunk + 1]
     __shared__ float qs[HD], ks[HD], vs[HD];
     const int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -806,9 +808,21 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
     const int tid = threadIdx.x;
     constexpr int HALF = HD / 2;
     const long long w = static_cast<long long>(kv_heads) * HD;
+    // With `positions`, each row has its own length and its angles are row `len` of the
+    // whole table; with `slots`, its cache is row `slots[b]` of the buffer. The cache
+    // pointers are moved to that row, so the reads below address it as batch 0.
+    if (positions != nullptr) {
+        len = static_cast<int>(positions[b]);
+        cs += static_cast<long long>(len) * HD;
+    }
+    const long long cache_row = slots != nullptr ? static_cast<long long>(slots[b]) : b;
+    cache_in += cache_row * cache_b;
+    cache_out += cache_row * cache_b;
     const __nv_bfloat16* row = qkv + static_cast<long long>(b) * (heads * HD + 2 * w);
-    __nv_bfloat16* slot = cache_out + b * cache_b + static_cast<long long>(len) * 2 * w;
-    const bool last_split = split == splits - 1;
+    __nv_bfloat16* slot = cache_out + static_cast<long long>(len) * 2 * w;
+    // The split whose positions the new key follows: the last one when the splits were
+    // planned for this length, the one holding `len` when they cover a fixed capacity.
+    const bool last_split = split == min(len / max(chunk, 1), splits - 1);
     if (tid < HALF) {
         const float co = __bfloat162float(cs[tid]), sn = __bfloat162float(cs[HALF + tid]);
         const __nv_bfloat16* qr = row + h * HD;
@@ -835,13 +849,13 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
         vs[e] = __bfloat162float(x);
     }
     __syncthreads();
-    const Strides kst{cache_b, HD, 2 * w};
+    const Strides kst{0, HD, 2 * w};
     if (splits == 1) {
         attend_one_from<HD>(qs, cache_in, cache_in + w, out, heads, kvh, len, kst, kst, scores, ks, vs);
         return;
     }
     const int j0 = split * chunk;
-    const int n = min(chunk, len - j0);
+    const int n = max(0, min(chunk, len - j0));
     float m, l;
     float2 o;
     attend_range<HD>(qs, cache_in, cache_in + w, kvh, j0, n, kst, kst, scores, last_split ? ks : nullptr,
@@ -892,6 +906,15 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
         __nv_bfloat16* __restrict__ out, int heads, int kv_heads, int len, long long cache_b,     \
         float scale, int chunk, float* part, uint32_t* tickets) {                                 \
         attend_step<HD>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, len, cache_b, scale,  \
-                        chunk, part, tickets);                                                    \
+                        chunk, part, tickets, nullptr, nullptr);                                  \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) causal_attention_slots_bf16_hd##HD( \
+        const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ cs,              \
+        const __nv_bfloat16* __restrict__ cache_in, __nv_bfloat16* cache_out,                     \
+        __nv_bfloat16* __restrict__ out, int heads, int kv_heads, long long cache_b, float scale, \
+        int chunk, float* part, uint32_t* tickets, const uint32_t* __restrict__ positions,        \
+        const uint32_t* __restrict__ slots) {                                                     \
+        attend_step<HD>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, 0, cache_b, scale,    \
+                        chunk, part, tickets, positions, slots);                                  \
     }
 ATTEND_STEP_KERNEL(64)

@@ -47,7 +47,7 @@ pub use attention::{
     causal_attention, causal_attention_reference, causal_attention_rows,
     causal_attention_rows_turning_q, causal_attention_step, fused_on_device,
     kernel_name as causal_attention_kernel_name, step_on_device, CausalAttention,
-    CausalAttentionStep, CUDA_DECODE_MAX_KEYS, CUDA_HEAD_DIMS,
+    CausalAttentionStep, SlotAttention, CUDA_DECODE_MAX_KEYS, CUDA_HEAD_DIMS,
 };
 pub use cross_entropy::{cross_entropy, CrossEntropy};
 pub use embedding::{embedding, Embedding};

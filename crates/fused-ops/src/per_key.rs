@@ -11,6 +11,10 @@ use candle_core::Result;
 /// One `T` per key, made on first use and remade when it no longer fits.
 pub struct PerKey<K, T> {
     by_key: Mutex<Option<HashMap<K, T>>>,
+    /// Values replaced because they no longer fitted, kept for the process: a CUDA
+    /// graph captured while one was in use still addresses its buffers. They are
+    /// replaced only by larger ones, so the memory kept stays bounded.
+    retired: Mutex<Vec<T>>,
 }
 
 impl<K: Eq + Hash, T> Default for PerKey<K, T> {
@@ -23,6 +27,7 @@ impl<K: Eq + Hash, T> PerKey<K, T> {
     pub const fn new() -> Self {
         Self {
             by_key: Mutex::new(None),
+            retired: Mutex::new(Vec::new()),
         }
     }
 
@@ -41,7 +46,8 @@ impl<K: Eq + Hash, T> PerKey<K, T> {
         let value = match map.entry(key) {
             std::collections::hash_map::Entry::Occupied(mut e) => {
                 if !fits(e.get()) {
-                    e.insert(make()?);
+                    let old = e.insert(make()?);
+                    self.retired.lock().expect("retired lock").push(old);
                 }
                 e.into_mut()
             }

@@ -7,6 +7,7 @@ use candle_core::{Device, Result, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use tokenizers::Tokenizer;
 
+use crate::decode::{DecodeOptions, DecodeRow, SlotDecoder};
 use crate::error::LlamaError;
 use crate::model::{Cache, Llama};
 
@@ -23,6 +24,9 @@ pub struct GenerationConfig {
     /// How many recent tokens the penalty looks at.
     pub repeat_last_n: usize,
     pub seed: u64,
+    /// Where [`crate::SlotDecoder`] takes the model (CUDA, bf16), each decode step is
+    /// one replayed CUDA graph; off, the same step's ops are launched one by one.
+    pub graphs: bool,
 }
 
 impl Default for GenerationConfig {
@@ -35,6 +39,7 @@ impl Default for GenerationConfig {
             repeat_penalty: 1.0,
             repeat_last_n: 64,
             seed: 299792458,
+            graphs: true,
         }
     }
 }
@@ -68,6 +73,12 @@ pub struct GenerationStats {
     /// How many layer calls of the decode steps ran each FFN path ("sparse",
     /// "products", "dense"), as each MLP reports the side it ran.
     pub decode_ffn_paths: std::collections::BTreeMap<String, usize>,
+    /// Whether the decode steps ran in the CUDA decode engine ([`crate::SlotDecoder`]).
+    /// Their activations then stay on the device, and `mean_ffn_density` is the
+    /// prompt's.
+    pub decode_engine: bool,
+    /// Whether its steps replayed a CUDA graph.
+    pub decode_graph: bool,
 }
 
 impl GenerationStats {
@@ -88,6 +99,13 @@ fn rate(tokens: usize, secs: f64) -> f64 {
     } else {
         0.0
     }
+}
+
+/// Where the decode steps run: the model's own forward over a KV cache, or a slot of
+/// the CUDA decode engine.
+enum Decoding {
+    Cache(Cache),
+    Slot(SlotDecoder),
 }
 
 /// Turns a growing token list into text pieces, holding back bytes that do not yet
@@ -134,7 +152,7 @@ impl<'a> TokenStream<'a> {
 /// Generates up to `cfg.max_new_tokens` after `prompt`, calling `on_text` with each
 /// decoded piece. Stops at any of `eos_ids`.
 pub fn generate(
-    model: &Llama,
+    model: &mut Llama,
     tokenizer: &Tokenizer,
     prompt: &[u32],
     eos_ids: &[u32],
@@ -161,13 +179,28 @@ pub fn generate(
         .into());
     }
     let dtype = model.dtype();
-    let mut cache = Cache::new(true, dtype, model.config(), device)?;
+    // On CUDA the steps run in a slot of the decode engine's preallocated cache (bf16,
+    // fused q, k, v: what inference loads give), replaying a captured graph.
+    let slots = SlotDecoder::unsupported(model).is_none();
+    let mut decoding = match slots {
+        true => Decoding::Slot(SlotDecoder::new(
+            model,
+            DecodeOptions {
+                slots: 1,
+                context: prompt.len() + cfg.max_new_tokens.max(1),
+                graphs: cfg.graphs,
+            },
+        )?),
+        false => Decoding::Cache(Cache::new(true, dtype, model.config(), device)?),
+    };
     let mut sampler = LogitsProcessor::from_sampling(cfg.seed, cfg.sampling());
     let mut stream = TokenStream::new(tokenizer);
     let mut all: Vec<u32> = prompt.to_vec();
     let mut out = Vec::new();
     let mut stats = GenerationStats {
         prompt_tokens: prompt.len(),
+        decode_engine: slots,
+        decode_graph: slots && cfg.graphs,
         ..Default::default()
     };
     // Counts stay where the MLPs left them until decoding ends: one read-back in all.
@@ -179,9 +212,40 @@ pub fn generate(
     let t_start = Instant::now();
     let mut t_decode = None;
     for step in 0..cfg.max_new_tokens {
-        let x = Tensor::new(input.as_slice(), device)?.unsqueeze(0)?;
-        let logits = model.forward(&x, index_pos, &mut cache)?.squeeze(0)?;
-        if step > 0 {
+        let logits = match &mut decoding {
+            Decoding::Cache(cache) => {
+                let x = Tensor::new(input.as_slice(), device)?.unsqueeze(0)?;
+                model.forward(&x, index_pos, cache)?.squeeze(0)?
+            }
+            Decoding::Slot(decoder) if step == 0 => {
+                let logits = decoder.prefill(model, 0, &input)?;
+                // Graph steps keep their counts on the device: the density reported
+                // is the prompt's.
+                for mlp in model.mlps() {
+                    if let Some((count, entries)) = mlp.last_nonzeros()? {
+                        activations += entries;
+                        nonzeros.push(count);
+                    }
+                }
+                logits
+            }
+            Decoding::Slot(decoder) => {
+                let row = DecodeRow {
+                    slot: 0,
+                    token: input[0],
+                    position: index_pos,
+                };
+                decoder.step(model, &[row])?;
+                if let Some(side) = decoder.side(1) {
+                    *stats
+                        .decode_ffn_paths
+                        .entry(side.name().into())
+                        .or_default() += model.config().num_hidden_layers;
+                }
+                decoder.logits()?.squeeze(0)?
+            }
+        };
+        if step > 0 && !slots {
             for mlp in model.mlps() {
                 if let Some((count, entries)) = mlp.last_nonzeros()? {
                     activations += entries;

@@ -9,6 +9,7 @@ pub mod adapter;
 pub mod checkpoint;
 pub mod config;
 pub mod corpus;
+pub mod decode;
 pub mod error;
 pub mod generate;
 pub mod gguf;
@@ -22,6 +23,7 @@ pub use config::{
     Config, Llama3RopeConfig, Llama3RopeType, LlamaConfig, LlamaEosToks, SparseSettings,
     DEFAULT_MAX_SEQ_LEN,
 };
+pub use decode::{DecodeOptions, DecodeRow, SlotDecoder};
 pub use error::LlamaError;
 pub use model::{AttentionPath, Cache, CpuQuantization, Llama, SparseLlama, TrainOutput};
 pub use twell::cpu::quant::QuantFormat;

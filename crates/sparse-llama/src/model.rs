@@ -170,6 +170,19 @@ impl Cache {
         self.len() == 0
     }
 
+    /// Layer `l`'s cached keys and values, `[b, len, 2 · kv_heads · hd]`.
+    pub(crate) fn layer_kv(&self, l: usize) -> Result<Option<Tensor>> {
+        match self.kvs.get(l) {
+            Some(Some(c)) => Ok(Some(c.kv.narrow(1, 0, c.len)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// The angles of every position.
+    pub(crate) fn rope(&self) -> &RopeTable {
+        &self.rope
+    }
+
     fn mask(&mut self, seq_len: usize, index_pos: usize) -> Result<Tensor> {
         if let Some(mask) = self.masks.get(&(seq_len, index_pos)) {
             return Ok(mask.clone());
@@ -1241,6 +1254,49 @@ impl Llama {
                 })
                 .collect::<Result<Vec<_>>>()?;
             let attn = block.self_attn.output(&Tensor::cat(&ys, 0)?)?;
+            let next = match self.blocks.get(l + 1) {
+                Some(b) => &b.input_layernorm,
+                None => &self.norm,
+            };
+            let norm = &block.post_attention_layernorm;
+            (x, h) = block.mlp.forward_sublayer(
+                &x,
+                &attn,
+                (&norm.weight, norm.eps),
+                (&next.weight, next.eps),
+            )?;
+        }
+        self.lm_head.forward(&h)?.to_dtype(DType::F32)
+    }
+
+    /// One decode step over slotted caches ([`crate::decode::SlotDecoder`]): `ids`,
+    /// `positions` and `slots` (`[n]` u32 on the device) give each row's token, its
+    /// position and its cache slot in every layer's `kv[l]` (`[slots, capacity, 2 ·
+    /// kv_heads · hd]`). Every shape is fixed by `n` and no value is read on the host,
+    /// so the step can be captured as a CUDA graph. Returns logits `[n, vocab]` in f32.
+    pub(crate) fn forward_decode_slots(
+        &self,
+        (ids, positions, slots): (&Tensor, &Tensor, &Tensor),
+        kv: &[Tensor],
+        attention: &fused_ops::SlotAttention,
+        rope: &RopeTable,
+    ) -> Result<Tensor> {
+        let mut x = self.embed_tokens.forward(ids)?;
+        let Some(first) = self.blocks.first() else {
+            return self
+                .lm_head
+                .forward(&self.norm.forward(&x, Pass::Inference)?)?
+                .to_dtype(DType::F32);
+        };
+        let mut h = first.input_layernorm.forward(&x, Pass::Inference)?;
+        for (l, block) in self.blocks.iter().enumerate() {
+            let Some(qkv_proj) = &block.self_attn.qkv_proj else {
+                candle_core::bail!(
+                    "decoding over slots needs fused q, k, v projections (fuse_qkv)"
+                );
+            };
+            let y = attention.forward(&qkv_proj.forward(&h)?, rope, &kv[l], positions, slots)?;
+            let attn = block.self_attn.output(&y)?;
             let next = match self.blocks.get(l + 1) {
                 Some(b) => &b.input_layernorm,
                 None => &self.norm,

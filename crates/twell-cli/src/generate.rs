@@ -28,6 +28,10 @@ pub struct GenerateArgs {
     /// `--ignore-eos`): decode speed at a known context.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// On CUDA, launch each decode step's ops one by one instead of replaying the step
+    /// captured as a CUDA graph (the same ops: for debugging and comparison).
+    #[arg(long)]
+    pub no_graph: bool,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
@@ -97,13 +101,14 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         repeat_penalty: args.repeat_penalty,
         repeat_last_n: args.repeat_last_n,
         seed: args.seed,
+        graphs: !args.no_graph,
     };
     if !args.chat {
         print!("{}", args.prompt);
     }
     let mut stdout = std::io::stdout();
     let (_, stats) = generate(
-        &model,
+        &mut model,
         &ck.tokenizer,
         &prompt,
         &eos,
@@ -116,17 +121,23 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     )?;
     println!();
     eprintln!(
-        "prompt {} tokens, {:.1} tokens/s | generated {} tokens, {:.1} tokens/s{} | ffn {}{} on {:?} {:?}",
+        "prompt {} tokens, {:.1} tokens/s | generated {} tokens, {:.1} tokens/s{} | ffn {}{}{} on {:?} {:?}",
         stats.prompt_tokens,
         stats.prefill_tokens_per_sec(),
         stats.generated_tokens,
         stats.decode_tokens_per_sec(),
         match stats.mean_ffn_density {
+            Some(d) if stats.decode_engine => format!(" | mean FFN density {:.2}% (prompt)", 100.0 * d),
             Some(d) => format!(" | mean FFN density {:.2}%", 100.0 * d),
             None => String::new(),
         },
         model.config().ffn_mode.name(),
         decode_paths(&stats.decode_ffn_paths),
+        match (stats.decode_engine, stats.decode_graph) {
+            (true, true) => " | decode: CUDA graphs",
+            (true, false) => " | decode: slot steps op by op",
+            _ => "",
+        },
         device.location(),
         model.dtype(),
     );

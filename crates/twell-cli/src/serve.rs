@@ -29,6 +29,10 @@ pub struct ServeArgs {
     /// Largest request body accepted (bytes); larger ones get 413.
     #[arg(long, default_value_t = 1 << 20)]
     pub max_body_bytes: usize,
+    /// On CUDA, launch each decode step's ops one by one instead of replaying the step
+    /// captured as a CUDA graph.
+    #[arg(long)]
+    pub no_graph: bool,
     /// The id the model answers to (besides `default`); by default its file or
     /// directory name.
     #[arg(long)]
@@ -73,6 +77,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         queue: args.queue,
         prefill_chunk: args.prefill_chunk,
         max_body_bytes: args.max_body_bytes,
+        graphs: !args.no_graph,
     };
     twell_serve::serve(served, &opts, |addr| {
         eprintln!("serving {model_id} at http://{addr}/v1 (Ctrl-C stops)");

@@ -5,13 +5,18 @@
 //! attention, the MLPs and the head read their weights once for all of them). New
 //! requests join between steps (continuous batching), and a long prompt does not stall
 //! the streams already running.
+//!
+//! On CUDA (bf16) the decode steps go through the decode engine instead
+//! ([`sparse_llama::SlotDecoder`]): once its prompt is in, a sequence's cache moves into a
+//! slot of one preallocated cache, and each step (all sequences' attention in one launch
+//! a layer) replays a CUDA graph captured once per batch size.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
-use sparse_llama::{Cache, Llama};
+use sparse_llama::{Cache, DecodeOptions, DecodeRow, Llama, SlotDecoder};
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc;
 
@@ -79,6 +84,9 @@ pub struct EngineConfig {
     pub max_sequences: usize,
     /// Prompt tokens a sequence prefills per step.
     pub prefill_chunk: usize,
+    /// On CUDA, replay each decode step as a CUDA graph (off: the decode engine's
+    /// steps launch their ops one by one).
+    pub graphs: bool,
 }
 
 /// The model as the engine runs it.
@@ -111,6 +119,8 @@ struct Sequence {
     sent: usize,
     /// The token the next decode step feeds, once the prefill is done.
     next_input: Option<u32>,
+    /// The decode engine's slot holding the sequence's cache, once its prompt is in.
+    slot: Option<usize>,
 }
 
 /// What one step of a sequence did.
@@ -150,17 +160,21 @@ impl EngineModel {
             read_offset: 0,
             sent: 0,
             next_input: None,
+            slot: None,
             job,
         }
     }
 
-    /// A chunk of `seq`'s prompt; the first new token once the prompt is all in.
+    /// A chunk of `seq`'s prompt; the first new token once the prompt is all in. With
+    /// the decode engine, a sequence that goes on moves its cache into one of
+    /// `free_slots`.
     fn prefill_step(
         &self,
         seq: &mut Sequence,
         cfg: &EngineConfig,
         metrics: &Metrics,
         tally: &mut FfnTally,
+        slots: Option<(&mut SlotDecoder, &mut Vec<usize>)>,
     ) -> candle_core::Result<StepResult> {
         let start = seq.prefilled;
         let end = (start + cfg.prefill_chunk).min(seq.job.prompt.len());
@@ -171,7 +185,50 @@ impl EngineModel {
         if end < seq.job.prompt.len() {
             return Ok(StepResult::Running);
         }
-        self.accept(seq, logits, metrics)
+        let result = self.accept(seq, logits, metrics)?;
+        if let (StepResult::Running, Some((decoder, free_slots))) = (&result, slots) {
+            // One slot per running sequence: there is always a free one.
+            let slot = free_slots.pop().expect("a free slot per running sequence");
+            decoder.load_cache(slot, &seq.cache)?;
+            seq.cache.reset();
+            seq.slot = Some(slot);
+        }
+        Ok(result)
+    }
+
+    /// One new token for each of `seqs` (all past their prompts) in one step of the
+    /// decode engine: greedy rows take the step's own argmax, the others sample from
+    /// their row of logits.
+    fn decode_step_on_slots(
+        &mut self,
+        decoder: &mut SlotDecoder,
+        seqs: &mut [&mut Sequence],
+        metrics: &Metrics,
+    ) -> candle_core::Result<Vec<candle_core::Result<StepResult>>> {
+        let rows: Vec<DecodeRow> = seqs
+            .iter()
+            .map(|s| DecodeRow {
+                slot: s.slot.expect("decoding sequences hold a slot"),
+                token: s.next_input.expect("decoding sequences have a next input"),
+                position: s.job.prompt.len() + s.generated.len() - 1,
+            })
+            .collect();
+        decoder.step(&mut self.llama, &rows)?;
+        let plain_greedy =
+            |s: &Sequence| s.job.params.temperature <= 0.0 && s.job.params.repeat_penalty == 1.0;
+        let greedy = match seqs.iter().any(|s| plain_greedy(s)) {
+            true => decoder.greedy_tokens()?,
+            false => Vec::new(),
+        };
+        let logits = decoder.logits()?;
+        Ok(seqs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, seq)| match plain_greedy(seq) {
+                true => self.take(seq, greedy[i], metrics),
+                false => self.accept(seq, logits.get(i)?, metrics),
+            })
+            .collect())
     }
 
     /// One new token for each of `seqs` (all past their prompts), in one batched step.
@@ -219,6 +276,16 @@ impl EngineModel {
             logits
         };
         let next = seq.sampler.sample(&logits)?;
+        self.take(seq, next, metrics)
+    }
+
+    /// Appends `next` to `seq` and sends what it makes certain.
+    fn take(
+        &self,
+        seq: &mut Sequence,
+        next: u32,
+        metrics: &Metrics,
+    ) -> candle_core::Result<StepResult> {
         // No next input yet: this is the sequence's first token.
         if seq.next_input.is_none() {
             metrics.record_first_token(seq.job.queued_at.elapsed());
@@ -335,12 +402,42 @@ impl EngineModel {
 
 /// Runs the engine until `jobs` is closed (the server shut down) and every sequence in
 /// flight has finished or been cancelled.
+/// The decode engine for `model`, where it takes it (CUDA, bf16, fused q, k, v: as
+/// inference loads give). A slot per sequence, each as long as the model's context.
+/// Without it (or if its cache does not fit) the steps run through
+/// `forward_decode_batch`.
+fn slot_decoder(model: &EngineModel, cfg: &EngineConfig) -> Option<SlotDecoder> {
+    let llama = &model.llama;
+    if SlotDecoder::unsupported(llama).is_some() {
+        return None;
+    }
+    let options = DecodeOptions {
+        slots: cfg.max_sequences,
+        context: llama.config().max_position_embeddings,
+        graphs: cfg.graphs,
+    };
+    match SlotDecoder::new(llama, options) {
+        Ok(decoder) => Some(decoder),
+        Err(e) => {
+            eprintln!(
+                "twell serve: decoding without the decode engine: its cache of {} slots \
+                 × {} positions could not be made ({})",
+                options.slots,
+                options.context,
+                crate::app::first_line(&e)
+            );
+            None
+        }
+    }
+}
+
 pub fn run(
-    model: EngineModel,
+    mut model: EngineModel,
     mut jobs: mpsc::Receiver<Job>,
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
 ) {
+    let mut decoder = slot_decoder(&model, &cfg);
     let mut running: Vec<Sequence> = Vec::new();
     let mut tally = FfnTally::default();
     let mut open = true;
@@ -403,9 +500,18 @@ pub fn run(
         // sequence whose prompt ends in this step got its first token from the prefill).
         let decodes: Vec<bool> = running.iter().map(|s| s.next_input.is_some()).collect();
         let mut results: Vec<(usize, candle_core::Result<StepResult>)> = Vec::new();
+        // The decode engine's slots no running sequence holds, last taken first.
+        let mut free_slots: Vec<usize> = (0..cfg.max_sequences)
+            .rev()
+            .filter(|&slot| running.iter().all(|s| s.slot != Some(slot)))
+            .collect();
         for (i, seq) in running.iter_mut().enumerate() {
             if !decodes[i] {
-                results.push((i, model.prefill_step(seq, &cfg, &metrics, &mut tally)));
+                let slots = decoder.as_mut().map(|d| (d, &mut free_slots));
+                results.push((
+                    i,
+                    model.prefill_step(seq, &cfg, &metrics, &mut tally, slots),
+                ));
             }
         }
         let decoding: Vec<usize> = (0..running.len()).filter(|&i| decodes[i]).collect();
@@ -416,7 +522,11 @@ pub fn run(
                 .filter(|(_, &d)| d)
                 .map(|(s, _)| s)
                 .collect();
-            match model.decode_step(&mut seqs, &metrics, &mut tally) {
+            let step = match decoder.as_mut() {
+                Some(d) => model.decode_step_on_slots(d, &mut seqs, &metrics),
+                None => model.decode_step(&mut seqs, &metrics, &mut tally),
+            };
+            match step {
                 Ok(each) => results.extend(decoding.iter().copied().zip(each)),
                 Err(e) => {
                     let why = crate::app::first_line(&e);

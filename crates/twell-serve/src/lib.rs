@@ -48,6 +48,9 @@ pub struct ServeOptions {
     /// Prompt tokens a sequence prefills per engine step.
     pub prefill_chunk: usize,
     pub max_body_bytes: usize,
+    /// On CUDA, replay each decode step as a CUDA graph (off: the decode engine's
+    /// steps launch their ops one by one).
+    pub graphs: bool,
 }
 
 impl Default for ServeOptions {
@@ -59,6 +62,7 @@ impl Default for ServeOptions {
             queue: 64,
             prefill_chunk: 128,
             max_body_bytes: 1 << 20,
+            graphs: true,
         }
     }
 }
@@ -126,6 +130,7 @@ pub fn serve(
     let cfg = EngineConfig {
         max_sequences: opts.max_sequences,
         prefill_chunk: opts.prefill_chunk,
+        graphs: opts.graphs,
     };
     // Returns once the router (and with it the queue's sender) is gone: after the
     // graceful shutdown has let every open request finish.

@@ -300,3 +300,81 @@ pub fn causal_attention(
     unsafe { builder.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
+
+fn u32_view<'a>(
+    what: &str,
+    (s, l): (&'a CudaStorage, &Layout),
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, u32>> {
+    crate::cuda::typed_view::<u32>(what, s, l, candle_core::DType::U32)
+}
+
+/// The operands of [`causal_attention_slots`], each a storage and its layout.
+pub struct SlotStepArgs<'a> {
+    pub qkv: (&'a CudaStorage, &'a Layout),
+    pub cos_sin: (&'a CudaStorage, &'a Layout),
+    pub cache: (&'a CudaStorage, &'a Layout),
+    pub positions: (&'a CudaStorage, &'a Layout),
+    pub slots: (&'a CudaStorage, &'a Layout),
+    pub part: (&'a CudaStorage, &'a Layout),
+    pub tickets: (&'a CudaStorage, &'a Layout),
+}
+
+/// `causal_attention.cu`'s step over a slotted cache (`super::SlotAttention`): `n` rows,
+/// each at `positions[i]` of cache slot `slots[i]`; the cached positions split over
+/// `splits` blocks of `chunk` positions planned for the cache's capacity. The shapes
+/// were checked by the op.
+pub fn causal_attention_slots(
+    args: SlotStepArgs,
+    (n, heads, kv_heads, hd): (usize, usize, usize, usize),
+    (splits, chunk): (usize, usize),
+) -> Result<CudaStorage> {
+    let qv = bf16_view("qkv", args.qkv.0, args.qkv.1)?;
+    let cv = bf16_view("cos_sin", args.cos_sin.0, args.cos_sin.1)?;
+    let kv = bf16_view("cache", args.cache.0, args.cache.1)?;
+    let pv = u32_view("positions", args.positions)?;
+    let sv = u32_view("slots", args.slots)?;
+    let part = crate::cuda::typed_view::<f32>(
+        "scratch",
+        args.part.0,
+        args.part.1,
+        candle_core::DType::F32,
+    )?;
+    let tickets = u32_view("tickets", args.tickets)?;
+    let kl = args.cache.1;
+    let cache_b = (kl.dims()[1] * kl.dims()[2]) as i64;
+    let dev = args.qkv.0.device().clone();
+    // SAFETY: the kernel writes every output row.
+    let mut out = unsafe { dev.alloc::<bf16>(n * heads * hd)? };
+    let cfg = LaunchConfig {
+        grid_dim: (heads as u32, n as u32, splits as u32),
+        block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
+        shared_mem_bytes: ((chunk + 1) * std::mem::size_of::<f32>()) as u32,
+    };
+    let name = format!("causal_attention_slots_bf16_hd{hd}");
+    let func = dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?;
+    let (heads_i, kv_i, chunk_i) = (heads as i32, kv_heads as i32, chunk as i32);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut builder = func.builder();
+    builder
+        .arg(&qv)
+        .arg(&cv)
+        // Read (each row's positions before its own), then written (its position).
+        .arg(&kv)
+        .arg(&kv)
+        .arg(&mut out)
+        .arg(&heads_i)
+        .arg(&kv_i)
+        .arg(&cache_b)
+        .arg(&scale)
+        .arg(&chunk_i)
+        .arg(&part)
+        .arg(&tickets)
+        .arg(&pv)
+        .arg(&sv);
+    // SAFETY: a block per (head, row, split); each row's position is below the capacity
+    // and its slot below the cache's slots (the caller's contract, checked on its host);
+    // the dynamic shared memory holds `chunk + 1` scores; the scratch holds every split's
+    // partial sums and a ticket per (row, head), zero between launches.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}

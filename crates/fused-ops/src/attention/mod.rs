@@ -13,6 +13,7 @@
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+mod slots;
 pub mod softmax_grad;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod split;
@@ -25,6 +26,8 @@ use rayon::prelude::*;
 
 use crate::error::{err, OpError};
 use crate::host::Rows;
+
+pub use slots::SlotAttention;
 
 /// Head sizes the CUDA kernel is built for.
 pub const CUDA_HEAD_DIMS: [usize; 1] = [64];

@@ -23,8 +23,8 @@ pub use crate::per_key::PerKey;
 
 /// Scratch per stream ([`stream_key`]): a launch that needs scratch of a size known
 /// before it runs takes it from here instead of allocating it each call, and two candle
-/// devices, which have streams of their own, never share one; a replaced buffer is freed
-/// in stream order, after the launches that used it.
+/// devices, which have streams of their own, never share one; a replaced buffer is kept
+/// (see [`PerKey`]), since a captured CUDA graph may still use it.
 pub type PerStream<T> = PerKey<usize, T>;
 
 /// The key of `dev`'s stream.

@@ -12,7 +12,7 @@ use candle_nn::VarBuilder;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use sparse_llama::checkpoint::LoadOptions;
-use sparse_llama::{synthetic, Cache, Config, Llama};
+use sparse_llama::{synthetic, Cache, Config, DecodeOptions, DecodeRow, Llama, SlotDecoder};
 use sparse_train::{PackedData, TrainConfig, Trainer};
 use twell::FfnMode;
 
@@ -40,7 +40,7 @@ pub struct ModelBenchArgs {
     /// FFN density of a --shape model (constant feature + gate bias).
     #[arg(long, default_value_t = 0.005)]
     pub density: f64,
-    /// Prefill batches as BATCHxSEQ.
+    /// Prefill batches as BATCHxSEQ; empty to skip.
     #[arg(long, value_delimiter = ',', default_value = "1x512,4x512")]
     pub prefill: Vec<String>,
     /// Decode batch sizes.
@@ -68,6 +68,10 @@ pub struct ModelBenchArgs {
     /// one form against the other.
     #[arg(long)]
     pub split_qkv: bool,
+    /// Skip the decode steps replayed as CUDA graphs (`decode-graph`); the op-by-op
+    /// decode (`decode`) runs either way.
+    #[arg(long)]
+    pub no_graph: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// SVG chart of the sparse/dense speed-up per measurement.
@@ -157,6 +161,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
     let prefill = args
         .prefill
         .iter()
+        .filter(|s| !s.is_empty())
         .map(|s| parse_bxt(s))
         .collect::<Result<Vec<_>>>()?;
     let train = args
@@ -231,6 +236,9 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
     for &b in &args.decode_batch {
         bar.set_message(format!("decode batch {b} at context {}", args.context));
         measurements.extend(decode_phase(&mut bench, b)?);
+        if device.is_cuda() && !args.no_graph {
+            measurements.extend(graph_decode_phase(&mut bench, b)?);
+        }
         bar.inc(1);
     }
     for &(b, t) in &train {
@@ -395,6 +403,93 @@ fn decode_phase(bench: &mut Bench, b: usize) -> Result<Vec<Measurement>> {
         });
     }
     Ok(measurements)
+}
+
+/// Decode at batch `b` through the slot decoder, each step one CUDA graph replayed:
+/// `--decode-steps` steps after a `--context` prefill of every slot, per FFN path (its
+/// graph captured on the first step, outside the timing), paths interleaved per
+/// repetition. Steps are enqueued back to back, as in `decode`, with the host's share.
+fn graph_decode_phase(bench: &mut Bench, b: usize) -> Result<Vec<Measurement>> {
+    if let Some(why) = SlotDecoder::unsupported(&bench.model) {
+        eprintln!("note: no decode-graph rows: {why}");
+        return Ok(Vec::new());
+    }
+    let args = bench.args;
+    let (ctx_len, steps) = (args.context, args.decode_steps);
+    let vocab = bench.cfg.vocab_size as u32;
+    let context =
+        random_tokens(b, ctx_len, bench.cfg.vocab_size, &bench.device)?.to_vec2::<u32>()?;
+    let options = DecodeOptions {
+        slots: b,
+        context: ctx_len + steps + 1,
+        graphs: true,
+    };
+    let rows_at = |s: usize| -> Vec<DecodeRow> {
+        (0..b)
+            .map(|i| DecodeRow {
+                slot: i,
+                token: (i as u32 * 7919 + 13) % vocab,
+                position: ctx_len + s,
+            })
+            .collect()
+    };
+    let mut decoders = Vec::new();
+    for &(mode, _) in &bench.modes {
+        bench.model.set_ffn_mode(mode)?;
+        let mut decoder = SlotDecoder::new(&bench.model, options)?;
+        for (slot, prompt) in context.iter().enumerate() {
+            decoder.prefill(&bench.model, slot, prompt)?;
+        }
+        // The first step captures the graph(s): not timed.
+        decoder.step(&mut bench.model, &rows_at(0))?;
+        decoders.push(decoder);
+    }
+    let mut times = vec![Vec::new(); decoders.len()];
+    let mut host = vec![Vec::new(); decoders.len()];
+    for round in 0..args.warmup + args.reps {
+        for (k, decoder) in decoders.iter_mut().enumerate() {
+            bench.model.set_ffn_mode(bench.modes[k].0)?;
+            bench.device.synchronize()?;
+            let t0 = Instant::now();
+            for s in 0..steps {
+                decoder.step(&mut bench.model, &rows_at(s))?;
+            }
+            let enqueued = t0.elapsed().as_secs_f64();
+            bench.device.synchronize()?;
+            if round >= args.warmup {
+                times[k].push(t0.elapsed().as_secs_f64());
+                host[k].push(enqueued);
+            }
+        }
+    }
+    Ok(bench
+        .modes
+        .iter()
+        .enumerate()
+        .map(|(k, &(_, label))| {
+            let secs = median(times[k].clone());
+            if let Some(why) = decoders[k].graph_failure() {
+                eprintln!("warning: decode-graph batch {b} ({label}): {why}");
+            }
+            Measurement {
+                phase: "decode-graph".into(),
+                batch: b,
+                seq: ctx_len,
+                ffn: match decoders[k].side(b) {
+                    Some(side) if label == "auto" => format!("auto:{}", side.name()),
+                    _ => label.into(),
+                },
+                tokens_per_sec: (b * steps) as f64 / secs,
+                ms: 1e3 * secs / steps as f64,
+                peak_extra_bytes: None,
+                mj_per_token: None,
+                phase_ms: None,
+                device_backward_passes: None,
+                train_density: None,
+                host_ms: Some(1e3 * median(host[k].clone()) / steps as f64),
+            }
+        })
+        .collect())
 }
 
 /// A training step on batches of `b × t` tokens (forward, backward and AdamW at a zero

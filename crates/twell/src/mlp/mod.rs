@@ -497,6 +497,14 @@ impl SparseMlp {
     pub fn activation(&self) -> Activation {
         self.activation
     }
+    /// Whether the MLP has biases (which the sparse path does not take).
+    pub fn has_bias(&self) -> bool {
+        self.bias.is_some()
+    }
+    /// Whether each forward keeps its statistics ([`Self::set_record_stats`]).
+    pub fn records_stats(&self) -> bool {
+        self.record_stats
+    }
     pub fn hidden(&self) -> usize {
         self.gate.dim(1).unwrap_or(0)
     }
