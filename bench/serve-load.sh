@@ -1,18 +1,15 @@
 #!/usr/bin/env bash
 # `twell serve` under load, dense default against sparse default: for each, starts the
-# server on a loopback port, runs bench/serve_load.py (streamed chat requests through
-# the OpenAI client at each concurrency), stops it. Prints a table; JSON under OUT.
+# server on a loopback port, runs `twell bench serve` (streamed chat requests at each
+# concurrency, temperature 0.7), stops it. Prints a table; JSON under OUT.
 #   OUT=/tmp/serve-load bench/serve-load.sh [TWELL FLAGS...]     e.g. --device cuda
 # CONCURRENCY (default 1,8,32,64), ROUNDS (2), MAX_TOKENS (32); TWELL names the binary.
-# Needs scripts/setup.sh (the model, and the openai client in data/python; PYTHON_LIB names
-# another folder holding it).
+# Needs scripts/setup.sh (the model).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 twell=${TWELL:-target/release/twell}
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
-data=${TWELL_DATA:-data}
-python_lib=${PYTHON_LIB:-$data/python}
 for model in dense sparse; do
   flags=()
   [ "$model" = dense ] && flags=(--dense)
@@ -23,9 +20,9 @@ for model in dense sparse; do
     sleep 0.2
   done
   url=$(grep -o "http://[^ ]*/v1" "$out/$model-server.log")
-  PYTHONPATH="$python_lib" python3 bench/serve_load.py "$url" \
+  "$twell" bench serve "$url" \
     --concurrency "${CONCURRENCY:-1,8,32,64}" --rounds "${ROUNDS:-2}" \
-    --max-tokens "${MAX_TOKENS:-32}" > "$out/$model.json"
+    --max-tokens "${MAX_TOKENS:-32}" --json "$out/$model.json" > /dev/null
   curl -s "${url%/v1}/metrics" > "$out/$model-metrics.txt"
   kill -TERM "$pid"; wait "$pid" || true
 done

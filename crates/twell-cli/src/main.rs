@@ -72,6 +72,10 @@ enum BenchCommand {
     /// The training losses over the vocabulary (cross-entropy, distillation KL),
     /// forward + backward: candle ops vs the fused ops, with peak device memory.
     Loss(bench::loss::LossBenchArgs),
+    /// Load on a running OpenAI-compatible server: streamed chat requests at several
+    /// concurrencies; tokens/s and time to first token (bench/serve-load.sh runs it
+    /// against the dense and the sparse server).
+    Serve(bench::serve::ServeBenchArgs),
 }
 
 fn main() -> Result<()> {
@@ -122,6 +126,10 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(BenchCommand::Sweep(args)) => {
             bench::sweep::run(&args)?;
+        }
+        Command::Bench(BenchCommand::Serve(args)) => {
+            let levels = bench::serve::run(&args)?;
+            bench::serve::print(&levels);
         }
         Command::Bench(BenchCommand::MlpTrain(args)) => {
             let report = bench::mlp_train::run(&args)?;

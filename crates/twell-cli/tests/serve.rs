@@ -531,3 +531,63 @@ fn the_default_model_serves_the_openai_client_and_frees_what_clients_drop() {
     let status = server.child.wait().unwrap();
     assert!(status.success(), "{status}");
 }
+
+/// `twell bench serve` against the default model: one level per concurrency, every
+/// request counted, and the generated tokens as the server's usage reports them; a
+/// server that is not there is a clear error.
+#[test]
+fn bench_serve_loads_the_default_model_and_reports_each_level() {
+    if !default_model_installed() {
+        return;
+    }
+    let server = Server::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("load.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_twell"))
+        .args(["bench", "serve", &server.url("/v1")])
+        .args(["--concurrency", "1,3", "--rounds", "2", "--max-tokens", "6"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let levels: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let levels = levels.as_array().unwrap();
+    assert_eq!(levels.len(), 2);
+    for (level, (concurrency, requests)) in levels.iter().zip([(1, 2), (3, 6)]) {
+        assert_eq!(level["concurrency"], concurrency);
+        assert_eq!(level["requests"], requests);
+        let tokens = level["generated_tokens"].as_u64().unwrap();
+        assert!((requests..=6 * requests).contains(&tokens), "{level}");
+        assert!(level["tokens_per_sec"].as_f64().unwrap() > 0.0, "{level}");
+        let (p50, p99) = (
+            level["ttft_p50_secs"].as_f64().unwrap(),
+            level["ttft_p99_secs"].as_f64().unwrap(),
+        );
+        assert!(0.0 < p50 && p50 <= p99, "{level}");
+    }
+    // The server counted them (and any /metrics reads).
+    assert!(server.metric("twell_requests_total") >= 8.0);
+    drop(server);
+
+    let out = Command::new(env!("CARGO_BIN_EXE_twell"))
+        .args([
+            "bench",
+            "serve",
+            "http://127.0.0.1:9/v1",
+            "--concurrency",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("sending a request"),
+        "{stderr}"
+    );
+}

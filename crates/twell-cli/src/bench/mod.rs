@@ -6,6 +6,7 @@ pub mod memory;
 pub mod mlp;
 pub mod mlp_train;
 pub mod model;
+pub mod serve;
 pub mod sweep;
 pub mod timing;
 
