@@ -1210,7 +1210,7 @@ impl Llama {
         }
         let device = self.device();
         let ids = Tensor::new(tokens, device)?;
-        let mut x = self.embed_tokens.forward(&ids)?;
+        let x = self.embed_tokens.forward(&ids)?;
         let ropes = positions
             .iter()
             .zip(caches.iter())
@@ -1229,14 +1229,7 @@ impl Llama {
             AttentionPath::Fused => true,
             AttentionPath::Plain => false,
         };
-        let Some(first) = self.blocks.first() else {
-            return self
-                .lm_head
-                .forward(&self.norm.forward(&x, Pass::Inference)?)?
-                .to_dtype(DType::F32);
-        };
-        let mut h = first.input_layernorm.forward(&x, Pass::Inference)?;
-        for (l, block) in self.blocks.iter().enumerate() {
+        self.decode_layers(x, |l, block, h| {
             let ys = caches
                 .iter_mut()
                 .zip(&ropes)
@@ -1253,20 +1246,8 @@ impl Llama {
                     )
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let attn = block.self_attn.output(&Tensor::cat(&ys, 0)?)?;
-            let next = match self.blocks.get(l + 1) {
-                Some(b) => &b.input_layernorm,
-                None => &self.norm,
-            };
-            let norm = &block.post_attention_layernorm;
-            (x, h) = block.mlp.forward_sublayer(
-                &x,
-                &attn,
-                (&norm.weight, norm.eps),
-                (&next.weight, next.eps),
-            )?;
-        }
-        self.lm_head.forward(&h)?.to_dtype(DType::F32)
+            Tensor::cat(&ys, 0)
+        })
     }
 
     /// One decode step over slotted caches ([`crate::decode::SlotDecoder`]): `ids`,
@@ -1281,7 +1262,27 @@ impl Llama {
         attention: &fused_ops::SlotAttention,
         rope: &RopeTable,
     ) -> Result<Tensor> {
-        let mut x = self.embed_tokens.forward(ids)?;
+        let x = self.embed_tokens.forward(ids)?;
+        self.decode_layers(x, |l, block, h| {
+            let Some(qkv_proj) = &block.self_attn.qkv_proj else {
+                candle_core::bail!(
+                    "decoding over slots needs fused q, k, v projections (fuse_qkv)"
+                );
+            };
+            attention.forward(&qkv_proj.forward(h)?, rope, &kv[l], positions, slots)
+        })
+    }
+
+    /// The layers of a decode step (one row a sequence) from the embedded rows `x`:
+    /// `attend(l, block, h)` gives layer `l`'s attention rows before the output
+    /// projection, from its normalised input `h`; the output projection, the MLP
+    /// sublayer (with the norms on each side) and the head run once over all rows.
+    /// Returns logits `[rows, vocab]` in f32.
+    fn decode_layers(
+        &self,
+        mut x: Tensor,
+        mut attend: impl FnMut(usize, &Block, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let Some(first) = self.blocks.first() else {
             return self
                 .lm_head
@@ -1290,13 +1291,7 @@ impl Llama {
         };
         let mut h = first.input_layernorm.forward(&x, Pass::Inference)?;
         for (l, block) in self.blocks.iter().enumerate() {
-            let Some(qkv_proj) = &block.self_attn.qkv_proj else {
-                candle_core::bail!(
-                    "decoding over slots needs fused q, k, v projections (fuse_qkv)"
-                );
-            };
-            let y = attention.forward(&qkv_proj.forward(&h)?, rope, &kv[l], positions, slots)?;
-            let attn = block.self_attn.output(&y)?;
+            let attn = block.self_attn.output(&attend(l, block, &h)?)?;
             let next = match self.blocks.get(l + 1) {
                 Some(b) => &b.input_layernorm,
                 None => &self.norm,
