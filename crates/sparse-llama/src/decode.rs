@@ -44,12 +44,19 @@ pub struct DecodeRow {
     pub position: usize,
 }
 
+/// A captured step.
+#[cfg(feature = "cuda")]
+type Graph = candle_core::cuda_backend::cudarc::driver::CudaGraph;
+/// Without the cuda feature there are no graphs (and no decoder: it takes CUDA only).
+#[cfg(not(feature = "cuda"))]
+enum Graph {}
+
 /// What one batch size's step runs on.
 struct Bucket {
     attention: SlotAttention,
-    #[cfg(feature = "cuda")]
-    graph: Option<candle_core::cuda_backend::cudarc::driver::CudaGraph>,
-    /// The MLP path the graph was captured with.
+    /// `None` where steps run op by op (asked for, or a capture failed).
+    graph: Option<Graph>,
+    /// The MLP path the step runs.
     side: FfnMode,
 }
 
@@ -313,7 +320,8 @@ impl SlotDecoder {
     }
 
     /// A bucket's first step: run it, then capture its graph (one per candidate path,
-    /// the fastest kept) for the steps after.
+    /// the fastest kept) for the steps after; without graphs, run it on the first
+    /// candidate op by op.
     fn first_step(&mut self, model: &mut Llama, bucket: usize) -> Result<()> {
         let cfg = model.config();
         let attention = SlotAttention::new(
@@ -327,22 +335,23 @@ impl SlotDecoder {
             self.options.context,
         )?;
         let candidates = Self::candidates(model);
-        let mode = model.config().ffn_mode;
-        // Statistics keep each forward's device tensors, which a captured step must not
-        // leave behind: they are off while a step is captured.
-        let stats = model.mlps().any(|m| m.records_stats());
-        model.record_ffn_stats(false);
-        let picked = self.pick_side(model, bucket, &attention, &candidates);
-        model.set_ffn_mode(mode)?;
-        model.record_ffn_stats(stats);
-        let entry = picked?;
+        let captured = match self.options.graphs && self.graph_failure.is_none() {
+            true => self.capture_fastest(model, bucket, &attention, &candidates)?,
+            false => None,
+        };
+        let (graph, side) = match captured {
+            Some((graph, side)) => (Some(graph), side),
+            None => {
+                self.run_on(model, candidates[0], |d, m| d.run(m, bucket, &attention))?;
+                (None, candidates[0])
+            }
+        };
         self.buckets.insert(
             bucket,
             Bucket {
                 attention,
-                #[cfg(feature = "cuda")]
-                graph: entry.0,
-                side: entry.1,
+                graph,
+                side,
             },
         );
         Ok(())
@@ -351,63 +360,69 @@ impl SlotDecoder {
     /// A later step of a bucket: its graph replayed, or its ops run one by one.
     fn replay(&mut self, model: &mut Llama, bucket: usize) -> Result<()> {
         let b = &self.buckets[&bucket];
-        #[cfg(feature = "cuda")]
         if let Some(graph) = &b.graph {
-            use candle_core::cuda_backend::WrapErr;
-            return graph.launch().w();
+            return launch(graph);
         }
+        self.run_on(model, b.side, |d, m| d.run(m, bucket, &b.attention))
+    }
+
+    /// Runs `work` with every MLP on `side` and statistics off (they keep each
+    /// forward's device tensors, which a captured step must not leave behind, and an
+    /// op-by-op step runs what a captured one runs), then puts both back.
+    fn run_on<R>(
+        &self,
+        model: &mut Llama,
+        side: FfnMode,
+        work: impl FnOnce(&Self, &Llama) -> Result<R>,
+    ) -> Result<R> {
         let mode = model.config().ffn_mode;
-        model.set_ffn_mode(b.side)?;
-        let ran = self.run(model, bucket, &b.attention);
+        let stats = model.mlps().any(|m| m.records_stats());
+        model.record_ffn_stats(false);
+        let done = model.set_ffn_mode(side).and_then(|()| work(self, model));
+        model.record_ffn_stats(stats);
         model.set_ffn_mode(mode)?;
-        ran
+        done
     }
 }
 
 #[cfg(feature = "cuda")]
-type Captured = (
-    Option<candle_core::cuda_backend::cudarc::driver::CudaGraph>,
-    FfnMode,
-);
+fn launch(graph: &Graph) -> Result<()> {
+    use candle_core::cuda_backend::WrapErr;
+    graph.launch().w()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn launch(graph: &Graph) -> Result<()> {
+    match *graph {}
+}
 
 #[cfg(feature = "cuda")]
 impl SlotDecoder {
-    /// Runs the step under each candidate path, captures it, and keeps the fastest
-    /// graph (timed over replays, which rewrite the same keys and values); the step is
-    /// then run once more on the kept path, so its outputs are that path's. Without
-    /// graphs (asked for, or a failed capture) the first candidate runs op by op.
-    fn pick_side(
+    /// Captures the step under each candidate path and keeps the fastest graph (timed
+    /// over replays, which rewrite the same keys and values); the kept graph then runs
+    /// once more, so the step's outputs are its path's. `None` when a capture fails:
+    /// the decoder then says why and runs op by op.
+    fn capture_fastest(
         &mut self,
         model: &mut Llama,
         bucket: usize,
         attention: &SlotAttention,
         candidates: &[FfnMode],
-    ) -> Result<Captured> {
-        use candle_core::cuda_backend::WrapErr;
-        let first = candidates[0];
-        if !self.options.graphs || self.graph_failure.is_some() {
-            model.set_ffn_mode(first)?;
-            self.run(model, bucket, attention)?;
-            return Ok((None, first));
-        }
+    ) -> Result<Option<(Graph, FfnMode)>> {
         let mut captured = Vec::new();
         for &side in candidates {
-            model.set_ffn_mode(side)?;
-            match self.capture(model, bucket, attention) {
+            match self.run_on(model, side, |d, m| d.capture(m, bucket, attention)) {
                 Ok(graph) => captured.push((graph, side)),
                 Err(e) => {
                     let why = format!("CUDA graph capture failed ({e}); decoding op by op");
                     eprintln!("twell: {why}");
                     self.graph_failure = Some(why);
-                    model.set_ffn_mode(first)?;
-                    self.run(model, bucket, attention)?;
-                    return Ok((None, first));
+                    return Ok(None);
                 }
             }
         }
         if captured.len() == 1 {
-            let (graph, side) = captured.pop().expect("one graph");
-            return Ok((Some(graph), side));
+            return Ok(captured.pop());
         }
         // Time the candidates in turns, so drift in the card's clock hits both alike.
         const ROUNDS: usize = 5;
@@ -418,7 +433,7 @@ impl SlotDecoder {
                 self.device.synchronize()?;
                 let t0 = std::time::Instant::now();
                 for _ in 0..REPLAYS {
-                    graph.launch().w()?;
+                    launch(graph)?;
                 }
                 self.device.synchronize()?;
                 best[k] = best[k].min(t0.elapsed().as_secs_f64());
@@ -427,20 +442,15 @@ impl SlotDecoder {
         let k = (0..captured.len())
             .min_by(|&a, &b| best[a].total_cmp(&best[b]))
             .expect("candidates");
-        let (graph, side) = captured.swap_remove(k);
-        graph.launch().w()?;
-        Ok((Some(graph), side))
+        let kept = captured.swap_remove(k);
+        launch(&kept.0)?;
+        Ok(Some(kept))
     }
 
     /// Runs the step once op by op (loading its kernels, settling lazily made buffers
     /// and candle's uploads of launch parameters, none of which a capture may do), then
     /// captures it. The capture runs nothing: the op-by-op run is this call's step.
-    fn capture(
-        &self,
-        model: &Llama,
-        bucket: usize,
-        attention: &SlotAttention,
-    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaGraph> {
+    fn capture(&self, model: &Llama, bucket: usize, attention: &SlotAttention) -> Result<Graph> {
         use candle_core::cuda_backend::cudarc::driver::sys;
         use candle_core::cuda_backend::WrapErr;
         let Device::Cuda(dev) = &self.device else {
@@ -464,20 +474,15 @@ impl SlotDecoder {
 }
 
 #[cfg(not(feature = "cuda"))]
-type Captured = ((), FfnMode);
-
-#[cfg(not(feature = "cuda"))]
 impl SlotDecoder {
-    /// Without the cuda feature there are no graphs: the first candidate runs op by op.
-    fn pick_side(
+    /// Without the cuda feature there is nothing to capture.
+    fn capture_fastest(
         &mut self,
-        model: &mut Llama,
-        bucket: usize,
-        attention: &SlotAttention,
-        candidates: &[FfnMode],
-    ) -> Result<Captured> {
-        model.set_ffn_mode(candidates[0])?;
-        self.run(model, bucket, attention)?;
-        Ok(((), candidates[0]))
+        _: &mut Llama,
+        _: usize,
+        _: &SlotAttention,
+        _: &[FfnMode],
+    ) -> Result<Option<(Graph, FfnMode)>> {
+        Ok(None)
     }
 }

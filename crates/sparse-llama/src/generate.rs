@@ -181,8 +181,8 @@ pub fn generate(
     let dtype = model.dtype();
     // On CUDA the steps run in a slot of the decode engine's preallocated cache (bf16,
     // fused q, k, v: what inference loads give), replaying a captured graph.
-    let slots = SlotDecoder::unsupported(model).is_none();
-    let mut decoding = match slots {
+    let on_engine = SlotDecoder::unsupported(model).is_none();
+    let mut decoding = match on_engine {
         true => Decoding::Slot(SlotDecoder::new(
             model,
             DecodeOptions {
@@ -199,8 +199,8 @@ pub fn generate(
     let mut out = Vec::new();
     let mut stats = GenerationStats {
         prompt_tokens: prompt.len(),
-        decode_engine: slots,
-        decode_graph: slots && cfg.graphs,
+        decode_engine: on_engine,
+        decode_graph: on_engine && cfg.graphs,
         ..Default::default()
     };
     // Counts stay where the MLPs left them until decoding ends: one read-back in all.
@@ -245,7 +245,7 @@ pub fn generate(
                 decoder.logits()?.squeeze(0)?
             }
         };
-        if step > 0 && !slots {
+        if step > 0 && !on_engine {
             for mlp in model.mlps() {
                 if let Some((count, entries)) = mlp.last_nonzeros()? {
                     activations += entries;

@@ -591,3 +591,24 @@ fn bench_serve_loads_the_default_model_and_reports_each_level() {
         "{stderr}"
     );
 }
+
+/// `twell bench serve` refuses levels and counts it cannot run, before any request.
+#[test]
+fn bench_serve_refuses_empty_levels_and_counts() {
+    for (flags, want) in [
+        (&["--concurrency", "0"][..], "--concurrency"),
+        (&["--rounds", "0"][..], "--rounds"),
+        (&["--max-tokens", "0"][..], "--max-tokens"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_twell"))
+            .args(["bench", "serve", "http://127.0.0.1:9/v1"])
+            .args(flags)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(want),
+            "{flags:?}: {stderr}"
+        );
+    }
+}

@@ -79,6 +79,16 @@ pub fn prefill_attention_kernel(
     })
 }
 
+/// The launch of a decode-step kernel: a block per (head, row, split), the scores of a
+/// split's `chunk` positions and the new key in dynamic shared memory.
+fn step_launch(heads: usize, rows: usize, splits: usize, chunk: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (heads as u32, rows as u32, splits as u32),
+        block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
+        shared_mem_bytes: ((chunk + 1) * std::mem::size_of::<f32>()) as u32,
+    }
+}
+
 /// `causal_attention.cu`'s one-step kernel: `qkv [b, (heads + 2·kv_heads)·hd]` (one
 /// token's fused projections, contiguous bf16), `cos_sin [1, hd]` (its position's
 /// angles), and `cache [b, capacity, 2·kv_heads·hd]` (contiguous, `len` positions held,
@@ -121,11 +131,7 @@ pub fn causal_attention_step(
     let split = super::split::plan(b * heads, len, multiprocessors(&dev)?);
     // SAFETY: the kernel writes every output row.
     let mut out = unsafe { dev.alloc::<bf16>(b * heads * hd)? };
-    let cfg = LaunchConfig {
-        grid_dim: (heads as u32, b as u32, split.splits as u32),
-        block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
-        shared_mem_bytes: ((split.chunk + 1) * std::mem::size_of::<f32>()) as u32,
-    };
+    let cfg = step_launch(heads, b, split.splits, split.chunk);
     let name = format!("causal_attention_step_bf16_hd{hd}");
     let func = dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?;
     let (heads_i, kv_i, len_i, chunk_i) = (
@@ -345,11 +351,7 @@ pub fn causal_attention_slots(
     let dev = args.qkv.0.device().clone();
     // SAFETY: the kernel writes every output row.
     let mut out = unsafe { dev.alloc::<bf16>(n * heads * hd)? };
-    let cfg = LaunchConfig {
-        grid_dim: (heads as u32, n as u32, splits as u32),
-        block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
-        shared_mem_bytes: ((chunk + 1) * std::mem::size_of::<f32>()) as u32,
-    };
+    let cfg = step_launch(heads, n, splits, chunk);
     let name = format!("causal_attention_slots_bf16_hd{hd}");
     let func = dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?;
     let (heads_i, kv_i, chunk_i) = (heads as i32, kv_heads as i32, chunk as i32);
