@@ -29,6 +29,11 @@ fn matches_plain_attention_with_cache_offsets_and_grouped_heads() {
         (1, 9, 1, 3, 17, 64),
         (3, 2, 33, 2, 33, 16),
         (1, 6, 70, 1, 100, 64),
+        // Decode steps with long caches: the CPU splits each head group's keys into
+        // ranges and merges them.
+        (1, 9, 1, 3, 700, 64),
+        (1, 4, 1, 1, 300, 32),
+        (2, 2, 1, 1, 1000, 16),
     ];
     for (k, &(b, heads, t, kv, total, hd)) in cases.iter().enumerate() {
         for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
@@ -41,6 +46,22 @@ fn matches_plain_attention_with_cache_offsets_and_grouped_heads() {
             let err = rel_err(&out, &reference(&q, &kk, &v));
             assert!(err < tol, "case {k} {dtype:?}: rel err {err}");
         }
+    }
+}
+
+#[test]
+fn split_decode_keys_merge_to_the_softmax_of_peaked_scores() {
+    // Large queries make the softmax peak on a few keys, each in one key range: the
+    // merge must weight the ranges by their maxima, not average them.
+    for (heads, kv, total, seed) in [(4, 1, 513, 40u64), (9, 3, 2048, 41)] {
+        let q = (random((1, heads, 1, 64), DType::F32, seed) * 40.0).unwrap();
+        let k = random((1, kv, total, 64), DType::F32, seed + 1);
+        let v = random((1, kv, total, 64), DType::F32, seed + 2);
+        let err = rel_err(
+            &causal_attention(&q, &k, &v).unwrap(),
+            &reference(&q, &k, &v),
+        );
+        assert!(err < 1e-5, "{heads} heads over {total} keys: rel err {err}");
     }
 }
 

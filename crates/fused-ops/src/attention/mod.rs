@@ -211,26 +211,45 @@ impl CustomOp3 for CausalAttention {
         // kh at position j in row (bi, j) of k and v, and the output as the queries. A
         // task takes the `group` query heads that share one key head, so that each key
         // and value row is read once for all of them.
-        out.par_chunks_mut(group * hd)
-            .enumerate()
-            .for_each(|(task, o)| {
-                let (bi, i, kh) = (
-                    task / (t * kv_heads),
-                    (task / kv_heads) % t,
-                    task % kv_heads,
-                );
-                let first_row = (bi * t + i) * heads + kh * group;
-                let task = HeadGroup {
-                    q: &q[first_row * hd..(first_row + group) * hd],
-                    k: &k,
-                    v: &v,
-                    batch: bi,
-                    head: kh * hd..(kh + 1) * hd,
-                    visible: past + i + 1,
-                    scale: self.scale,
-                };
-                task.attend(o);
-            });
+        let head_group = |task: usize| {
+            let (bi, i, kh) = (
+                task / (t * kv_heads),
+                (task / kv_heads) % t,
+                task % kv_heads,
+            );
+            let first_row = (bi * t + i) * heads + kh * group;
+            HeadGroup {
+                q: &q[first_row * hd..(first_row + group) * hd],
+                k: &k,
+                v: &v,
+                batch: bi,
+                head: kh * hd..(kh + 1) * hd,
+                visible: past + i + 1,
+                scale: self.scale,
+            }
+        };
+        let tasks = b * t * kv_heads;
+        let splits = key_splits(t, tasks, total);
+        if splits == 1 {
+            out.par_chunks_mut(group * hd)
+                .enumerate()
+                .for_each(|(task, o)| head_group(task).attend(o));
+        } else {
+            // A decode step has fewer tasks than threads (3 key heads on 2 threads left
+            // one idle half the time): each task's keys go in `splits` ranges, merged
+            // after by their maxima.
+            let per = total.div_ceil(splits);
+            let parts: Vec<Part> = (0..tasks * splits)
+                .into_par_iter()
+                .map(|u| {
+                    let keys = (u % splits) * per..((u % splits + 1) * per).min(total);
+                    head_group(u / splits).attend_range(keys)
+                })
+                .collect();
+            for (o, parts) in out.chunks_exact_mut(group * hd).zip(parts.chunks(splits)) {
+                merge_parts(parts, hd, o);
+            }
+        }
         Ok((
             crate::host::storage_from_f32(out, dtype)?,
             Shape::from(ql.dims()),
@@ -447,15 +466,69 @@ struct HeadGroup<'a> {
     scale: f32,
 }
 
+/// The decode step's tasks (one query a sequence, fewer tasks than twice the threads) split
+/// their keys into ranges of at least this many, so that every thread has work.
+const MIN_KEYS_PER_SPLIT: usize = 128;
+
+/// How many key ranges each task of [`CausalAttention::cpu_fwd`] takes: 1 but for decode
+/// steps (`t == 1`) with fewer tasks than twice the threads and keys enough to share.
+fn key_splits(t: usize, tasks: usize, keys: usize) -> usize {
+    let threads = rayon::current_num_threads();
+    if t != 1 || tasks == 0 || tasks >= 2 * threads {
+        return 1;
+    }
+    (keys / MIN_KEYS_PER_SPLIT)
+        .min((2 * threads).div_ceil(tasks))
+        .max(1)
+}
+
+/// One key range's share of a [`HeadGroup`]: the outputs `[group, hd]` weighted by
+/// `e^(score − max)` and not yet divided, each query's max score and the sum of its
+/// weights.
+struct Part {
+    o: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+/// Writes `Σ o_i·e^(max_i − M) / Σ sum_i·e^(max_i − M)` per query into `o`: the softmax
+/// over the union of the parts' key ranges.
+fn merge_parts(parts: &[Part], hd: usize, o: &mut [f32]) {
+    for (g, og) in o.chunks_exact_mut(hd).enumerate() {
+        let top = parts
+            .iter()
+            .map(|p| p.max[g])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut total = 0f32;
+        for p in parts.iter().filter(|p| p.sum[g] > 0.0) {
+            let w = (p.max[g] - top).exp();
+            total += w * p.sum[g];
+            og.iter_mut()
+                .zip(&p.o[g * hd..(g + 1) * hd])
+                .for_each(|(acc, x)| *acc += w * x);
+        }
+        og.iter_mut().for_each(|x| *x /= total);
+    }
+}
+
 impl HeadGroup<'_> {
     /// Writes the group's outputs `[group, hd]` into `o` (zeros on entry).
     fn attend(&self, o: &mut [f32]) {
+        let part = self.attend_range(0..self.visible);
+        o.copy_from_slice(&part.o);
+        for (og, sum) in o.chunks_exact_mut(self.head.len()).zip(&part.sum) {
+            og.iter_mut().for_each(|x| *x /= sum);
+        }
+    }
+
+    /// The group over keys `keys` (within its visible ones).
+    fn attend_range(&self, keys: std::ops::Range<usize>) -> Part {
         #[cfg(target_arch = "x86_64")]
         if crate::simd::has_avx2_fma() {
             // SAFETY: the CPU supports AVX2 and FMA (checked above).
-            return unsafe { self.attend_avx2(o) };
+            return unsafe { self.attend_range_avx2(keys) };
         }
-        self.attend_portable(o)
+        self.attend_range_portable(keys)
     }
 
     /// The same loops, compiled for AVX2: every key and value row feeds all the group's
@@ -463,39 +536,44 @@ impl HeadGroup<'_> {
     /// inlined and vectorised (a call per row and head cost more than the arithmetic).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn attend_avx2(&self, o: &mut [f32]) {
-        self.attend_portable(o)
+    unsafe fn attend_range_avx2(&self, keys: std::ops::Range<usize>) -> Part {
+        self.attend_range_portable(keys)
     }
 
     #[inline(always)]
-    fn attend_portable(&self, o: &mut [f32]) {
+    fn attend_range_portable(&self, keys: std::ops::Range<usize>) -> Part {
         let hd = self.head.len();
-        let (group, visible) = (self.q.len() / hd, self.visible);
-        let mut scores = vec![0f32; group * visible];
-        for j in 0..visible {
+        let (group, n) = (self.q.len() / hd, keys.len());
+        let mut part = Part {
+            o: vec![0f32; group * hd],
+            max: vec![f32::NEG_INFINITY; group],
+            sum: vec![0f32; group],
+        };
+        if n == 0 {
+            return part;
+        }
+        let mut scores = vec![0f32; group * n];
+        for (jj, j) in keys.clone().enumerate() {
             let kr = &self.k.row(self.batch, j)[self.head.clone()];
             for (g, qr) in self.q.chunks_exact(hd).enumerate() {
-                scores[g * visible + j] = self.scale * lanes_dot(qr, kr);
+                scores[g * n + jj] = self.scale * lanes_dot(qr, kr);
             }
         }
-        let mut sums = vec![0f32; group];
-        for (sc, sum) in scores.chunks_exact_mut(visible).zip(&mut sums) {
+        for (g, sc) in scores.chunks_exact_mut(n).enumerate() {
             let max = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            for s in sc.iter_mut() {
-                *s = (*s - max).exp();
-                *sum += *s;
-            }
+            sc.iter_mut().for_each(|s| *s -= max);
+            crate::simd::exp_in_place(sc);
+            part.max[g] = max;
+            part.sum[g] = sc.iter().sum();
         }
-        for j in 0..visible {
+        for (jj, j) in keys.enumerate() {
             let vr = &self.v.row(self.batch, j)[self.head.clone()];
-            for (g, og) in o.chunks_exact_mut(hd).enumerate() {
-                let p = scores[g * visible + j];
+            for (g, og) in part.o.chunks_exact_mut(hd).enumerate() {
+                let p = scores[g * n + jj];
                 og.iter_mut().zip(vr).for_each(|(acc, x)| *acc += p * x);
             }
         }
-        for (og, sum) in o.chunks_exact_mut(hd).zip(&sums) {
-            og.iter_mut().for_each(|x| *x /= sum);
-        }
+        part
     }
 }
 
