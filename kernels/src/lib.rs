@@ -18,6 +18,7 @@ pub const GATE_L0: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_l0.ptx"))
 pub const GATE_PACK: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.ptx"));
 pub const GATED_T2D: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));
 pub const KL_DIVERGENCE: &str = include_str!(concat!(env!("OUT_DIR"), "/kl_divergence.ptx"));
+pub const LINEAR_ROWS: &str = include_str!(concat!(env!("OUT_DIR"), "/linear_rows.ptx"));
 pub const ROPE: &str = include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"));
 pub const TWELL_MLP_BWD: &str = include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_bwd.ptx"));
 pub const TWELL_MLP_DECODE: &str = include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_decode.ptx"));

@@ -33,6 +33,7 @@ mod embedding;
 pub mod error;
 pub mod host;
 mod kl_divergence;
+mod linear_rows;
 pub mod per_key;
 mod residual_linear;
 mod rope;
@@ -55,6 +56,7 @@ pub use error::OpError;
 pub use kl_divergence::{
     kl_divergence, kl_divergence_fused, kl_divergence_reference, KlDivergence,
 };
+pub use linear_rows::{linear_rows, LINEAR_ROWS_MAX};
 pub use residual_linear::residual_add_linear;
 pub use rope::{
     rope, rope_keys_in_place, rope_qkv, rope_qkv_part, QkvPart, Rope, RopeQkv, RopeTable,

@@ -423,7 +423,7 @@ impl CausalSelfAttention {
             Some(quantized) if quantized.takes(y) => {
                 with_bias(quantized.o.forward(&y.contiguous()?)?, self.o_proj.bias())
             }
-            _ => self.o_proj.forward(y),
+            _ => project(&self.o_proj, y),
         }
     }
 
@@ -729,6 +729,17 @@ pub struct CpuQuantization {
     pub mlp: Option<QuantFormat>,
 }
 
+/// `l`'s product, through [`fused_ops::linear_rows`] for a few rows of a bias-free layer
+/// (a decode step: one row a sequence), where cuBLAS's GEMM tiles are mostly idle.
+fn project(l: &Linear, x: &Tensor) -> Result<Tensor> {
+    match (l.bias(), x.dims()) {
+        (None, &[rows, _]) if rows <= fused_ops::LINEAR_ROWS_MAX => {
+            fused_ops::linear_rows(x, l.weight())
+        }
+        _ => l.forward(x),
+    }
+}
+
 /// The output projection: candle's `Linear`, or, for inference on the CPU, a quantized
 /// copy of its weight ([`Llama::quantize_for_cpu`]).
 #[derive(Debug)]
@@ -740,7 +751,7 @@ enum Head {
 impl Head {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Head::Linear(l) => l.forward(x),
+            Head::Linear(l) => project(l, x),
             Head::Quantized(q) => q.forward(&x.contiguous()?),
         }
     }
@@ -1269,7 +1280,7 @@ impl Llama {
                     "decoding over slots needs fused q, k, v projections (fuse_qkv)"
                 );
             };
-            attention.forward(&qkv_proj.forward(h)?, rope, &kv[l], positions, slots)
+            attention.forward(&project(qkv_proj, h)?, rope, &kv[l], positions, slots)
         })
     }
 
