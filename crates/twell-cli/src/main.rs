@@ -60,6 +60,9 @@ enum Command {
 enum BenchCommand {
     /// One MLP layer: candle dense vs TwELL sparse, over shapes, tokens and densities.
     Mlp(bench::mlp::MlpBenchArgs),
+    /// A decode step's projections at a few rows: the few-row kernel against cuBLAS
+    /// (CUDA).
+    Linear(bench::linear::LinearBenchArgs),
     /// One MLP layer's training step (forward + backward): candle dense autograd vs
     /// TwELL, with peak device memory.
     MlpTrain(bench::mlp_train::MlpTrainBenchArgs),
@@ -122,6 +125,13 @@ fn run(cli: Cli) -> Result<()> {
             bench::loss::print(&report);
             if let Some(path) = &args.json {
                 std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
+        }
+        Command::Bench(BenchCommand::Linear(args)) => {
+            let rows = bench::linear::run(&args)?;
+            bench::linear::print(&rows);
+            if let Some(path) = &args.json {
+                std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
             }
         }
         Command::Bench(BenchCommand::Sweep(args)) => {

@@ -143,6 +143,12 @@ fn bad_bench_flags_are_rejected() {
         &["bench", "sweep", "--auto-recheck", "often"],
         "invalid value 'often' for '--auto-recheck",
     );
+    // The few-row projection bench checks its flags, then that it has a GPU.
+    fails_with(&["bench", "linear", "--shapes", "6144by2048"], "OUTxIN");
+    fails_with(&["bench", "linear", "--shapes", "0x2048"], "at least 1");
+    fails_with(&["bench", "linear", "--rows", "0"], "--rows");
+    fails_with(&["bench", "linear", "--calls", "0"], "--calls");
+    fails_with(&["bench", "linear"], "--device cuda");
 }
 
 #[test]
