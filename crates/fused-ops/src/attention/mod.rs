@@ -554,6 +554,7 @@ impl HeadGroup<'_> {
         }
         let mut scores = vec![0f32; group * n];
         for (jj, j) in keys.clone().enumerate() {
+            prefetch_row(self.k, self.batch, j + PREFETCH_AHEAD, keys.end, &self.head);
             let kr = &self.k.row(self.batch, j)[self.head.clone()];
             for (g, qr) in self.q.chunks_exact(hd).enumerate() {
                 scores[g * n + jj] = self.scale * lanes_dot(qr, kr);
@@ -566,7 +567,8 @@ impl HeadGroup<'_> {
             part.max[g] = max;
             part.sum[g] = sc.iter().sum();
         }
-        for (jj, j) in keys.enumerate() {
+        for (jj, j) in keys.clone().enumerate() {
+            prefetch_row(self.v, self.batch, j + PREFETCH_AHEAD, keys.end, &self.head);
             let vr = &self.v.row(self.batch, j)[self.head.clone()];
             for (g, og) in part.o.chunks_exact_mut(hd).enumerate() {
                 let p = scores[g * n + jj];
@@ -575,6 +577,30 @@ impl HeadGroup<'_> {
         }
         part
     }
+}
+
+/// Rows ahead of the one being read whose head slice is asked of the cache: each task
+/// reads a 256-byte slice of every row of the cache, a stride the hardware prefetcher
+/// follows late.
+const PREFETCH_AHEAD: usize = 8;
+
+/// Asks the cache hierarchy for row `j`'s `head` slice of `rows`, if `j < end`.
+#[inline(always)]
+fn prefetch_row(rows: &KvRows, batch: usize, j: usize, end: usize, head: &std::ops::Range<usize>) {
+    #[cfg(target_arch = "x86_64")]
+    if j < end {
+        let slice = &rows.row(batch, j)[head.clone()];
+        for line in slice.chunks(16) {
+            // SAFETY: a prefetch is a hint; the address is inside `slice`.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    line.as_ptr() as *const i8
+                )
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (rows, batch, j, end, head);
 }
 
 /// `Σ a·b` in eight independent lanes, which the compiler vectorises (one running f32
