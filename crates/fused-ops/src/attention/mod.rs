@@ -582,7 +582,7 @@ impl HeadGroup<'_> {
 /// Rows ahead of the one being read whose head slice is asked of the cache: each task
 /// reads a 256-byte slice of every row of the cache, a stride the hardware prefetcher
 /// follows late.
-const PREFETCH_AHEAD: usize = 8;
+const PREFETCH_AHEAD: usize = 16;
 
 /// Asks the cache hierarchy for row `j`'s `head` slice of `rows`, if `j < end`.
 #[inline(always)]
