@@ -243,7 +243,9 @@ impl CustomOp3 for CausalAttention {
                 .into_par_iter()
                 .map(|u| {
                     let keys = (u % splits) * per..((u % splits + 1) * per).min(total);
-                    head_group(u / splits).attend_range(keys)
+                    let mut o = vec![0f32; group * hd];
+                    let (max, sum) = head_group(u / splits).attend_range(keys, &mut o);
+                    Part { o, max, sum }
                 })
                 .collect();
             for (o, parts) in out.chunks_exact_mut(group * hd).zip(parts.chunks(splits)) {
@@ -514,21 +516,22 @@ fn merge_parts(parts: &[Part], hd: usize, o: &mut [f32]) {
 impl HeadGroup<'_> {
     /// Writes the group's outputs `[group, hd]` into `o` (zeros on entry).
     fn attend(&self, o: &mut [f32]) {
-        let part = self.attend_range(0..self.visible);
-        o.copy_from_slice(&part.o);
-        for (og, sum) in o.chunks_exact_mut(self.head.len()).zip(&part.sum) {
+        let (_, sums) = self.attend_range(0..self.visible, o);
+        for (og, sum) in o.chunks_exact_mut(self.head.len()).zip(&sums) {
             og.iter_mut().for_each(|x| *x /= sum);
         }
     }
 
-    /// The group over keys `keys` (within its visible ones).
-    fn attend_range(&self, keys: std::ops::Range<usize>) -> Part {
+    /// The group over keys `keys` (within its visible ones): adds the outputs weighted by
+    /// `e^(score − max)`, not yet divided, into `o` (`[group, hd]`, zeros on entry) and
+    /// returns each query's max score and the sum of its weights.
+    fn attend_range(&self, keys: std::ops::Range<usize>, o: &mut [f32]) -> (Vec<f32>, Vec<f32>) {
         #[cfg(target_arch = "x86_64")]
         if crate::simd::has_avx2_fma() {
             // SAFETY: the CPU supports AVX2 and FMA (checked above).
-            return unsafe { self.attend_range_avx2(keys) };
+            return unsafe { self.attend_range_avx2(keys, o) };
         }
-        self.attend_range_portable(keys)
+        self.attend_range_portable(keys, o)
     }
 
     /// The same loops, compiled for AVX2: every key and value row feeds all the group's
@@ -536,21 +539,25 @@ impl HeadGroup<'_> {
     /// inlined and vectorised (a call per row and head cost more than the arithmetic).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn attend_range_avx2(&self, keys: std::ops::Range<usize>) -> Part {
-        self.attend_range_portable(keys)
+    unsafe fn attend_range_avx2(
+        &self,
+        keys: std::ops::Range<usize>,
+        o: &mut [f32],
+    ) -> (Vec<f32>, Vec<f32>) {
+        self.attend_range_portable(keys, o)
     }
 
     #[inline(always)]
-    fn attend_range_portable(&self, keys: std::ops::Range<usize>) -> Part {
+    fn attend_range_portable(
+        &self,
+        keys: std::ops::Range<usize>,
+        o: &mut [f32],
+    ) -> (Vec<f32>, Vec<f32>) {
         let hd = self.head.len();
         let (group, n) = (self.q.len() / hd, keys.len());
-        let mut part = Part {
-            o: vec![0f32; group * hd],
-            max: vec![f32::NEG_INFINITY; group],
-            sum: vec![0f32; group],
-        };
+        let (mut maxes, mut sums) = (vec![f32::NEG_INFINITY; group], vec![0f32; group]);
         if n == 0 {
-            return part;
+            return (maxes, sums);
         }
         let mut scores = vec![0f32; group * n];
         for (jj, j) in keys.clone().enumerate() {
@@ -564,18 +571,18 @@ impl HeadGroup<'_> {
             let max = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             sc.iter_mut().for_each(|s| *s -= max);
             crate::simd::exp_in_place(sc);
-            part.max[g] = max;
-            part.sum[g] = sc.iter().sum();
+            maxes[g] = max;
+            sums[g] = sc.iter().sum();
         }
         for (jj, j) in keys.clone().enumerate() {
             prefetch_row(self.v, self.batch, j + PREFETCH_AHEAD, keys.end, &self.head);
             let vr = &self.v.row(self.batch, j)[self.head.clone()];
-            for (g, og) in part.o.chunks_exact_mut(hd).enumerate() {
+            for (g, og) in o.chunks_exact_mut(hd).enumerate() {
                 let p = scores[g * n + jj];
                 og.iter_mut().zip(vr).for_each(|(acc, x)| *acc += p * x);
             }
         }
-        part
+        (maxes, sums)
     }
 }
 

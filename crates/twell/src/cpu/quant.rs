@@ -47,6 +47,21 @@ fn round_small(v: f32) -> f32 {
     (v + MAGIC) - MAGIC
 }
 
+/// A Q8 block's scale (its largest magnitude maps to 127) and that scale's inverse (0
+/// for a block of zeros): the weights' rows and the tokens quantize alike.
+#[inline(always)]
+fn q8_scale(block: &[f32]) -> (f32, f32) {
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    (d, if d > 0.0 { 1.0 / d } else { 0.0 })
+}
+
+/// `v` as an int8 of a block whose scale has inverse `inv`.
+#[inline(always)]
+fn q8_value(v: f32, inv: f32) -> i8 {
+    round_small(v * inv).clamp(-127.0, 127.0) as i8
+}
+
 /// Q8 blocks of `w` into `bytes` and `scale` (one per block of [`BLOCK`]).
 fn quantize_q8_blocks(w: &[f32], bytes: &mut [u8], scale: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -71,11 +86,9 @@ fn quantize_q8_blocks_portable(w: &[f32], bytes: &mut [u8], scale: &mut [f32]) {
         .zip(bytes.chunks_exact_mut(BLOCK))
         .zip(scale.iter_mut())
     {
-        let amax = ws.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let (d, inv) = q8_scale(ws);
         for (o, &v) in out.iter_mut().zip(ws) {
-            *o = round_small(v * inv).clamp(-127.0, 127.0) as i8 as u8;
+            *o = q8_value(v, inv) as u8;
         }
         *s = d;
     }
@@ -99,12 +112,10 @@ impl QuantToken {
         let mut scaled_sum = vec![0f32; blocks];
         for b in 0..blocks {
             let xs = &x[b * BLOCK..(b + 1) * BLOCK];
-            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let s = amax / 127.0;
-            let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+            let (s, inv) = q8_scale(xs);
             let mut sum = 0i32;
             for (o, &v) in q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(xs) {
-                let r = round_small(v * inv).clamp(-127.0, 127.0) as i8;
+                let r = q8_value(v, inv);
                 *o = r;
                 sum += i32::from(r);
             }
