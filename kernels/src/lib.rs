@@ -5,6 +5,7 @@
 
 pub const ADAMW: &str = include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"));
 pub const ADD_RMS_NORM: &str = include_str!(concat!(env!("OUT_DIR"), "/add_rms_norm.ptx"));
+pub const ARGMAX: &str = include_str!(concat!(env!("OUT_DIR"), "/argmax.ptx"));
 pub const ATTENTION_SOFTMAX_GRAD: &str =
     include_str!(concat!(env!("OUT_DIR"), "/attention_softmax_grad.ptx"));
 pub const CAUSAL_ATTENTION: &str = include_str!(concat!(env!("OUT_DIR"), "/causal_attention.ptx"));

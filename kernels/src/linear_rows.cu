@@ -2,16 +2,13 @@
 // f32 sums.
 //
 // At 1–8 rows a projection is bound by reading W once: 25 MB for the stacked q, k, v of a
-// 1.5B model. A warp takes R rows of W and issues every 16-byte load of a K-chunk of them
-// at once (U vectors a lane and row), then multiplies each by the M rows of x, which L1
-// serves to all warps of a block. So each weight byte is read once, in one round trip per
-// chunk, with nothing staged: the kernel is one pass over W.
+// 1.5B model. Each warp streams rows of W in 16-byte loads (U vectors a lane per chunk of
+// a row) and multiplies them by the M rows of x, which L1 serves to all warps of a block:
+// each weight byte is read once, with nothing staged.
 #include "common.cuh"
 
 #define LINEAR_ROWS_THREADS 256
 #define LINEAR_ROWS_WARPS (LINEAR_ROWS_THREADS / 32)
-// Rows of W a warp takes at once.
-#define LINEAR_ROWS_R 2
 
 // Σ_i a_i · b_i over the 8 bf16 pairs of two 16-byte vectors, added to acc.
 __device__ __forceinline__ float dot8_acc(const uint4& a, const uint4& b, float acc) {
@@ -26,57 +23,72 @@ __device__ __forceinline__ float dot8_acc(const uint4& a, const uint4& b, float 
     return acc;
 }
 
+// U 16-byte vectors a lane of chunk c of row r of w (zeros past the row or past n).
+template <int U>
+__device__ __forceinline__ void load_chunk(const __nv_bfloat16* __restrict__ w, long long r, int c, int n,
+                                           int k, uint4 (&buf)[U]) {
+    const int lane = threadIdx.x & 31, vecs = k / VEC;
+    const uint4* wr = reinterpret_cast<const uint4*>(w + r * k);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int v = c * 32 * U + lane + 32 * u;
+        buf[u] = (r < n && v < vecs) ? __ldcs(wr + v) : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
 // M: rows of x the kernel is built for (m ≤ M, the rest skipped); U: 16-byte vectors a
-// lane loads per row and chunk (a chunk is 256·U columns).
+// lane loads per chunk (a chunk is 256·U columns of a row). The grid is at most one wave:
+// a warp walks rows warp, warp + warps, ... chunk by chunk, and the loads of its next
+// chunk are in flight while it multiplies the current one, so each warp streams W
+// without a gap and no second wave of blocks waits behind a tail.
 template <int M, int U>
 __device__ void linear_rows(const __nv_bfloat16* __restrict__ x,  // [m, k]
                             const __nv_bfloat16* __restrict__ w,  // [n, k]
                             __nv_bfloat16* __restrict__ y,        // [m, n]
                             int m, int n, int k) {
-    const int lane = threadIdx.x & 31;
-    const long long first = (static_cast<long long>(blockIdx.x) * LINEAR_ROWS_WARPS + (threadIdx.x >> 5)) *
-                            LINEAR_ROWS_R;
-    if (first >= n) return;
-    float acc[LINEAR_ROWS_R][M];
+    const int lane = threadIdx.x & 31, vecs = k / VEC;
+    const int chunks = (vecs + 32 * U - 1) / (32 * U);
+    const long long warps = static_cast<long long>(gridDim.x) * LINEAR_ROWS_WARPS;
+    long long r = global_warp();
+    if (r >= n) return;
+    int c = 0;
+    uint4 cur[U], next[U];
+    load_chunk<U>(w, r, 0, n, k, cur);
+    float acc[M];
 #pragma unroll
-    for (int r = 0; r < LINEAR_ROWS_R; ++r)
-#pragma unroll
-        for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
-    const int vecs = k / VEC;
-    for (int base = 0; base < vecs; base += 32 * U) {
-        uint4 wv[LINEAR_ROWS_R][U];
-        // Every load of the chunk first, so they are all in flight together.
-#pragma unroll
-        for (int r = 0; r < LINEAR_ROWS_R; ++r) {
-            const long long row = first + r;
-            const uint4* wr = reinterpret_cast<const uint4*>(w + row * k);
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int v = base + lane + 32 * u;
-                wv[r][u] = (row < n && v < vecs) ? __ldcs(wr + v) : make_uint4(0u, 0u, 0u, 0u);
-            }
+    for (int i = 0; i < M; ++i) acc[i] = 0.f;
+    while (true) {
+        long long nr = r;
+        int nc = c + 1;
+        if (nc == chunks) {
+            nr = r + warps;
+            nc = 0;
         }
+        load_chunk<U>(w, nr, nc, n, k, next);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int v = base + lane + 32 * u;
+            const int v = c * 32 * U + lane + 32 * u;
             if (v >= vecs) break;
 #pragma unroll
             for (int i = 0; i < M; ++i) {
                 if (i >= m) break;
                 const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + static_cast<long long>(i) * k) + v);
-#pragma unroll
-                for (int r = 0; r < LINEAR_ROWS_R; ++r) acc[r][i] = dot8_acc(wv[r][u], xv, acc[r][i]);
+                acc[i] = dot8_acc(cur[u], xv, acc[i]);
             }
         }
-    }
+        if (c == chunks - 1) {
 #pragma unroll
-    for (int r = 0; r < LINEAR_ROWS_R; ++r) {
-        const long long row = first + r;
-#pragma unroll
-        for (int i = 0; i < M; ++i) {
-            const float s = warp_sum(acc[r][i]);
-            if (lane == 0 && i < m && row < n) y[static_cast<long long>(i) * n + row] = __float2bfloat16(s);
+            for (int i = 0; i < M; ++i) {
+                const float s = warp_sum(acc[i]);
+                if (lane == 0 && i < m) y[static_cast<long long>(i) * n + r] = __float2bfloat16(s);
+                acc[i] = 0.f;
+            }
         }
+        if (nr >= n) break;
+        r = nr;
+        c = nc;
+#pragma unroll
+        for (int u = 0; u < U; ++u) cur[u] = next[u];
     }
 }
 

@@ -31,12 +31,11 @@
 // row as `add_rms_norm.cu` does.
 #define DECODE_THREADS NORM_THREADS
 
-// x . w0 and x . w1 with both rows' loads in flight at once (w1 may be null: 0).
+// Rows w0 and w1 into registers, all their loads in flight at once (w1 may be null:
+// zeros).
 template <int MAXV>
-__device__ __forceinline__ void registers_dot2(const uint4* r, const __nv_bfloat16* __restrict__ w0,
-                                               const __nv_bfloat16* __restrict__ w1, int d, float& s0,
-                                               float& s1) {
-    uint4 a[MAXV], b[MAXV];
+__device__ __forceinline__ void load2(const __nv_bfloat16* __restrict__ w0, const __nv_bfloat16* __restrict__ w1,
+                                      int d, uint4* a, uint4* b) {
     row_to_registers<MAXV>(w0, d, a);
     if (w1 != nullptr) {
         row_to_registers<MAXV>(w1, d, b);
@@ -44,6 +43,11 @@ __device__ __forceinline__ void registers_dot2(const uint4* r, const __nv_bfloat
 #pragma unroll
         for (int i = 0; i < MAXV; ++i) b[i] = make_uint4(0u, 0u, 0u, 0u);
     }
+}
+
+// x . a and x . b for rows held as `load2` leaves them.
+template <int MAXV>
+__device__ __forceinline__ void dot2(const uint4* r, const uint4* a, const uint4* b, float& s0, float& s1) {
     float p0 = 0.f, p1 = 0.f;
 #pragma unroll
     for (int i = 0; i < MAXV; ++i) {
@@ -107,6 +111,15 @@ __device__ __forceinline__ void add_neuron(const uint4* xr, const __nv_bfloat16*
     }
 }
 
+// `add_neuron` out of line, for the rare neuron that finds its block's list full: inlined,
+// its row registers would count against the gate loop's, which then spills.
+template <int MAXV>
+__device__ __noinline__ void add_neuron_overflow(const uint4* xr, const __nv_bfloat16* __restrict__ w_ud,
+                                                 long long j, float g, int d, int tile, float* acc, float* l1,
+                                                 uint32_t* tile_counts) {
+    add_neuron<MAXV>(xr, w_ud, j, g, d, tile, acc, l1, tile_counts);
+}
+
 template <int MAXV, bool PRE>
 __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]: the input, or y with pre_alpha
                            const __nv_bfloat16* __restrict__ wg,    // [f, d]
@@ -135,14 +148,14 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]: t
 
     const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x >> 5);
     uint4 xr[MAXV];
+    // The warp's first two gate rows do not depend on x: their loads go out before the
+    // input is worked out, so they are on their way during the prologue.
+    uint4 wa[MAXV], wb[MAXV];
+    {
+        const long long j = global_warp(), j2 = j + warps;
+        if (j < f) load2<MAXV>(wg + j * d, j2 < f ? wg + j2 * d : nullptr, d, wa, wb);
+    }
     if constexpr (PRE) {
-        // The warp's first two gate rows do not depend on x: L2 fetches them while the
-        // block works out its input (a hint, so it costs no registers).
-        for (int k = 0; k < 2; ++k) {
-            const long long jk = global_warp() + k * warps;
-            if (jk < f)
-                for (int e = lane * 64; e < d; e += 32 * 64) prefetch_l2(wg + jk * d + e);
-        }
         // The MLP's input, rms_norm(residual + y) · pre_alpha, through shared memory
         // into every warp's registers.
         __shared__ __align__(16) __nv_bfloat16 row_in[MAXV * 32 * VEC];
@@ -163,8 +176,9 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]: t
     // Phase 1: the gates, two neurons per warp-step.
     for (long long j = global_warp(); j < f; j += 2 * warps) {
         const long long j2 = j + warps;
+        if (j != global_warp()) load2<MAXV>(wg + j * d, j2 < f ? wg + j2 * d : nullptr, d, wa, wb);
         float g[2];
-        registers_dot2<MAXV>(xr, wg + j * d, j2 < f ? wg + j2 * d : nullptr, d, g[0], g[1]);
+        dot2<MAXV>(xr, wa, wb, g[0], g[1]);
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             // The gate rounds to bf16, as the cuBLAS gate of the other paths does.
@@ -180,7 +194,7 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]: t
                     listed_g[slot] = gk;
                 }
             } else {
-                add_neuron<MAXV>(xr, w_ud, jk, gk, d, tile, acc, l1, tile_counts);
+                add_neuron_overflow<MAXV>(xr, w_ud, jk, gk, d, tile, acc, l1, tile_counts);
             }
         }
     }

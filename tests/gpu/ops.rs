@@ -541,6 +541,53 @@ fn linear_rows_matches_f32_and_cublas_at_one_to_eight_rows() {
 }
 
 #[test]
+fn argmax_rows_matches_the_cpu_argmax_with_ties_and_nan() {
+    let dev = gpu();
+    for (k, &(rows, n)) in [(1, 49_152), (3, 1000), (64, 49_152), (2, 7), (5, 1025)]
+        .iter()
+        .enumerate()
+    {
+        let mut x: Vec<f32> = Tensor::randn(0f32, 1.0, (rows, n), &Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        // Row 0: its maximum twice (the first wins); row 1: NaN among its values.
+        let top = x[..n].iter().cloned().fold(f32::MIN, f32::max) + 1.0;
+        x[n / 2] = top;
+        x[n - 1] = top;
+        if rows > 1 {
+            x[n + n / 3] = f32::NAN;
+        }
+        let cpu = Tensor::from_vec(x, (rows, n), &Device::Cpu).unwrap();
+        let want: Vec<u32> = cpu
+            .argmax(candle_core::D::Minus1)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let got: Vec<u32> = fused_ops::argmax_rows(&cpu.to_device(&dev).unwrap())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(want[0], (n / 2) as u32, "case {k}: the CPU's tie");
+        if rows > 1 {
+            let row1 = &cpu.get(1).unwrap().to_vec1::<f32>().unwrap();
+            let best = row1
+                .iter()
+                .cloned()
+                .filter(|v| !v.is_nan())
+                .fold(f32::MIN, f32::max);
+            assert_eq!(row1[got[1] as usize], best, "case {k}: row 1 past its NaN");
+        }
+        // Past the NaN row, every row as the CPU picks it.
+        for r in (0..rows).filter(|&r| r != 1) {
+            assert_eq!(got[r], want[r], "case {k} ({rows}x{n}), row {r}");
+        }
+    }
+}
+
+#[test]
 fn rope_and_its_backward_match_candle() {
     let dev = gpu();
     let results: Vec<_> = [(1, 1, 9, 64), (2, 333, 8, 64), (4, 2048, 32, 64)]

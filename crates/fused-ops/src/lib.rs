@@ -23,6 +23,7 @@
 
 mod adamw;
 mod add_rms_norm;
+mod argmax;
 mod attention;
 pub mod checks;
 pub mod compare;
@@ -41,6 +42,7 @@ pub mod simd;
 
 pub use adamw::{adamw_step, adamw_step_mixed, sum_squares, AdamwStep};
 pub use add_rms_norm::{add_rms_norm, rms_norm, AddRmsNorm, RmsNorm};
+pub use argmax::argmax_rows;
 pub use attention::softmax_grad::{
     attention_row_dot, attention_softmax_grad, AttentionSoftmaxGrad,
 };

@@ -300,7 +300,7 @@ impl SlotDecoder {
             attention,
             &self.rope,
         )?;
-        let greedy = logits.argmax(candle_core::D::Minus1)?;
+        let greedy = fused_ops::argmax_rows(&logits)?;
         self.logits.slice_set(&logits, 0, 0)?;
         self.greedy.slice_set(&greedy, 0, 0)?;
         Ok(())

@@ -5,14 +5,14 @@ use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Layout, Result, Shape};
 
-use crate::cuda::{bf16_view, grid_1d, output_buffer};
+use crate::cuda::{bf16_view, context_key, grid_1d, multiprocessors, output_buffer, PerContext};
 use crate::error::{err, OpError};
 
 const LINEAR_ROWS_PTX: &str = twell_kernels::LINEAR_ROWS;
 
 const THREADS: u32 = 256;
-/// Weight rows a block takes: 8 warps of 2 rows (`LINEAR_ROWS_R` in the kernel).
-const ROWS_PER_BLOCK: usize = 16;
+/// Warps a block: a warp streams rows of the weight.
+const WARPS: usize = THREADS as usize / 32;
 
 /// `x [m, k]` (1 ≤ m ≤ 8) times `weight [n, k]ᵀ`, both bf16 and contiguous, k a
 /// multiple of 8 (checked by the op): `[m, n]` bf16.
@@ -48,10 +48,20 @@ pub fn linear_rows(
     // SAFETY: the kernel writes every element of y ([m, n]).
     let mut y = unsafe { output_buffer(&dev, m * n)? };
     let (m_i, n_i, k_i) = (m as i32, n as i32, k as i32);
+    // A warp a row up to one wave of blocks (as many as the multiprocessors hold at once);
+    // past that the warps walk the rest, so no block waits in a second wave.
+    static BLOCKS_PER_SM: PerContext = PerContext::new();
+    let per_sm = BLOCKS_PER_SM.once((context_key(&dev), rows * 16 + vectors), || {
+        let blocks = func
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+            .w()? as usize;
+        Ok(blocks.max(1))
+    })?;
+    let blocks = n.div_ceil(WARPS).min(per_sm * multiprocessors(&dev)?);
     let mut b = func.builder();
     b.arg(&x).arg(&w).arg(&mut y).arg(&m_i).arg(&n_i).arg(&k_i);
-    // SAFETY: x holds m·k and w n·k bf16 (checked views); a warp's rows past n and
-    // vectors past k are skipped in the kernel.
-    unsafe { b.launch(grid_1d(n.div_ceil(ROWS_PER_BLOCK), THREADS)) }.w()?;
+    // SAFETY: x holds m·k and w n·k bf16 (checked views); the kernel's warps take rows
+    // below n and vectors below k only.
+    unsafe { b.launch(grid_1d(blocks, THREADS)) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(y, dev), Shape::from((m, n))))
 }
