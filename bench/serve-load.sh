@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `twell serve` under load, dense default against sparse default: for each, starts the
 # server on a loopback port, runs `twell bench serve` (streamed chat requests at each
-# concurrency, temperature 0.7), stops it. Prints a table; JSON under OUT.
+# concurrency, temperature 0.7), stops it. Prints a table and where each engine spent its
+# time (prefill, decode, sample, emit); JSON and /metrics under OUT.
 #   OUT=/tmp/serve-load bench/serve-load.sh [TWELL FLAGS...]     e.g. --device cuda
 # CONCURRENCY (default 1,8,32,64), ROUNDS (2), MAX_TOKENS (32); TWELL names the binary.
 # Needs scripts/setup.sh (the model).
@@ -34,4 +35,12 @@ print("concurrency | dense tok/s | sparse tok/s | ratio | TTFT p50 dense / spars
 for a, b in zip(d, s):
     print(f"{a['concurrency']:>11} | {a['tokens_per_sec']:11.1f} | {b['tokens_per_sec']:12.1f} | {b['tokens_per_sec'] / a['tokens_per_sec']:5.2f}x | "
           f"{a['ttft_p50_secs']:.3f} / {b['ttft_p50_secs']:.3f} | {a['ttft_p99_secs']:.3f} / {b['ttft_p99_secs']:.3f}")
+# Where each engine's time went over the whole run (its /metrics at the end).
+for m in ("dense", "sparse"):
+    phases = {}
+    for line in open(f"{out}/{m}-metrics.txt"):
+        if line.startswith("twell_engine_seconds_total{"):
+            phases[line.split('"')[1]] = float(line.split()[-1])
+    total = sum(phases.values()) or 1.0
+    print(f"{m} engine: " + ", ".join(f"{k} {v:.2f} s ({v / total:.0%})" for k, v in phases.items()))
 PY

@@ -410,6 +410,14 @@ fn sixteen_concurrent_streams_bad_requests_and_the_metrics_account_for_each() {
         "{metrics}"
     );
     assert!(metrics.contains("twell_ffn_density{"), "{metrics}");
+    // The engine's time is split by phase; prompts and decode steps both ran.
+    for phase in ["prefill", "decode", "sample", "emit"] {
+        let line = format!("twell_engine_seconds_total{{phase=\"{phase}\"}} ");
+        let secs = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&line)?.parse::<f64>().ok());
+        assert!(secs.is_some_and(|s| s > 0.0), "{phase}: {metrics}");
+    }
     assert!(
         metrics.contains("twell_time_to_first_token_seconds_count"),
         "{metrics}"

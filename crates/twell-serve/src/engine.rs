@@ -15,12 +15,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use candle_transformers::generation::{LogitsProcessor, Sampling};
+use rayon::prelude::*;
 use sparse_llama::{Cache, DecodeOptions, DecodeRow, Llama, SlotDecoder};
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc;
 
-use crate::metrics::{FfnTally, Metrics};
+use crate::metrics::{FfnTally, Metrics, Phase};
+use crate::sample::{HostLogits, Row, Sampler};
 
 /// How a request samples and when it stops.
 #[derive(Clone, Debug)]
@@ -103,7 +104,7 @@ pub struct EngineModel {
 struct Sequence {
     job: Job,
     cache: Cache,
-    sampler: LogitsProcessor,
+    sampler: Sampler,
     /// Prompt tokens prefilled so far.
     prefilled: usize,
     /// Every token so far (prompt and generated), for the repeat penalty.
@@ -136,22 +137,10 @@ impl EngineModel {
 
     /// A sequence for `job`, over its own `cache`.
     fn start(&self, job: Job, cache: Cache) -> Sequence {
-        let sampling = if job.params.temperature <= 0.0 {
-            Sampling::ArgMax
-        } else {
-            match job.params.top_p {
-                Some(p) if p < 1.0 => Sampling::TopP {
-                    p,
-                    temperature: job.params.temperature,
-                },
-                _ => Sampling::All {
-                    temperature: job.params.temperature,
-                },
-            }
-        };
+        let p = &job.params;
         Sequence {
             cache,
-            sampler: LogitsProcessor::from_sampling(job.params.seed, sampling),
+            sampler: Sampler::new(p.seed, p.temperature, p.top_p, p.repeat_penalty),
             prefilled: 0,
             tokens: job.prompt.clone(),
             generated: Vec::new(),
@@ -185,7 +174,9 @@ impl EngineModel {
         if end < seq.job.prompt.len() {
             return Ok(StepResult::Running);
         }
-        let result = self.accept(seq, logits, metrics)?;
+        let row = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let next = seq.sampler.sample(Row::F32(&row), &seq.tokens);
+        let result = self.take(seq, next, metrics)?;
         if let (StepResult::Running, Some((decoder, free_slots))) = (&result, slots) {
             // One slot per running sequence: there is always a free one.
             let slot = free_slots.pop().expect("a free slot per running sequence");
@@ -198,7 +189,7 @@ impl EngineModel {
 
     /// One new token for each of `seqs` (all past their prompts) in one step of the
     /// decode engine: greedy rows take the step's own argmax, the others sample from
-    /// their row of logits.
+    /// their row of logits, copied back once for all rows.
     fn decode_step_on_slots(
         &mut self,
         decoder: &mut SlotDecoder,
@@ -213,22 +204,19 @@ impl EngineModel {
                 position: s.job.prompt.len() + s.generated.len() - 1,
             })
             .collect();
+        let timer = Instant::now();
         decoder.step(&mut self.llama, &rows)?;
-        let plain_greedy =
-            |s: &Sequence| s.job.params.temperature <= 0.0 && s.job.params.repeat_penalty == 1.0;
-        let greedy = match seqs.iter().any(|s| plain_greedy(s)) {
+        let greedy = match seqs.iter().any(|s| s.sampler.is_plain_greedy()) {
             true => decoder.greedy_tokens()?,
             false => Vec::new(),
         };
-        let logits = decoder.logits()?;
-        Ok(seqs
-            .iter_mut()
-            .enumerate()
-            .map(|(i, seq)| match plain_greedy(seq) {
-                true => self.take(seq, greedy[i], metrics),
-                false => self.accept(seq, logits.get(i)?, metrics),
-            })
-            .collect())
+        let logits = match seqs.iter().all(|s| s.sampler.is_plain_greedy()) {
+            true => None,
+            false => Some(HostLogits::read(&decoder.logits()?)?),
+        };
+        metrics.add_phase(Phase::Decode, timer.elapsed());
+        let next = sample_rows(seqs, logits.as_ref(), &greedy, metrics)?;
+        Ok(self.take_all(seqs, next, metrics))
     }
 
     /// One new token for each of `seqs` (all past their prompts), in one batched step.
@@ -246,37 +234,33 @@ impl EngineModel {
             .iter()
             .map(|s| s.job.prompt.len() + s.generated.len() - 1)
             .collect();
+        let timer = Instant::now();
         let mut caches: Vec<&mut Cache> = seqs.iter_mut().map(|s| &mut s.cache).collect();
         let logits = self
             .llama
             .forward_decode_batch(&tokens, &positions, &mut caches)?;
+        let logits = HostLogits::read(&logits)?;
         tally.record(&self.llama)?;
-        Ok(seqs
-            .iter_mut()
-            .enumerate()
-            .map(|(i, seq)| self.accept(seq, logits.get(i)?, metrics))
-            .collect())
+        metrics.add_phase(Phase::Decode, timer.elapsed());
+        let next = sample_rows(seqs, Some(&logits), &[], metrics)?;
+        Ok(self.take_all(seqs, next, metrics))
     }
 
-    /// Samples `seq`'s next token from its `logits` and sends what it makes certain.
-    fn accept(
+    /// Appends each sequence's next token, in order, and sends what each makes certain.
+    fn take_all(
         &self,
-        seq: &mut Sequence,
-        logits: Tensor,
+        seqs: &mut [&mut Sequence],
+        next: Vec<u32>,
         metrics: &Metrics,
-    ) -> candle_core::Result<StepResult> {
-        let logits = if seq.job.params.repeat_penalty != 1.0 {
-            let start = seq.tokens.len().saturating_sub(64);
-            candle_transformers::utils::apply_repeat_penalty(
-                &logits,
-                seq.job.params.repeat_penalty,
-                &seq.tokens[start..],
-            )?
-        } else {
-            logits
-        };
-        let next = seq.sampler.sample(&logits)?;
-        self.take(seq, next, metrics)
+    ) -> Vec<candle_core::Result<StepResult>> {
+        let timer = Instant::now();
+        let results = seqs
+            .iter_mut()
+            .zip(next)
+            .map(|(seq, token)| self.take(seq, token, metrics))
+            .collect();
+        metrics.add_phase(Phase::Emit, timer.elapsed());
+        results
     }
 
     /// Appends `next` to `seq` and sends what it makes certain.
@@ -400,8 +384,31 @@ impl EngineModel {
     }
 }
 
-/// Runs the engine until `jobs` is closed (the server shut down) and every sequence in
-/// flight has finished or been cancelled.
+/// Each sequence's next token from its row of `logits` (rows in `seqs`' order), or from
+/// `greedy` where the step's argmax is its answer. Rows sample in parallel: each is a
+/// softmax over the vocabulary.
+fn sample_rows(
+    seqs: &mut [&mut Sequence],
+    logits: Option<&HostLogits>,
+    greedy: &[u32],
+    metrics: &Metrics,
+) -> candle_core::Result<Vec<u32>> {
+    let timer = Instant::now();
+    let next = seqs
+        .par_iter_mut()
+        .enumerate()
+        .map(|(i, seq)| match (logits, greedy.get(i)) {
+            (_, Some(&token)) if seq.sampler.is_plain_greedy() => Ok(token),
+            (Some(logits), _) => Ok(seq.sampler.sample(logits.row(i), &seq.tokens)),
+            (None, _) => Err(candle_core::Error::Msg(format!(
+                "row {i} samples, but the step read back no logits"
+            ))),
+        })
+        .collect();
+    metrics.add_phase(Phase::Sample, timer.elapsed());
+    next
+}
+
 /// The decode engine for `model`, where it takes it (CUDA, bf16, fused q, k, v: as
 /// inference loads give). A slot per sequence, each as long as the model's context.
 /// Without it (or if its cache does not fit) the steps run through
@@ -431,6 +438,8 @@ fn slot_decoder(model: &EngineModel, cfg: &EngineConfig) -> Option<SlotDecoder> 
     }
 }
 
+/// Runs the engine until `jobs` is closed (the server shut down) and every sequence in
+/// flight has finished or been cancelled.
 pub fn run(
     mut model: EngineModel,
     mut jobs: mpsc::Receiver<Job>,
@@ -505,6 +514,7 @@ pub fn run(
             .rev()
             .filter(|&slot| running.iter().all(|s| s.slot != Some(slot)))
             .collect();
+        let timer = Instant::now();
         for (i, seq) in running.iter_mut().enumerate() {
             if !decodes[i] {
                 let slots = decoder.as_mut().map(|d| (d, &mut free_slots));
@@ -513,6 +523,9 @@ pub fn run(
                     model.prefill_step(seq, &cfg, &metrics, &mut tally, slots),
                 ));
             }
+        }
+        if decodes.iter().any(|d| !d) {
+            metrics.add_phase(Phase::Prefill, timer.elapsed());
         }
         let decoding: Vec<usize> = (0..running.len()).filter(|&i| decodes[i]).collect();
         if !decoding.is_empty() {

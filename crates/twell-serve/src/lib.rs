@@ -12,6 +12,7 @@ pub mod api;
 pub mod app;
 pub mod engine;
 pub mod metrics;
+pub mod sample;
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;

@@ -74,6 +74,32 @@ impl FfnTally {
     }
 }
 
+/// What the engine's thread spends its time on, a step at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Prompt chunks through the model (and their first tokens).
+    Prefill,
+    /// The batched decode step, up to its logits on the host.
+    Decode,
+    /// Sampling the decoded rows.
+    Sample,
+    /// Appending tokens, detokenizing and sending text to the clients.
+    Emit,
+}
+
+impl Phase {
+    const ALL: [Phase; 4] = [Phase::Prefill, Phase::Decode, Phase::Sample, Phase::Emit];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Phase::Prefill => "prefill",
+            Phase::Decode => "decode",
+            Phase::Sample => "sample",
+            Phase::Emit => "emit",
+        }
+    }
+}
+
 /// Every figure `GET /metrics` reports.
 pub struct Metrics {
     started: Instant,
@@ -88,6 +114,8 @@ pub struct Metrics {
     ttft: Mutex<Histogram>,
     /// Per layer: the FFN's nonzero activations and the activations counted.
     ffn: Mutex<Vec<FfnCounts>>,
+    /// Nanoseconds the engine spent in each [`Phase`].
+    phase_nanos: [AtomicU64; 4],
 }
 
 impl Default for Metrics {
@@ -103,6 +131,7 @@ impl Default for Metrics {
             running: AtomicUsize::new(0),
             ttft: Mutex::default(),
             ffn: Mutex::default(),
+            phase_nanos: Default::default(),
         }
     }
 }
@@ -161,6 +190,12 @@ impl Metrics {
         }
         ffn[layer].nonzeros += nonzeros;
         ffn[layer].activations += activations;
+    }
+
+    /// Adds `spent` to the engine's time in `phase`.
+    pub fn add_phase(&self, phase: Phase, spent: Duration) {
+        let nanos = u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX);
+        self.phase_nanos[phase as usize].fetch_add(nanos, Ordering::Relaxed);
     }
 
     /// Requests waiting for a slot.
@@ -247,6 +282,17 @@ impl Metrics {
             }
             let _ = writeln!(s, "{name}_bucket{{le=\"+Inf\"}} {}", h.count);
             let _ = writeln!(s, "{name}_sum {}\n{name}_count {}", h.sum, h.count);
+        }
+        {
+            let name = "twell_engine_seconds_total";
+            let _ = writeln!(
+                s,
+                "# HELP {name} Time the engine spent, by phase of its steps.\n# TYPE {name} counter"
+            );
+            for phase in Phase::ALL {
+                let secs = self.phase_nanos[phase as usize].load(Ordering::Relaxed) as f64 * 1e-9;
+                let _ = writeln!(s, "{name}{{phase=\"{}\"}} {secs}", phase.as_str());
+            }
         }
         let ffn = self.ffn.lock().expect("metrics lock");
         if !ffn.is_empty() {
