@@ -392,7 +392,8 @@ fn sparse_default(dev: &Device) -> Option<sparse_llama::Llama> {
 /// steps together: the graph replays give the same logits as the same steps op by op
 /// (bit for bit), and stay within bf16 noise of the model's own forward over a KV cache
 /// for each sequence alone (relative L2 ≤ 1e-2), each step fed the token that forward
-/// chose (so the paths never part on a near tie).
+/// chose (so the paths never part on a near tie). Both FFN modes run, the dense one as
+/// the measure of the checkpoint's bf16 noise; each prints its error's spread first.
 #[test]
 fn graph_decode_follows_the_models_forward_for_256_steps_on_the_sparse_default() {
     use sparse_llama::{Cache, DecodeOptions, DecodeRow, SlotDecoder};
@@ -414,54 +415,72 @@ fn graph_decode_follows_the_models_forward_for_256_steps_on_the_sparse_default()
         context: 300,
         graphs,
     };
-    let mut graph = SlotDecoder::new(&model, options(true)).unwrap();
-    let mut eager = SlotDecoder::new(&model, options(false)).unwrap();
-    let mut caches = Vec::new();
-    let mut next = Vec::new();
-    for (p, &slot) in prompts.iter().zip(&slots) {
-        graph.prefill(&model, slot, p).unwrap();
-        eager.prefill(&model, slot, p).unwrap();
-        let mut cache = Cache::new(true, DType::BF16, &cfg, &dev).unwrap();
-        let x = Tensor::new(*p, &dev).unwrap().unsqueeze(0).unwrap();
-        let logits = model.forward(&x, 0, &mut cache).unwrap();
-        next.push(logits.argmax(1).unwrap().to_vec1::<u32>().unwrap()[0]);
-        caches.push(cache);
-    }
-    let mut worst = 0f64;
-    for step in 0..256 {
-        let rows: Vec<DecodeRow> = (0..3)
-            .map(|i| DecodeRow {
-                slot: slots[i],
-                token: next[i],
-                position: prompts[i].len() + step,
-            })
-            .collect();
-        graph.step(&mut model, &rows).unwrap();
-        eager.step(&mut model, &rows).unwrap();
-        let (g, e) = (graph.logits().unwrap(), eager.logits().unwrap());
-        let diff = (&g - &e).unwrap().abs().unwrap().max_all().unwrap();
-        assert_eq!(
-            diff.to_scalar::<f32>().unwrap(),
-            0.0,
-            "step {step}: graph != op by op"
-        );
-        for i in 0..3 {
-            let x = Tensor::new(&[[next[i]]], &dev).unwrap();
-            let alone = model.forward(&x, rows[i].position, &mut caches[i]).unwrap();
-            let err = rel_l2(&g.narrow(0, i, 1).unwrap(), &alone).unwrap();
-            worst = worst.max(err);
-            assert!(err <= 1e-2, "step {step}, sequence {i}: rel err {err:.2e}");
-            next[i] = alone.argmax(1).unwrap().to_vec1::<u32>().unwrap()[0];
+    let mut worst = Vec::new();
+    for mode in [twell::FfnMode::Sparse, twell::FfnMode::Dense] {
+        model.set_ffn_mode(mode).unwrap();
+        let mut graph = SlotDecoder::new(&model, options(true)).unwrap();
+        let mut eager = SlotDecoder::new(&model, options(false)).unwrap();
+        let mut caches = Vec::new();
+        let mut next = Vec::new();
+        for (p, &slot) in prompts.iter().zip(&slots) {
+            graph.prefill(&model, slot, p).unwrap();
+            eager.prefill(&model, slot, p).unwrap();
+            let mut cache = Cache::new(true, DType::BF16, &cfg, &dev).unwrap();
+            let x = Tensor::new(*p, &dev).unwrap().unsqueeze(0).unwrap();
+            let logits = model.forward(&x, 0, &mut cache).unwrap();
+            next.push(logits.argmax(1).unwrap().to_vec1::<u32>().unwrap()[0]);
+            caches.push(cache);
         }
+        let mut errs = Vec::new();
+        for step in 0..256 {
+            let rows: Vec<DecodeRow> = (0..3)
+                .map(|i| DecodeRow {
+                    slot: slots[i],
+                    token: next[i],
+                    position: prompts[i].len() + step,
+                })
+                .collect();
+            graph.step(&mut model, &rows).unwrap();
+            eager.step(&mut model, &rows).unwrap();
+            let (g, e) = (graph.logits().unwrap(), eager.logits().unwrap());
+            let diff = (&g - &e).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(
+                diff.to_scalar::<f32>().unwrap(),
+                0.0,
+                "{mode:?}, step {step}: graph != op by op"
+            );
+            for i in 0..3 {
+                let x = Tensor::new(&[[next[i]]], &dev).unwrap();
+                let alone = model.forward(&x, rows[i].position, &mut caches[i]).unwrap();
+                errs.push((
+                    rel_l2(&g.narrow(0, i, 1).unwrap(), &alone).unwrap(),
+                    step,
+                    i,
+                ));
+                next[i] = alone.argmax(1).unwrap().to_vec1::<u32>().unwrap()[0];
+            }
+        }
+        assert!(
+            graph.graph_failure().is_none(),
+            "{:?}",
+            graph.graph_failure()
+        );
+        errs.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (max, step, seq) = errs[errs.len() - 1];
+        eprintln!(
+            "{mode:?}: 256 steps × 3 sequences, graph = op by op; rel err against forward: \
+             median {:.2e}, 99th percentile {:.2e}, max {max:.2e} (step {step}, sequence {seq}), \
+             {} of {} above 1e-2",
+            errs[errs.len() / 2].0,
+            errs[errs.len() * 99 / 100].0,
+            errs.iter().filter(|e| e.0 > 1e-2).count(),
+            errs.len()
+        );
+        worst.push((mode, max));
     }
-    assert!(
-        graph.graph_failure().is_none(),
-        "{:?}",
-        graph.graph_failure()
-    );
-    eprintln!(
-        "256 steps × 3 sequences: graph = op by op; worst rel err against forward {worst:.2e}"
-    );
+    for (mode, max) in worst {
+        assert!(max <= 1e-2, "{mode:?}: rel err {max:.2e} against forward");
+    }
 }
 
 /// On the sparse default model, one sequence alone (the one-row MLP kernel, whose
