@@ -106,3 +106,56 @@ fn the_slot_decoder_refuses_the_cpu_with_a_clear_error() {
         .expect("refused on the CPU");
     assert!(e.to_string().contains("forward_decode_batch"), "{e}");
 }
+
+/// A cloned cache (a shared prompt prefix that several sequences go on from) and its
+/// original go on with their own tokens, a step each in turn: each gives the logits of a
+/// cache that was never cloned, also once the original outgrows its buffer's chunk.
+#[test]
+fn a_cloned_cache_and_its_original_go_on_apart() {
+    let dev = Device::Cpu;
+    let mut cfg = tiny_config("relu", 256).into_config(false);
+    cfg.max_position_embeddings = 600;
+    let w = tiny_weights(&cfg, 9);
+    let mut model = Llama::load(VarBuilder::from_tensors(w, DType::F32, &dev), &cfg).unwrap();
+    model.set_ffn_mode(twell::FfnMode::Sparse).unwrap();
+    let prefix: &[u32] = &[5, 17, 99, 3, 250, 42];
+    let step = |cache: &mut Cache, pos: usize, t: u32| -> Tensor {
+        let x = Tensor::new(&[[t]], &dev).unwrap();
+        model.forward(&x, pos, cache).unwrap()
+    };
+    // A never-cloned cache through the prefix and `tokens`: the last logits.
+    let fresh = |tokens: &[u32]| -> Tensor {
+        let mut cache = prefill(&model, prefix, &cfg);
+        let mut last = None;
+        for (k, &t) in tokens.iter().enumerate() {
+            last = Some(step(&mut cache, prefix.len() + k, t));
+        }
+        last.unwrap()
+    };
+    let a: Vec<u32> = (0..300).map(|i| (i * 7 % 250) as u32).collect();
+    let b: Vec<u32> = (0..40).map(|i| (i * 11 % 250 + 1) as u32).collect();
+    // One step after the prompt: the original now holds a chunked buffer with room.
+    let mut original = prefill(&model, prefix, &cfg);
+    step(&mut original, prefix.len(), a[0]);
+    let mut clone = original.clone();
+    let (mut got_a, mut got_b) = (None, None);
+    for k in 0..b.len() {
+        got_b = Some(step(&mut clone, prefix.len() + 1 + k, b[k]));
+        got_a = Some(step(&mut original, prefix.len() + 1 + k, a[1 + k]));
+    }
+    let mut b_path = vec![a[0]];
+    b_path.extend(&b);
+    assert!(rel_l2(&got_b.unwrap(), &fresh(&b_path)) < 1e-5, "the clone");
+    assert!(
+        rel_l2(got_a.as_ref().unwrap(), &fresh(&a[..=b.len()])) < 1e-5,
+        "the original"
+    );
+    // The original past its buffer's first chunk (256 positions).
+    for (k, &t) in a.iter().enumerate().skip(b.len() + 1) {
+        got_a = Some(step(&mut original, prefix.len() + k, t));
+    }
+    assert!(
+        rel_l2(&got_a.unwrap(), &fresh(&a)) < 1e-5,
+        "the original, grown"
+    );
+}

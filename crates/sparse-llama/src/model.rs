@@ -45,10 +45,26 @@ const KV_CHUNK: usize = 256;
 /// second append needs room. Joining the cache with each step's rows (`Tensor::cat`)
 /// copied all of it for every token, quadratic in the generated length (at batch 16 and
 /// 512 positions of the 2B shape, 2 GB a step), in two launches per tensor.
-#[derive(Debug, Clone)]
+///
+/// A clone shares the buffer, so it is marked `shared` and copies into a buffer of its own
+/// before its first write; the original writes only past the positions the clone holds.
+/// A cloned [`Cache`] (a shared prompt prefix, a branch of a sequence) then never sees
+/// another's rows.
+#[derive(Debug)]
 struct LayerKv {
     kv: Tensor,
     len: usize,
+    shared: bool,
+}
+
+impl Clone for LayerKv {
+    fn clone(&self) -> Self {
+        Self {
+            kv: self.kv.clone(),
+            len: self.len,
+            shared: true,
+        }
+    }
 }
 
 impl LayerKv {
@@ -64,6 +80,7 @@ impl LayerKv {
             *slot = Some(LayerKv {
                 kv: kv.clone(),
                 len: t,
+                shared: false,
             });
             return Ok(kv);
         };
@@ -83,15 +100,16 @@ impl LayerKv {
     }
 
     /// Makes room for `t` more positions: a buffer of whole chunks, what the cache holds
-    /// copied over.
+    /// copied over (always, for a buffer shared with a clone).
     fn reserve(&mut self, t: usize) -> Result<()> {
         let (b, capacity, width) = self.kv.dims3()?;
         let needed = self.len + t;
-        if needed > capacity {
+        if needed > capacity || self.shared {
             let grown = needed.div_ceil(KV_CHUNK) * KV_CHUNK;
             let buffer = Tensor::zeros((b, grown, width), self.kv.dtype(), self.kv.device())?;
-            buffer.slice_set(&self.kv, 1, 0)?;
+            buffer.slice_set(&self.kv.narrow(1, 0, self.len)?, 1, 0)?;
             self.kv = buffer;
+            self.shared = false;
         }
         Ok(())
     }
