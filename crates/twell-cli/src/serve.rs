@@ -26,6 +26,10 @@ pub struct ServeArgs {
     /// the streams already running.
     #[arg(long, default_value_t = 128)]
     pub prefill_chunk: usize,
+    /// Prompt prefixes kept prefilled for new requests that start with them (a chat
+    /// template's system turn, a shared preamble); 0 turns the cache off.
+    #[arg(long, default_value_t = 8)]
+    pub prefix_cache: usize,
     /// Largest request body accepted (bytes); larger ones get 413.
     #[arg(long, default_value_t = 1 << 20)]
     pub max_body_bytes: usize,
@@ -76,6 +80,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         max_sequences: args.max_sequences,
         queue: args.queue,
         prefill_chunk: args.prefill_chunk,
+        prefix_cache: args.prefix_cache,
         max_body_bytes: args.max_body_bytes,
         graphs: !args.no_graph,
     };

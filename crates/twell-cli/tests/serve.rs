@@ -620,3 +620,42 @@ fn bench_serve_refuses_empty_levels_and_counts() {
         );
     }
 }
+
+/// Requests that share a prompt prefix (the chat template's system turn, a question's
+/// opening words) start from its cached prefill, and answer as a server without the
+/// cache does.
+#[test]
+fn a_shared_prompt_prefix_is_prefilled_once_and_answers_the_same() {
+    if !default_model_installed() {
+        return;
+    }
+    let ask = |server: &Server, question: &str| -> String {
+        let body = format!(
+            r#"{{"model":"default","messages":[{{"role":"user","content":"{question}"}}],"max_tokens":12,"temperature":0}}"#
+        );
+        let (code, reply) = server.curl("POST", "/v1/chat/completions", Some(&body));
+        assert_eq!(code, 200, "{reply}");
+        let reply: serde_json::Value = serde_json::from_str(&reply).unwrap();
+        reply["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let questions = [
+        "What is the capital of France?",
+        "What is the capital of France?",
+        "What is the capital of France?",
+        "What is the capital of Italy?",
+        "What is the capital of Spain?",
+    ];
+    let plain = Server::start(&["--prefix-cache", "0"]);
+    let want: Vec<String> = questions.iter().map(|q| ask(&plain, q)).collect();
+    assert_eq!(plain.metric("twell_prefix_cache_hits_total"), 0.0);
+    drop(plain);
+    let cached = Server::start(&[]);
+    let got: Vec<String> = questions.iter().map(|q| ask(&cached, q)).collect();
+    assert_eq!(got, want);
+    // France a third time, and Spain after Italy (the shared "What is the capital of").
+    assert_eq!(cached.metric("twell_prefix_cache_hits_total"), 2.0);
+    assert!(cached.metric("twell_prefix_cache_tokens_total") >= 2.0 * 16.0);
+}

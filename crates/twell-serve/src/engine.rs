@@ -85,6 +85,8 @@ pub struct EngineConfig {
     pub max_sequences: usize,
     /// Prompt tokens a sequence prefills per step.
     pub prefill_chunk: usize,
+    /// Prompt prefixes kept prefilled ([`PrefixCache`]); 0 is none.
+    pub prefix_cache: usize,
     /// On CUDA, replay each decode step as a CUDA graph (off: the decode engine's
     /// steps launch their ops one by one).
     pub graphs: bool,
@@ -122,6 +124,9 @@ struct Sequence {
     next_input: Option<u32>,
     /// The decode engine's slot holding the sequence's cache, once its prompt is in.
     slot: Option<usize>,
+    /// A prompt length at which the prefill stops once, to keep the cache so far as a
+    /// shared prefix ([`PrefixCache::plan`]).
+    keep_prefix_at: Option<usize>,
 }
 
 /// What one step of a sequence did.
@@ -150,6 +155,7 @@ impl EngineModel {
             sent: 0,
             next_input: None,
             slot: None,
+            keep_prefix_at: None,
             job,
         }
     }
@@ -163,14 +169,22 @@ impl EngineModel {
         cfg: &EngineConfig,
         metrics: &Metrics,
         tally: &mut FfnTally,
+        prefixes: &mut PrefixCache,
         slots: Option<(&mut SlotDecoder, &mut Vec<usize>)>,
     ) -> candle_core::Result<StepResult> {
         let start = seq.prefilled;
-        let end = (start + cfg.prefill_chunk).min(seq.job.prompt.len());
+        let mut end = (start + cfg.prefill_chunk).min(seq.job.prompt.len());
+        if let Some(at) = seq.keep_prefix_at.filter(|&at| at > start) {
+            end = end.min(at);
+        }
         let x = Tensor::new(&seq.job.prompt[start..end], &self.device)?.unsqueeze(0)?;
         let logits = self.llama.forward(&x, start, &mut seq.cache)?.squeeze(0)?;
         tally.record(&self.llama)?;
         seq.prefilled = end;
+        if seq.keep_prefix_at == Some(end) {
+            prefixes.insert(seq.job.prompt[..end].to_vec(), seq.cache.clone());
+            seq.keep_prefix_at = None;
+        }
         if end < seq.job.prompt.len() {
             return Ok(StepResult::Running);
         }
@@ -384,6 +398,81 @@ impl EngineModel {
     }
 }
 
+/// Shared prompt prefixes shorter than this get no cache entry.
+const MIN_SHARED_PREFIX: usize = 16;
+/// Recent prompts kept to find the prefixes new ones share.
+const RECENT_PROMPTS: usize = 16;
+
+/// Prompt prefixes whose caches new sequences start from, so that text many requests
+/// share (a chat template's system turn, a few-shot preamble) is prefilled once, not once
+/// a request. A prefix is kept once two prompts share it: the second one's prefill stops
+/// there once and leaves a clone of its cache. Entries go least recently used first.
+/// Clones share the cached keys and values until they write (`Cache`'s clone).
+struct PrefixCache {
+    capacity: usize,
+    /// Least recently used first.
+    entries: Vec<(Vec<u32>, Cache)>,
+    recent: std::collections::VecDeque<Vec<u32>>,
+}
+
+impl PrefixCache {
+    fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            entries: Vec::new(),
+            recent: Default::default(),
+        }
+    }
+
+    /// The longest cached prefix of `prompt` that leaves a token of it to prefill (its
+    /// logits give the first new token): its length and a clone of its cache.
+    fn take(&mut self, prompt: &[u32]) -> Option<(usize, Cache)> {
+        let (best, _) = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, (t, _))| t.len() < prompt.len() && prompt.starts_with(t))
+            .max_by_key(|(_, (t, _))| t.len())?;
+        let entry = self.entries.remove(best);
+        let taken = (entry.0.len(), entry.1.clone());
+        self.entries.push(entry);
+        Some(taken)
+    }
+
+    /// Where `prompt` (already `cached` tokens in) should stop its prefill once to keep
+    /// a new entry: the longest prefix it shares with a recent prompt, if that is long
+    /// enough, past what it started from, and not cached yet.
+    fn plan(&mut self, prompt: &[u32], cached: usize) -> Option<usize> {
+        if self.capacity == 0 || prompt.is_empty() {
+            return None;
+        }
+        let shared = self
+            .recent
+            .iter()
+            .map(|r| r.iter().zip(prompt).take_while(|(a, b)| a == b).count())
+            .max()
+            .unwrap_or(0)
+            .min(prompt.len() - 1);
+        if self.recent.len() == RECENT_PROMPTS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(prompt.to_vec());
+        let known = self.entries.iter().any(|(t, _)| t[..] == prompt[..shared]);
+        (shared >= MIN_SHARED_PREFIX && shared > cached && !known).then_some(shared)
+    }
+
+    fn insert(&mut self, tokens: Vec<u32>, cache: Cache) {
+        // Sequences that arrived together may all have planned the same prefix.
+        if self.capacity == 0 || self.entries.iter().any(|(t, _)| *t == tokens) {
+            return;
+        }
+        if self.entries.len() == self.capacity {
+            self.entries.remove(0);
+        }
+        self.entries.push((tokens, cache));
+    }
+}
+
 /// Each sequence's next token from its row of `logits` (rows in `seqs`' order), or from
 /// `greedy` where the step's argmax is its answer. Rows sample in parallel: each is a
 /// softmax over the vocabulary.
@@ -447,6 +536,7 @@ pub fn run(
     metrics: Arc<Metrics>,
 ) {
     let mut decoder = slot_decoder(&model, &cfg);
+    let mut prefixes = PrefixCache::new(cfg.prefix_cache);
     let mut running: Vec<Sequence> = Vec::new();
     let mut tally = FfnTally::default();
     let mut open = true;
@@ -483,7 +573,16 @@ pub fn run(
                 continue;
             }
             match model.new_cache() {
-                Ok(cache) => running.push(model.start(job, cache)),
+                Ok(cache) => {
+                    let mut seq = model.start(job, cache);
+                    if let Some((tokens, cache)) = prefixes.take(&seq.job.prompt) {
+                        metrics.prefix_hit(tokens);
+                        seq.cache = cache;
+                        seq.prefilled = tokens;
+                    }
+                    seq.keep_prefix_at = prefixes.plan(&seq.job.prompt, seq.prefilled);
+                    running.push(seq);
+                }
                 Err(e) => {
                     let _ = job.events.send(Event::Failed(crate::app::first_line(&e)));
                     metrics.failed();
@@ -520,7 +619,7 @@ pub fn run(
                 let slots = decoder.as_mut().map(|d| (d, &mut free_slots));
                 results.push((
                     i,
-                    model.prefill_step(seq, &cfg, &metrics, &mut tally, slots),
+                    model.prefill_step(seq, &cfg, &metrics, &mut tally, &mut prefixes, slots),
                 ));
             }
         }

@@ -48,6 +48,8 @@ pub struct ServeOptions {
     pub queue: usize,
     /// Prompt tokens a sequence prefills per engine step.
     pub prefill_chunk: usize,
+    /// Prompt prefixes kept prefilled for the requests that start with them; 0 is none.
+    pub prefix_cache: usize,
     pub max_body_bytes: usize,
     /// On CUDA, replay each decode step as a CUDA graph (off: the decode engine's
     /// steps launch their ops one by one).
@@ -62,6 +64,7 @@ impl Default for ServeOptions {
             max_sequences: 16,
             queue: 64,
             prefill_chunk: 128,
+            prefix_cache: 8,
             max_body_bytes: 1 << 20,
             graphs: true,
         }
@@ -131,6 +134,7 @@ pub fn serve(
     let cfg = EngineConfig {
         max_sequences: opts.max_sequences,
         prefill_chunk: opts.prefill_chunk,
+        prefix_cache: opts.prefix_cache,
         graphs: opts.graphs,
     };
     // Returns once the router (and with it the queue's sender) is gone: after the

@@ -116,6 +116,8 @@ pub struct Metrics {
     ffn: Mutex<Vec<FfnCounts>>,
     /// Nanoseconds the engine spent in each [`Phase`].
     phase_nanos: [AtomicU64; 4],
+    prefix_hits: AtomicU64,
+    prefix_tokens: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -132,6 +134,8 @@ impl Default for Metrics {
             ttft: Mutex::default(),
             ffn: Mutex::default(),
             phase_nanos: Default::default(),
+            prefix_hits: AtomicU64::new(0),
+            prefix_tokens: AtomicU64::new(0),
         }
     }
 }
@@ -192,6 +196,13 @@ impl Metrics {
         ffn[layer].activations += activations;
     }
 
+    /// A request started from a cached prompt prefix of `tokens` tokens.
+    pub fn prefix_hit(&self, tokens: usize) {
+        self.prefix_hits.fetch_add(1, Ordering::Relaxed);
+        self.prefix_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+    }
+
     /// Adds `spent` to the engine's time in `phase`.
     pub fn add_phase(&self, phase: Phase, spent: Duration) {
         let nanos = u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX);
@@ -246,6 +257,18 @@ impl Metrics {
             "twell_requests_failed_total",
             "Requests the engine could not run.",
             self.failed.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut s,
+            "twell_prefix_cache_hits_total",
+            "Requests that started from a cached prompt prefix.",
+            self.prefix_hits.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut s,
+            "twell_prefix_cache_tokens_total",
+            "Prompt tokens taken from the prefix cache instead of prefilled.",
+            self.prefix_tokens.load(Ordering::Relaxed),
         );
         gauge(
             &mut s,
