@@ -46,7 +46,7 @@ fi
 # interrupted setup never leaves half an adapter.
 adapter_src="$root/models/smollm2-135m-sparse"
 adapter="$data/smollm2-135m-sparse"
-adapter_sums_sha256=0c8f29ad361a3c9161c7b7aef57ec3bc961ab9398cd18e17584e40cecb31ae1b
+adapter_sums_sha256=7ec1897418936592706362c62ed9ba1d374d332c032c33c90765e5984685993d
 if ! echo "$adapter_sums_sha256  $adapter_src/SHA256SUMS" | sha256sum -c --quiet - 2>/dev/null \
   || ! (cd "$adapter_src" && sha256sum -c --quiet --strict SHA256SUMS); then
   echo "setup: $adapter_src is missing or damaged (a file fails its checksum); restore it with git checkout -- models" >&2

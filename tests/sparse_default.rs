@@ -174,11 +174,9 @@ fn sparse_default_answers_paris_and_part_of_the_chat_prompts() {
 fn the_shipped_adapter_checks_out_and_refuses_damage() {
     let dir = shipped_adapter();
     adapter::verify_checksums(&dir).unwrap();
-    // It runs `auto` unless --ffn says otherwise: each call on the side its timings
-    // find faster (TwELL for decode on the CPU and at one row on CUDA, cuBLAS where the
-    // decode engine's batches make it faster).
+    // It runs the TwELL path at every call unless --ffn says otherwise.
     let shipped = LoraAdapter::load(&dir).unwrap();
-    assert_eq!(shipped.ffn_mode().unwrap(), Some(FfnMode::Auto));
+    assert_eq!(shipped.ffn_mode().unwrap(), Some(FfnMode::Sparse));
     let copy = tempfile::tempdir().unwrap();
     for entry in std::fs::read_dir(&dir).unwrap() {
         let entry = entry.unwrap();
