@@ -105,7 +105,7 @@ pub enum FfnArg {
     Dense,
     /// The TwELL kernels at every call.
     Sparse,
-    /// Sparse while the measured density is below the break-even, dense above it.
+    /// Per call, the side its own timings find faster at that size and density.
     Auto,
 }
 

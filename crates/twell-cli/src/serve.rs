@@ -4,6 +4,7 @@
 use anyhow::{Context, Result};
 use twell_serve::{EngineModel, ServeOptions, Served};
 
+use crate::device::FfnArg;
 use crate::model_args::ModelArgs;
 
 #[derive(clap::Args, Debug)]
@@ -44,7 +45,13 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: &ServeArgs) -> Result<()> {
-    let (ck, mut llama) = args.model.open_for_inference()?;
+    // A server's batches change size from step to step, so unless --ffn says otherwise
+    // each MLP call takes the side its own timings find faster at that size (`auto`),
+    // whatever path a merged adapter declares for one sequence at a time.
+    let mut model_args = args.model.clone();
+    model_args.ffn.get_or_insert(FfnArg::Auto);
+    let (ck, mut llama) = model_args.open_for_inference()?;
+    let ffn = llama.config().ffn_mode.name();
     let relu = llama.config().activation == twell::Activation::Relu;
     llama.record_ffn_stats(relu);
     let device = llama.device().clone();
@@ -85,7 +92,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         graphs: !args.no_graph,
     };
     twell_serve::serve(served, &opts, |addr| {
-        eprintln!("serving {model_id} at http://{addr}/v1 (Ctrl-C stops)");
+        eprintln!("serving {model_id} (ffn {ffn}) at http://{addr}/v1 (Ctrl-C stops)");
     })
     .context("twell serve")
 }

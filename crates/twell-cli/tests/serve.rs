@@ -38,6 +38,8 @@ fn default_model_installed() -> bool {
 struct Server {
     child: Child,
     addr: String,
+    /// The line that gave the address.
+    banner: String,
 }
 
 impl Server {
@@ -66,7 +68,11 @@ impl Server {
                 Ok(line) => {
                     if let Some(at) = line.find("http://") {
                         let addr = line[at + 7..].split('/').next().unwrap().to_string();
-                        return Self { child, addr };
+                        return Self {
+                            child,
+                            addr,
+                            banner: line,
+                        };
                     }
                     seen.push_str(&line);
                     seen.push('\n');
@@ -437,6 +443,8 @@ fn the_default_model_serves_the_openai_client_and_frees_what_clients_drop() {
         return;
     }
     let server = Server::start(&[]);
+    // A server runs `auto` unless --ffn says otherwise (the adapter declares `sparse`).
+    assert!(server.banner.contains("(ffn auto)"), "{}", server.banner);
     let out = Command::new("python3")
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py"))
         .arg(server.url("/v1"))
@@ -648,11 +656,13 @@ fn a_shared_prompt_prefix_is_prefilled_once_and_answers_the_same() {
         "What is the capital of Italy?",
         "What is the capital of Spain?",
     ];
-    let plain = Server::start(&["--prefix-cache", "0"]);
+    // One FFN path for both: `auto` picks its side by timing, and the sides' sums differ
+    // in their last bits.
+    let plain = Server::start(&["--prefix-cache", "0", "--ffn", "sparse"]);
     let want: Vec<String> = questions.iter().map(|q| ask(&plain, q)).collect();
     assert_eq!(plain.metric("twell_prefix_cache_hits_total"), 0.0);
     drop(plain);
-    let cached = Server::start(&[]);
+    let cached = Server::start(&["--ffn", "sparse"]);
     let got: Vec<String> = questions.iter().map(|q| ask(&cached, q)).collect();
     assert_eq!(got, want);
     // France a third time, and Spain after Italy (the shared "What is the capital of").
