@@ -263,6 +263,12 @@ fn bad_serve_flags_are_rejected() {
         &["serve", "--model", m, "--port", "0", "--queue", "0"],
         "--queue",
     );
+    for bad in ["--prefix-cache=-1", "--prefix-cache=many"] {
+        fails_with(
+            &["serve", "--model", m, "--port", "0", bad],
+            "--prefix-cache",
+        );
+    }
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port().to_string();
     fails_with(
