@@ -21,7 +21,7 @@ use tokenizers::Tokenizer;
 use tokio::sync::mpsc;
 
 use crate::metrics::{FfnTally, Metrics, Phase};
-use crate::sample::{HostLogits, Row, Sampler};
+use crate::sample::{read_logits, Sampler};
 
 /// How a request samples and when it stops.
 #[derive(Clone, Debug)]
@@ -189,7 +189,7 @@ impl EngineModel {
             return Ok(StepResult::Running);
         }
         let row = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        let next = seq.sampler.sample(Row::F32(&row), &seq.tokens);
+        let next = seq.sampler.sample(&row, &seq.tokens);
         let result = self.take(seq, next, metrics)?;
         if let (StepResult::Running, Some((decoder, free_slots))) = (&result, slots) {
             // One slot per running sequence: there is always a free one.
@@ -226,10 +226,10 @@ impl EngineModel {
         };
         let logits = match seqs.iter().all(|s| s.sampler.is_plain_greedy()) {
             true => None,
-            false => Some(HostLogits::read(&decoder.logits()?)?),
+            false => Some(read_logits(&decoder.logits()?)?),
         };
         metrics.add_phase(Phase::Decode, timer.elapsed());
-        let next = sample_rows(seqs, logits.as_ref(), &greedy, metrics)?;
+        let next = sample_rows(seqs, logits.as_deref(), &greedy, metrics)?;
         Ok(self.take_all(seqs, next, metrics))
     }
 
@@ -253,7 +253,7 @@ impl EngineModel {
         let logits = self
             .llama
             .forward_decode_batch(&tokens, &positions, &mut caches)?;
-        let logits = HostLogits::read(&logits)?;
+        let logits = read_logits(&logits)?;
         tally.record(&self.llama)?;
         metrics.add_phase(Phase::Decode, timer.elapsed());
         let next = sample_rows(seqs, Some(&logits), &[], metrics)?;
@@ -478,7 +478,7 @@ impl PrefixCache {
 /// softmax over the vocabulary.
 fn sample_rows(
     seqs: &mut [&mut Sequence],
-    logits: Option<&HostLogits>,
+    logits: Option<&[Vec<f32>]>,
     greedy: &[u32],
     metrics: &Metrics,
 ) -> candle_core::Result<Vec<u32>> {
@@ -488,7 +488,7 @@ fn sample_rows(
         .enumerate()
         .map(|(i, seq)| match (logits, greedy.get(i)) {
             (_, Some(&token)) if seq.sampler.is_plain_greedy() => Ok(token),
-            (Some(logits), _) => Ok(seq.sampler.sample(logits.row(i), &seq.tokens)),
+            (Some(logits), _) => Ok(seq.sampler.sample(&logits[i], &seq.tokens)),
             (None, _) => Err(candle_core::Error::Msg(format!(
                 "row {i} samples, but the step read back no logits"
             ))),
@@ -572,15 +572,19 @@ pub fn run(
                 metrics.cancelled();
                 continue;
             }
-            match model.new_cache() {
+            // A cached prefix, else a new cache (its RoPE tables made for it).
+            let (cached, cache) = match prefixes.take(&job.prompt) {
+                Some((tokens, cache)) => {
+                    metrics.prefix_hit(tokens);
+                    (tokens, Ok(cache))
+                }
+                None => (0, model.new_cache()),
+            };
+            match cache {
                 Ok(cache) => {
                     let mut seq = model.start(job, cache);
-                    if let Some((tokens, cache)) = prefixes.take(&seq.job.prompt) {
-                        metrics.prefix_hit(tokens);
-                        seq.cache = cache;
-                        seq.prefilled = tokens;
-                    }
-                    seq.keep_prefix_at = prefixes.plan(&seq.job.prompt, seq.prefilled);
+                    seq.prefilled = cached;
+                    seq.keep_prefix_at = prefixes.plan(&seq.job.prompt, cached);
                     running.push(seq);
                 }
                 Err(e) => {

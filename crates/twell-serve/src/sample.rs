@@ -3,7 +3,6 @@
 //! each row through device ops was a synchronisation and four launches a sequence).
 
 use candle_core::{DType, Tensor};
-use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -12,35 +11,10 @@ use rand::{Rng, SeedableRng};
 /// the nucleus needs, so a full sort of the vocabulary is rarely paid.
 const NUCLEUS_FIRST_CANDIDATES: usize = 64;
 
-/// A step's logits on the host, a row per sequence. bf16 logits come back as they are:
-/// half the bytes of f32 over the bus, widened on the host while sampling.
-pub enum HostLogits {
-    F32(Vec<Vec<f32>>),
-    Bf16(Vec<Vec<bf16>>),
-}
-
-impl HostLogits {
-    /// Copies `logits` (rows × vocabulary) to the host in one transfer.
-    pub fn read(logits: &Tensor) -> candle_core::Result<Self> {
-        Ok(match logits.dtype() {
-            DType::BF16 => Self::Bf16(logits.to_vec2()?),
-            _ => Self::F32(logits.to_dtype(DType::F32)?.to_vec2()?),
-        })
-    }
-
-    pub fn row(&self, i: usize) -> Row<'_> {
-        match self {
-            Self::F32(rows) => Row::F32(&rows[i]),
-            Self::Bf16(rows) => Row::Bf16(&rows[i]),
-        }
-    }
-}
-
-/// One row of logits.
-#[derive(Clone, Copy)]
-pub enum Row<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [bf16]),
+/// A step's logits `[rows, vocabulary]` on the host, in one transfer for every row (the
+/// model's logits are f32).
+pub fn read_logits(logits: &Tensor) -> candle_core::Result<Vec<Vec<f32>>> {
+    logits.to_dtype(DType::F32)?.to_vec2()
 }
 
 /// One sequence's sampler: temperature, nucleus and repeat penalty, as a request asks.
@@ -75,12 +49,9 @@ impl Sampler {
 
     /// The next token from one row of logits. `context` is the text so far, whose last
     /// 64 tokens the repeat penalty reads (as llama.cpp's default window).
-    pub fn sample(&mut self, logits: Row<'_>, context: &[u32]) -> u32 {
+    pub fn sample(&mut self, logits: &[f32], context: &[u32]) -> u32 {
         self.weights.clear();
-        match logits {
-            Row::F32(row) => self.weights.extend_from_slice(row),
-            Row::Bf16(row) => self.weights.extend(row.iter().map(|x| x.to_f32())),
-        }
+        self.weights.extend_from_slice(logits);
         if self.repeat_penalty != 1.0 {
             let start = context.len().saturating_sub(64);
             penalize_repeats(&mut self.weights, &context[start..], self.repeat_penalty);
@@ -143,7 +114,7 @@ impl Sampler {
 }
 
 /// The index of the largest logit (the first, on ties).
-pub fn argmax(xs: &[f32]) -> u32 {
+fn argmax(xs: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in xs.iter().enumerate() {
         if x > xs[best] {
@@ -224,12 +195,9 @@ mod tests {
     #[test]
     fn greedy_takes_the_largest_logit_after_the_penalty() {
         let l = vec![1.0, 5.0, 4.0, -2.0];
-        assert_eq!(Sampler::new(0, 0.0, None, 1.0).sample(Row::F32(&l), &[]), 1);
+        assert_eq!(Sampler::new(0, 0.0, None, 1.0).sample(&l, &[]), 1);
         // 5 / 2 = 2.5 falls under 4.
-        assert_eq!(
-            Sampler::new(0, 0.0, None, 2.0).sample(Row::F32(&l), &[1, 1]),
-            2
-        );
+        assert_eq!(Sampler::new(0, 0.0, None, 2.0).sample(&l, &[1, 1]), 2);
         // Negative logits are multiplied: -2 * 2 stays last.
         let mut w = l.clone();
         penalize_repeats(&mut w, &[3, 1, 3], 2.0);
@@ -241,9 +209,7 @@ mod tests {
         let l = logits(49_152, 1);
         let run = |seed| {
             let mut s = Sampler::new(seed, 0.8, Some(0.9), 1.1);
-            (0..32)
-                .map(|_| s.sample(Row::F32(&l), &[3, 4]))
-                .collect::<Vec<_>>()
+            (0..32).map(|_| s.sample(&l, &[3, 4])).collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8));
@@ -263,7 +229,7 @@ mod tests {
             let mut s = Sampler::new(seed, temperature, Some(p), 1.0);
             let mut seen = std::collections::HashSet::new();
             for _ in 0..2_000 {
-                let t = s.sample(Row::F32(&l), &[]);
+                let t = s.sample(&l, &[]);
                 assert!(nucleus.contains(&t), "n {n}: token {t} outside the nucleus");
                 seen.insert(t);
             }
@@ -280,9 +246,7 @@ mod tests {
         let l = vec![1.0, 0.0, -100.0];
         let mut s = Sampler::new(3, 1.0, None, 1.0);
         let draws = 20_000;
-        let first = (0..draws)
-            .filter(|_| s.sample(Row::F32(&l), &[]) == 0)
-            .count();
+        let first = (0..draws).filter(|_| s.sample(&l, &[]) == 0).count();
         let share = first as f64 / draws as f64;
         let expected = 1.0f64.exp() / (1.0f64.exp() + 1.0);
         assert!(
@@ -291,40 +255,14 @@ mod tests {
         );
         // The same through the nucleus with p = 1 - tiny: both tokens, same shares.
         let mut s = Sampler::new(3, 1.0, Some(0.999_999), 1.0);
-        let first = (0..draws)
-            .filter(|_| s.sample(Row::F32(&l), &[]) == 0)
-            .count();
+        let first = (0..draws).filter(|_| s.sample(&l, &[]) == 0).count();
         assert!((first as f64 / draws as f64 - expected).abs() < 0.015);
-    }
-
-    #[test]
-    fn bf16_rows_sample_as_their_f32_values() {
-        let l: Vec<f32> = logits(5_000, 9)
-            .into_iter()
-            .map(|x| bf16::from_f32(x).to_f32())
-            .collect();
-        let b: Vec<bf16> = l.iter().map(|&x| bf16::from_f32(x)).collect();
-        let (mut s32, mut s16) = (
-            Sampler::new(5, 0.9, Some(0.95), 1.2),
-            Sampler::new(5, 0.9, Some(0.95), 1.2),
-        );
-        for _ in 0..64 {
-            assert_eq!(
-                s32.sample(Row::F32(&l), &[1, 2, 3]),
-                s16.sample(Row::Bf16(&b), &[1, 2, 3])
-            );
-        }
-        let t = Tensor::from_vec(b.clone(), (1, 5_000), &candle_core::Device::Cpu).unwrap();
-        match HostLogits::read(&t).unwrap() {
-            HostLogits::Bf16(rows) => assert_eq!(rows, vec![b]),
-            HostLogits::F32(_) => panic!("bf16 logits came back widened"),
-        }
     }
 
     #[test]
     fn a_narrow_nucleus_is_the_top_token() {
         let l = vec![0.0, 9.0, 1.0, 2.0];
         let mut s = Sampler::new(0, 1.0, Some(0.5), 1.0);
-        assert!((0..100).all(|_| s.sample(Row::F32(&l), &[]) == 1));
+        assert!((0..100).all(|_| s.sample(&l, &[]) == 1));
     }
 }
