@@ -6,8 +6,11 @@
 //    their 16-byte loads in flight); each neuron whose gate is positive goes on its
 //    block's list in shared memory;
 // 2. the block's warps share its list: a warp reads a listed neuron's Wu_j and Wd_j (row
-//    j of the neuron-major w_ud [f, 2d]) together, and adds h_j · Wd_j into f32 sums with
-//    atomics, lanes on neighbouring floats so each atomic instruction covers 256 bytes.
+//    j of the neuron-major w_ud [f, 2d]) together, and adds h_j · Wd_j into the sums with
+//    atomics, lanes on neighbouring sums so each atomic instruction covers whole lines.
+//    The sums are fixed point in 64-bit integers (steps of 2^-32, |sum| < 2^31): integer
+//    adds give the same sum in any order, so the output does not depend on which block
+//    adds first. With f32 atomics it did, and greedy decoding differed from run to run.
 // So the bytes read are Wg plus the active neurons' rows. A block whose list is full adds
 // the neuron at once instead, so none is ever dropped.
 //
@@ -24,6 +27,17 @@
 // the sum then adds to `residual + y`. A decode step's MLP sublayer is then one launch:
 // the add + norm before it, the MLP, the add + norm after it.
 #include "rms_norm_row.cuh"
+
+// The sums' fixed point: 2^32 steps per unit.
+#define FIXED_ONE 4294967296.0f
+// Each term is clamped to +-2^30 so that its conversion cannot overflow.
+__device__ __forceinline__ unsigned long long to_fixed(float v) {
+    return static_cast<unsigned long long>(__float2ll_rn(fminf(fmaxf(v, -1073741824.f), 1073741824.f) * FIXED_ONE));
+}
+__device__ __forceinline__ float from_fixed(uint32_t lo, uint32_t hi) {
+    const long long s = static_cast<long long>((static_cast<unsigned long long>(hi) << 32) | lo);
+    return __ll2float_rn(s) * (1.0f / FIXED_ONE);
+}
 
 // Active neurons one block lists between the phases (at 3% density a block holds 1-2).
 #define DECODE_LIST 128
@@ -71,7 +85,7 @@ __device__ __forceinline__ void dot2(const uint4* r, const uint4* a, const uint4
 // Wu_j and Wd_j are read together; Wd_j by bf16 pairs, lane l taking pairs l, l + 32, ...
 template <int MAXV>
 __device__ __forceinline__ void add_neuron(const uint4* xr, const __nv_bfloat16* __restrict__ w_ud, long long j,
-                                           float g, int d, int tile, float* acc, float* l1,
+                                           float g, int d, int tile, unsigned long long* acc, float* l1,
                                            uint32_t* tile_counts) {
     const int lane = threadIdx.x & 31;
     const __nv_bfloat16* row = w_ud + j * 2 * d;
@@ -101,8 +115,8 @@ __device__ __forceinline__ void add_neuron(const uint4* xr, const __nv_bfloat16*
         const int e = 2 * (lane + 32 * i);
         if (e < d) {
             const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wd[i]));
-            red_add(acc + e, h * wf.x);
-            red_add(acc + e + 1, h * wf.y);
+            red_add(acc + e, to_fixed(h * wf.x));
+            red_add(acc + e + 1, to_fixed(h * wf.y));
         }
     }
     if (lane == 0) {
@@ -115,7 +129,7 @@ __device__ __forceinline__ void add_neuron(const uint4* xr, const __nv_bfloat16*
 // its row registers would count against the gate loop's, which then spills.
 template <int MAXV>
 __device__ __noinline__ void add_neuron_overflow(const uint4* xr, const __nv_bfloat16* __restrict__ w_ud,
-                                                 long long j, float g, int d, int tile, float* acc, float* l1,
+                                                 long long j, float g, int d, int tile, unsigned long long* acc, float* l1,
                                                  uint32_t* tile_counts) {
     add_neuron<MAXV>(xr, w_ud, j, g, d, tile, acc, l1, tile_counts);
 }
@@ -124,7 +138,7 @@ template <int MAXV, bool PRE>
 __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]: the input, or y with pre_alpha
                            const __nv_bfloat16* __restrict__ wg,    // [f, d]
                            const __nv_bfloat16* __restrict__ w_ud,  // [f, 2d]: Wu_j then Wd_j
-                           float* acc,                              // scratch [d], zero
+                           unsigned long long* acc,                 // scratch [d] fixed point, zero
                            float* l1,                               // scratch [1], zero
                            uint32_t* tile_counts,                   // scratch [n_tiles], zero
                            uint32_t* ticket,                        // scratch, zero
@@ -223,16 +237,16 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]: t
         const int v = threadIdx.x + i * DECODE_THREADS;
         mlp[i] = make_uint4(0u, 0u, 0u, 0u);
         if (v < vecs) {
-            const float4 lo = __ldcg(reinterpret_cast<const float4*>(acc + v * VEC));
-            const float4 hi = __ldcg(reinterpret_cast<const float4*>(acc + v * VEC + 4));
-            *reinterpret_cast<float4*>(acc + v * VEC) = make_float4(0.f, 0.f, 0.f, 0.f);
-            *reinterpret_cast<float4*>(acc + v * VEC + 4) = make_float4(0.f, 0.f, 0.f, 0.f);
-            // The row as the bf16 output holds it: the sum below adds these values.
+            // The VEC sums, two to a 16-byte load (each 64-bit sum as low, high word).
+            uint4* sums = reinterpret_cast<uint4*>(acc + v * VEC);
             __nv_bfloat162* m = reinterpret_cast<__nv_bfloat162*>(&mlp[i]);
-            m[0] = __floats2bfloat162_rn(lo.x, lo.y);
-            m[1] = __floats2bfloat162_rn(lo.z, lo.w);
-            m[2] = __floats2bfloat162_rn(hi.x, hi.y);
-            m[3] = __floats2bfloat162_rn(hi.z, hi.w);
+#pragma unroll
+            for (int k = 0; k < VEC / 2; ++k) {
+                const uint4 p = __ldcg(sums + k);
+                sums[k] = make_uint4(0u, 0u, 0u, 0u);
+                // The row as the bf16 output holds it: the sum below adds these values.
+                m[k] = __floats2bfloat162_rn(from_fixed(p.x, p.y), from_fixed(p.z, p.w));
+            }
             if (out != nullptr) *reinterpret_cast<uint4*>(out + v * VEC) = mlp[i];
         }
     }
@@ -281,7 +295,8 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]: t
 #define DECODE_KERNEL(NAME, PRE, MAXV, MIN_BLOCKS)                                                    \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS) NAME##_bf16_v##MAXV(     \
         const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wg,                   \
-        const __nv_bfloat16* __restrict__ w_ud, float* acc, float* l1, uint32_t* tile_counts,         \
+        const __nv_bfloat16* __restrict__ w_ud, unsigned long long* acc, float* l1,                   \
+        uint32_t* tile_counts,                                                                        \
         uint32_t* ticket, __nv_bfloat16* __restrict__ out, uint32_t* __restrict__ counts, int d,      \
         int f, int tile, int n_tiles, const __nv_bfloat16* __restrict__ residual,                    \
         const __nv_bfloat16* __restrict__ alpha, __nv_bfloat16* __restrict__ sum_normed, float eps,   \

@@ -613,3 +613,71 @@ fn bf16_steps_counts_spacings_at_each_magnitude() -> anyhow::Result<()> {
     assert_eq!(bf16_steps_at(&near_zero.0, &near_zero.1, &t(&[4.0])?)?, 1.0);
     Ok(())
 }
+
+/// The one-row decode kernel adds its neurons with atomics from every block: its sums
+/// are fixed point so that the order does not show. Twenty launches of each form (plain,
+/// with the add and norm after it, with the norm before it folded in too) give the same
+/// bits, at a density whose neuron lists overflow.
+#[test]
+fn the_one_row_decode_kernel_gives_the_same_bits_every_launch() {
+    let dev = gpu();
+    for (k, &(d, f, density)) in [(2048, 5632, 0.01), (576, 1536, 0.05), (2048, 5632, 0.5)]
+        .iter()
+        .enumerate()
+    {
+        let seed = 1200 + k as u64;
+        let (config, w, x) = case_inputs(
+            &dev,
+            (1, d, f, density, 256, 8),
+            KernelPaths::default(),
+            seed,
+        )
+        .unwrap();
+        dev.set_seed(seed).unwrap();
+        let residual = Tensor::randn(0f32, 1.0, (1, d), &dev)
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .unwrap();
+        let alpha = Tensor::randn(1f32, 0.1, d, &dev)
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .unwrap();
+        let w_ud = up_down_matrix(&w.up, &w.down).unwrap();
+        let launch = || -> Result<Vec<Tensor>> {
+            let out = twell_mlp(&x, &w.gate, &w_ud, config)?.out;
+            let norm = (&residual, &alpha, 1e-5);
+            let (s1, n1) = twell::twell_mlp_add_norm(&x, &w.gate, &w_ud, config, norm, None)?;
+            let (s2, n2) =
+                twell::twell_mlp_add_norm(&x, &w.gate, &w_ud, config, norm, Some((&alpha, 1e-5)))?;
+            Ok(vec![out, s1, n1, s2, n2])
+        };
+        let first = launch().unwrap();
+        for run in 1..20 {
+            for (i, (a, b)) in first.iter().zip(launch().unwrap()).enumerate() {
+                let a: Vec<u16> = a
+                    .flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::BF16)
+                    .unwrap()
+                    .to_vec1::<half::bf16>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                let b: Vec<u16> = b
+                    .flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::BF16)
+                    .unwrap()
+                    .to_vec1::<half::bf16>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                assert_eq!(
+                    a, b,
+                    "d {d}, d_ff {f}, density {density}: output {i} of run {run} differs"
+                );
+            }
+        }
+        eprintln!("d {d}, d_ff {f}, density {density}: 20 launches, the same bits");
+    }
+}

@@ -482,3 +482,52 @@ fn graph_decode_follows_the_models_forward_for_256_steps_on_the_sparse_default()
         assert!(max <= 1e-2, "{mode:?}: rel err {max:.2e} against forward");
     }
 }
+
+/// On the sparse default model, one sequence alone (the one-row MLP kernel, whose
+/// atomics from every block add in any order) decodes 256 greedy steps: graph replay and
+/// the same steps op by op give the same logits, bit for bit, at every step.
+#[test]
+fn one_row_graph_decode_equals_op_by_op_for_256_steps_on_the_sparse_default() {
+    use sparse_llama::{DecodeOptions, DecodeRow, SlotDecoder};
+    let dev = gpu();
+    let Some(mut model) = sparse_default(&dev) else {
+        return;
+    };
+    let prompt: &[u32] = &[
+        504, 2869, 282, 253, 1345, 30, 2688, 314, 3575, 282, 260, 1795,
+    ];
+    let options = |graphs| DecodeOptions {
+        slots: 1,
+        context: 300,
+        graphs,
+    };
+    let mut graph = SlotDecoder::new(&model, options(true)).unwrap();
+    let mut eager = SlotDecoder::new(&model, options(false)).unwrap();
+    let first = graph.prefill(&model, 0, prompt).unwrap();
+    eager.prefill(&model, 0, prompt).unwrap();
+    let mut token = first.argmax(0).unwrap().to_scalar::<u32>().unwrap();
+    for step in 0..256 {
+        let rows = [DecodeRow {
+            slot: 0,
+            token,
+            position: prompt.len() + step,
+        }];
+        graph.step(&mut model, &rows).unwrap();
+        eager.step(&mut model, &rows).unwrap();
+        let (g, e) = (graph.logits().unwrap(), eager.logits().unwrap());
+        let diff = (&g - &e).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(
+            diff.to_scalar::<f32>().unwrap(),
+            0.0,
+            "step {step}: graph != op by op"
+        );
+        token = graph.greedy_tokens().unwrap()[0];
+        assert_eq!(token, eager.greedy_tokens().unwrap()[0], "step {step}");
+    }
+    assert!(
+        graph.graph_failure().is_none(),
+        "{:?}",
+        graph.graph_failure()
+    );
+    eprintln!("one row, 256 greedy steps: graph = op by op, bit for bit");
+}

@@ -1,5 +1,6 @@
 //! The one-launch decode MLP (`kernels/src/twell_mlp_decode.cu`): one token row's gate,
-//! ReLU, up and down in one kernel, for inference. Its f32 sums live in a scratch
+//! ReLU, up and down in one kernel, for inference. Its sums (fixed point in 64-bit
+//! integers, so that they do not depend on the order of the atomics) live in a scratch
 //! buffer kept per stream, that every launch leaves zeroed: a decode step's MLP then
 //! costs one launch and two output allocations.
 
@@ -22,7 +23,7 @@ const TWELL_MLP_DECODE_PTX: &str = twell_kernels::TWELL_MLP_DECODE;
 const BLOCK_THREADS: u32 = 256;
 
 /// Whether a forward of `m` rows takes the fused kernel: one row (each active neuron
-/// adds `d` f32 atomics per row, so with more rows the staged kernels win,
+/// adds `d` atomics per row, so with more rows the staged kernels win,
 /// docs/design.md), inference only (it keeps nothing for a backward pass), a
 /// hidden size whose row fits the warp's registers.
 pub fn use_fused_decode(m: usize, d: usize, keep_for_backward: bool) -> bool {
@@ -32,7 +33,7 @@ pub fn use_fused_decode(m: usize, d: usize, keep_for_backward: bool) -> bool {
 /// The zeroed sums, L1 term, tile counts and ticket of one stream, grown to the
 /// largest hidden size and tile count seen.
 struct Scratch {
-    acc: CudaSlice<f32>,
+    acc: CudaSlice<u64>,
     l1: CudaSlice<f32>,
     tile_counts: CudaSlice<u32>,
     ticket: CudaSlice<u32>,
@@ -43,7 +44,7 @@ struct Scratch {
 impl Scratch {
     fn new(dev: &CudaDevice, d: usize, n_tiles: usize) -> Result<Self> {
         Ok(Self {
-            acc: dev.alloc_zeros::<f32>(d)?,
+            acc: dev.alloc_zeros::<u64>(d)?,
             l1: dev.alloc_zeros::<f32>(1)?,
             tile_counts: dev.alloc_zeros::<u32>(n_tiles)?,
             ticket: dev.alloc_zeros::<u32>(1)?,
