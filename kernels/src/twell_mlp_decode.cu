@@ -313,3 +313,258 @@ DECODE_KERNELS(2, 2)
 DECODE_KERNELS(4, 2)
 DECODE_KERNELS(8, 2)
 DECODE_KERNELS(16, 1)
+
+// ---------------------------------------------------------------------------------------
+// A few token rows (2 to R) in one launch: a batched decode step.
+//
+// The same two phases as one row, with every gate row and every active neuron's Wu_j and
+// Wd_j read once for all the rows: the rows of x wait in shared memory (a warp loads one
+// into registers at a time), a neuron goes on its block's list with the bit mask of the
+// rows whose gate is positive, and phase 2 adds h_rj · Wd_j into row r's fixed-point
+// sums for each of them. The bytes read are Wg plus the union of the rows' active
+// neurons, where the staged kernels (gate GEMM, pack, up, down) read the gate three
+// times and launch four kernels. The last block writes the rows, their L1 terms and
+// counts, and (given a residual) the residual add and RMS norm of each row, four rows'
+// loads in flight at a time.
+//
+// x is the MLP's input (no norm before the MLP folded in). Shared memory: the m rows of
+// x (dynamic, m · d bf16), the block's list.
+#define FEW_ROWS_AT_ONCE 4
+
+// Adds active neuron j into the sums of the rows in `mask` (row r's gate g[r] > 0):
+// h_r = g_r · (x_r . Wu_j), acc_r += h_r · Wd_j. Wu_j and Wd_j are read once for all rows.
+template <int MAXV, int R>
+__device__ __forceinline__ void add_neuron_rows(const __nv_bfloat16* xs, const __nv_bfloat16* __restrict__ w_ud,
+                                                long long j, uint32_t mask, const float* g, int d, int tile,
+                                                int n_tiles, unsigned long long* acc, float* l1,
+                                                uint32_t* tile_counts) {
+    const int lane = threadIdx.x & 31;
+    const __nv_bfloat16* row = w_ud + j * 2 * d;
+    uint4 wu[MAXV];
+    row_to_registers<MAXV>(row, d, wu);
+    uint32_t wd[4 * MAXV];
+#pragma unroll
+    for (int i = 0; i < 4 * MAXV; ++i) {
+        const int e = 2 * (lane + 32 * i);
+        wd[i] = e < d ? *reinterpret_cast<const uint32_t*>(row + d + e) : 0u;
+    }
+    float h[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        h[r] = 0.f;
+        if ((mask >> r) & 1u) {  // the same in every lane
+            uint4 xr[MAXV];
+            row_to_registers<MAXV>(xs + r * d, d, xr);
+            float part = 0.f;
+#pragma unroll
+            for (int i = 0; i < MAXV; ++i) {
+                const __nv_bfloat162* rh = reinterpret_cast<const __nv_bfloat162*>(&xr[i]);
+                const __nv_bfloat162* uh = reinterpret_cast<const __nv_bfloat162*>(&wu[i]);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float2 rf = __bfloat1622float2(rh[q]);
+                    const float2 uf = __bfloat1622float2(uh[q]);
+                    part = fmaf(rf.x, uf.x, fmaf(rf.y, uf.y, part));
+                }
+            }
+            h[r] = round_bf16(g[r] * warp_sum(part));
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4 * MAXV; ++i) {
+        const int e = 2 * (lane + 32 * i);
+        if (e < d) {
+            const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wd[i]));
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if ((mask >> r) & 1u) {
+                    red_add(acc + static_cast<long long>(r) * d + e, to_fixed(h[r] * wf.x));
+                    red_add(acc + static_cast<long long>(r) * d + e + 1, to_fixed(h[r] * wf.y));
+                }
+            }
+        }
+    }
+    if (lane < R && ((mask >> lane) & 1u)) {
+        float mine = 0.f;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (r == lane) mine = h[r];
+        red_add(l1 + lane, fabsf(mine));
+        red_add(tile_counts + lane * n_tiles + j / tile, 1u);
+    }
+}
+
+template <int MAXV, int R>
+__device__ __noinline__ void add_neuron_rows_overflow(const __nv_bfloat16* xs, const __nv_bfloat16* __restrict__ w_ud,
+                                                      long long j, uint32_t mask, const float* g, int d, int tile,
+                                                      int n_tiles, unsigned long long* acc, float* l1,
+                                                      uint32_t* tile_counts) {
+    add_neuron_rows<MAXV, R>(xs, w_ud, j, mask, g, d, tile, n_tiles, acc, l1, tile_counts);
+}
+
+template <int MAXV, int R>
+__device__ void decode_rows(const __nv_bfloat16* __restrict__ x,     // [m, d]
+                            const __nv_bfloat16* __restrict__ wg,    // [f, d]
+                            const __nv_bfloat16* __restrict__ w_ud,  // [f, 2d]: Wu_j then Wd_j
+                            unsigned long long* acc,                 // scratch [R, d] fixed point, zero
+                            float* l1,                               // scratch [R], zero
+                            uint32_t* tile_counts,                   // scratch [R, n_tiles], zero
+                            uint32_t* ticket,                        // scratch, zero
+                            __nv_bfloat16* __restrict__ out,         // [m, d], then m L1 terms; or null
+                            uint32_t* __restrict__ counts,           // [m, n_tiles], or null
+                            int m, int d, int f, int tile, int n_tiles,
+                            const __nv_bfloat16* __restrict__ residual,  // [m, d], or null
+                            const __nv_bfloat16* __restrict__ alpha,     // [d] norm weight
+                            __nv_bfloat16* __restrict__ sum_normed,      // [2, m, d]: sums, then norms
+                            float eps) {
+    constexpr int NV = (MAXV * 32 + DECODE_THREADS - 1) / DECODE_THREADS;
+    extern __shared__ __align__(16) unsigned char few_rows_smem[];
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(few_rows_smem);
+    __shared__ int listed_j[DECODE_LIST];
+    __shared__ uint32_t listed_mask[DECODE_LIST];
+    __shared__ float listed_g[DECODE_LIST * R];
+    __shared__ int n_listed;
+    if (threadIdx.x == 0) n_listed = 0;
+    const int lane = threadIdx.x & 31;
+    const int vecs = d / VEC;
+    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x >> 5);
+
+    uint4 wa[MAXV], wb[MAXV];
+    {
+        const long long j = global_warp(), j2 = j + warps;
+        if (j < f) load2<MAXV>(wg + j * d, j2 < f ? wg + j2 * d : nullptr, d, wa, wb);
+    }
+    for (int v = threadIdx.x; v < m * vecs; v += blockDim.x)
+        reinterpret_cast<uint4*>(xs)[v] = reinterpret_cast<const uint4*>(x)[v];
+    __syncthreads();  // xs, n_listed
+
+    // Phase 1: the gates of every row, two neurons per warp-step.
+    for (long long j = global_warp(); j < f; j += 2 * warps) {
+        const long long j2 = j + warps;
+        if (j != global_warp()) load2<MAXV>(wg + j * d, j2 < f ? wg + j2 * d : nullptr, d, wa, wb);
+        float ga[R], gb[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            ga[r] = 0.f;
+            gb[r] = 0.f;
+            if (r < m) {
+                uint4 xr[MAXV];
+                row_to_registers<MAXV>(xs + r * d, d, xr);
+                dot2<MAXV>(xr, wa, wb, ga[r], gb[r]);
+                ga[r] = round_bf16(ga[r]);
+                gb[r] = round_bf16(gb[r]);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const long long jk = k == 0 ? j : j2;
+            uint32_t mask = 0u;
+            float mine = 0.f;  // lane r < R: row r's gate
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const float gr = k == 0 ? ga[r] : gb[r];
+                if (gr > 0.f) mask |= 1u << r;
+                if (r == lane) mine = gr;
+            }
+            if (mask == 0u || jk >= f) continue;  // the same in every lane
+            int slot = 0;
+            if (lane == 0) slot = atomicAdd(&n_listed, 1);
+            slot = __shfl_sync(FULL_MASK, slot, 0);
+            if (slot < DECODE_LIST) {
+                if (lane == 0) {
+                    listed_j[slot] = static_cast<int>(jk);
+                    listed_mask[slot] = mask;
+                }
+                if (lane < R) listed_g[slot * R + lane] = mine;
+            } else {
+                float g[R];
+#pragma unroll
+                for (int r = 0; r < R; ++r) g[r] = __shfl_sync(FULL_MASK, mine, r);
+                add_neuron_rows_overflow<MAXV, R>(xs, w_ud, jk, mask, g, d, tile, n_tiles, acc, l1, tile_counts);
+            }
+        }
+    }
+    __syncthreads();
+
+    // Phase 2: the block's listed neurons, shared by its warps.
+    const int listed = min(n_listed, DECODE_LIST);
+    for (int s = threadIdx.x >> 5; s < listed; s += blockDim.x >> 5)
+        add_neuron_rows<MAXV, R>(xs, w_ud, listed_j[s], listed_mask[s], listed_g + s * R, d, tile, n_tiles, acc, l1,
+                                 tile_counts);
+
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    uint4 al[NV];
+    if (residual != nullptr) norm_row_load<NV>(alpha, vecs, al);
+    for (int r0 = 0; r0 < m; r0 += FEW_ROWS_AT_ONCE) {
+        uint4 mlp[FEW_ROWS_AT_ONCE][NV], res[FEW_ROWS_AT_ONCE][NV];
+#pragma unroll
+        for (int q = 0; q < FEW_ROWS_AT_ONCE; ++q) {
+            const int r = r0 + q;
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int v = threadIdx.x + i * DECODE_THREADS;
+                mlp[q][i] = make_uint4(0u, 0u, 0u, 0u);
+                res[q][i] = make_uint4(0u, 0u, 0u, 0u);
+                if (r < m && v < vecs) {
+                    uint4* sums = reinterpret_cast<uint4*>(acc + static_cast<long long>(r) * d + v * VEC);
+                    __nv_bfloat162* mh = reinterpret_cast<__nv_bfloat162*>(&mlp[q][i]);
+#pragma unroll
+                    for (int k = 0; k < VEC / 2; ++k) {
+                        const uint4 p = __ldcg(sums + k);
+                        sums[k] = make_uint4(0u, 0u, 0u, 0u);
+                        mh[k] = __floats2bfloat162_rn(from_fixed(p.x, p.y), from_fixed(p.z, p.w));
+                    }
+                    if (out != nullptr) *reinterpret_cast<uint4*>(out + static_cast<long long>(r) * d + v * VEC) = mlp[q][i];
+                    if (residual != nullptr)
+                        res[q][i] = *reinterpret_cast<const uint4*>(residual + static_cast<long long>(r) * d + v * VEC);
+                }
+            }
+        }
+        if (residual == nullptr) continue;
+#pragma unroll
+        for (int q = 0; q < FEW_ROWS_AT_ONCE; ++q) {
+            const int r = r0 + q;
+            if (r >= m) break;  // the same in every thread
+            float sum[NV][VEC];
+            const float scale = norm_row_scale(norm_row_add<NV>(res[q], mlp[q], sum), d, eps);
+            norm_row_store<NV>(sum_normed + static_cast<long long>(r) * d, vecs, sum);
+            norm_row_store_scaled<NV>(sum_normed + static_cast<long long>(m + r) * d, vecs, scale, sum, al);
+        }
+    }
+    for (int r = threadIdx.x; r < m; r += blockDim.x) {
+        if (out != nullptr) out[l1_at(m, d, r)] = __float2bfloat16(__ldcg(l1 + r));
+        l1[r] = 0.f;
+    }
+    for (int t = threadIdx.x; t < m * n_tiles; t += blockDim.x) {
+        if (counts != nullptr) counts[t] = __ldcg(tile_counts + t);
+        tile_counts[t] = 0u;
+    }
+    if (threadIdx.x == 0) *ticket = 0u;
+}
+
+// One block a multiprocessor: the rows' gates and the gate rows in flight take the
+// registers of two.
+#define ROWS_KERNEL(MAXV, R)                                                                          \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 1) twell_mlp_decode_rows##R##_bf16_v##MAXV( \
+        const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wg,                   \
+        const __nv_bfloat16* __restrict__ w_ud, unsigned long long* acc, float* l1,                   \
+        uint32_t* tile_counts, uint32_t* ticket, __nv_bfloat16* __restrict__ out,                     \
+        uint32_t* __restrict__ counts, int m, int d, int f, int tile, int n_tiles,                    \
+        const __nv_bfloat16* __restrict__ residual, const __nv_bfloat16* __restrict__ alpha,          \
+        __nv_bfloat16* __restrict__ sum_normed, float eps) {                                          \
+        decode_rows<MAXV, R>(x, wg, w_ud, acc, l1, tile_counts, ticket, out, counts, m, d, f, tile,   \
+                             n_tiles, residual, alpha, sum_normed, eps);                              \
+    }
+#define ROWS_KERNELS(R) ROWS_KERNEL(1, R) ROWS_KERNEL(2, R) ROWS_KERNEL(4, R) ROWS_KERNEL(8, R)
+
+ROWS_KERNELS(4)
+ROWS_KERNELS(8)
+ROWS_KERNELS(16)

@@ -18,7 +18,9 @@ use fused_ops::cuda::{
     ADD_RMS_NORM_MAX_HIDDEN, BLOCK_THREADS,
 };
 
-use super::cuda_decode::{twell_mlp_decode, use_fused_decode, AddNorm, PreNorm};
+use super::cuda_decode::{
+    twell_mlp_decode, use_few_rows_decode, use_fused_decode, AddNorm, PreNorm, FEW_ROWS_MAX,
+};
 use crate::cuda::{
     gate_gemm, row_vectors, KernelDims, DECODE_MAX_TOKENS, DEFAULT_SHARED_BYTES, WARP_CHUNK,
 };
@@ -35,15 +37,15 @@ const MASK_UNITS: usize = 8;
 /// (row, 256-column) units per warp of `twell_gate_sign_mask_bf16` (`SIGN_UNITS` there).
 const SIGN_UNITS: usize = 4;
 /// Whether `m` token rows of hidden `d` take [`twell_mlp_add_norm`], the residual add
-/// and norm after the MLP folded into its last launch: one row into the one-launch decode
-/// kernel, prefill rows into the down row kernel's epilogue.
+/// and norm after the MLP folded into its last launch: one row or a few into the
+/// one-launch decode kernels, prefill rows into the down row kernel's epilogue.
 pub fn add_norm_folds(m: usize, d: usize) -> bool {
     if !d.is_multiple_of(8) || d > ADD_RMS_NORM_MAX_HIDDEN {
         false
     } else if m == 1 {
         use_fused_decode(1, d, false)
     } else {
-        folds_into_down_rows(m, d)
+        use_few_rows_decode(m, d, false) || folds_into_down_rows(m, d)
     }
 }
 
@@ -168,7 +170,8 @@ pub struct BackwardState {
 /// The MLP (`x [m, d]`, `wg [f, d]`, `w_ud [f, 2d]`, bf16) with the residual add and RMS
 /// norm after it folded into its last launch: returns `[2 · m · d]`, the sums `residual +
 /// mlp(x)` then their norms with weight `alpha [d]`, as `add_rms_norm` writes them. One
-/// row runs as the one-launch decode kernel (see `use_fused_decode`); there, with `pre`
+/// row (or 2 to 16 rows, without `pre`) runs as the one-launch decode kernel (see
+/// `use_fused_decode`, `use_few_rows_decode`); there, with `pre`
 /// (a norm weight and its eps), `x` is the previous sublayer's output `y`: the MLP's
 /// input is `rms_norm(residual + y)` and the sum adds to `residual + y` (see `PreNorm`).
 /// Prefill rows (see [`add_norm_folds`]) fold it into the down row kernel. Inference only.
@@ -196,17 +199,20 @@ pub fn twell_mlp_add_norm(
             mlp_forward((x, xl), (wg, wl), (w_ud, ul), config, false, Some(fold))?;
         return Ok(sum_normed);
     }
-    if !use_fused_decode(m, d, false) || d % 8 != 0 {
+    let decodes =
+        use_fused_decode(m, d, false) || (pre.is_none() && use_few_rows_decode(m, d, false));
+    if !decodes || d % 8 != 0 {
         return err(TwellError::Invalid(format!(
             "twell_mlp_add_norm takes one token row whose hidden size the one-launch \
-             decode kernel takes (the norm before the MLP folded in too, or not), or more \
-             than {DECODE_MAX_TOKENS} rows of hidden up to 4096 (without it); got [{m}, {d}]"
+             decode kernel takes (the norm before the MLP folded in too, or not), 2 to \
+             {FEW_ROWS_MAX} rows of hidden up to 2048 or more than {DECODE_MAX_TOKENS} rows \
+             of hidden up to 4096 (without it); got [{m}, {d}]"
         )));
     }
     let dev = x.device().clone();
-    let dims = KernelDims::new(1, d, f, config);
+    let dims = KernelDims::new(m, d, f, config);
     // SAFETY: the kernel's last block writes every element.
-    let mut sum_normed = unsafe { output_buffer(&dev, 2 * d)? };
+    let mut sum_normed = unsafe { output_buffer(&dev, 2 * m * d)? };
     let pre = match pre {
         Some(((s, l), eps)) => Some(PreNorm {
             alpha: bf16_view("pre_alpha", s, l)?,
@@ -304,7 +310,8 @@ struct RowFold<'a> {
 /// [`twell_mlp_forward`]; with `fold` (prefill row kernels only) the result is `[2 · m ·
 /// d]`, the sums and their norms as [`twell_mlp_add_norm`] returns them.
 ///
-/// One row of inference runs the one-launch decode kernel. Otherwise: the gate GEMM, then
+/// One row of inference, or 2 to 16 rows of hidden up to 2048, runs a one-launch decode
+/// kernel. Otherwise: the gate GEMM, then
 /// either the mask walk (inference, a warp a row: [`forward_mask_rows`]) or the pack into
 /// TwELL slots and the up and down kernels over them ([`forward_slots`]).
 fn mlp_forward(
@@ -330,8 +337,11 @@ fn mlp_forward(
         dims: KernelDims::new(m, d, f, config),
         config,
     };
-    if fold.is_none() && use_fused_decode(m, d, keep_for_backward) {
-        return forward_one_row(&dev, &ops);
+    if fold.is_none()
+        && (use_fused_decode(m, d, keep_for_backward)
+            || use_few_rows_decode(m, d, keep_for_backward))
+    {
+        return forward_decode_rows(&dev, &ops);
     }
     let len = match fold {
         Some(_) => 2 * m * d,
@@ -428,9 +438,9 @@ struct Forward<'a> {
     out: CudaSlice<bf16>,
 }
 
-/// One row of inference: the one-launch decode kernel.
-fn forward_one_row(dev: &CudaDevice, ops: &Operands) -> Result<(CudaStorage, Shape, Activity)> {
-    let len = mlp_result_len(1, ops.dims.d as usize);
+/// One row or a few rows of inference: the one-launch decode kernels.
+fn forward_decode_rows(dev: &CudaDevice, ops: &Operands) -> Result<(CudaStorage, Shape, Activity)> {
+    let len = mlp_result_len(ops.dims.m as usize, ops.dims.d as usize);
     // SAFETY: the kernel's last block writes every element.
     let mut out = unsafe { output_buffer(dev, len)? };
     let counts = twell_mlp_decode(

@@ -1,11 +1,12 @@
-//! The one-launch decode MLP (`kernels/src/twell_mlp_decode.cu`): one token row's gate,
-//! ReLU, up and down in one kernel, for inference. Its sums (fixed point in 64-bit
-//! integers, so that they do not depend on the order of the atomics) live in a scratch
-//! buffer kept per stream, that every launch leaves zeroed: a decode step's MLP then
-//! costs one launch and two output allocations.
+//! The one-launch decode MLP (`kernels/src/twell_mlp_decode.cu`): the gate, ReLU, up and
+//! down of one token row, or of a few rows (a batched decode step), in one kernel, for
+//! inference. Its sums (fixed point in 64-bit integers, so that they do not depend on the
+//! order of the atomics) live in a scratch buffer kept per stream, that every launch
+//! leaves zeroed: a decode step's MLP then costs one launch and two output allocations.
 
 use std::collections::HashMap;
 
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
@@ -30,30 +31,44 @@ pub fn use_fused_decode(m: usize, d: usize, keep_for_backward: bool) -> bool {
     m == 1 && !keep_for_backward && crate::cuda::row_vectors(d).is_some()
 }
 
-/// The zeroed sums, L1 term, tile counts and ticket of one stream, grown to the
-/// largest hidden size and tile count seen.
+/// The most rows the few-row kernel takes (`twell_mlp_decode_rows16_*`).
+pub const FEW_ROWS_MAX: usize = 16;
+
+/// Whether a forward of `m` rows takes the few-row kernel: 2 to [`FEW_ROWS_MAX`] rows
+/// (a batched decode step, a short prompt), inference only, a hidden size of at most
+/// 2048 (8 vectors a lane: the rows' gates and two gate rows in flight fill the
+/// registers). Each row's x waits in shared memory.
+pub fn use_few_rows_decode(m: usize, d: usize, keep_for_backward: bool) -> bool {
+    (2..=FEW_ROWS_MAX).contains(&m)
+        && !keep_for_backward
+        && crate::cuda::row_vectors(d).is_some_and(|v| v <= 8)
+}
+
+/// The zeroed sums, L1 terms, tile counts and ticket of one stream, for up to
+/// [`FEW_ROWS_MAX`] rows, grown to the largest hidden size and tile count seen.
 struct Scratch {
     acc: CudaSlice<u64>,
     l1: CudaSlice<f32>,
     tile_counts: CudaSlice<u32>,
     ticket: CudaSlice<u32>,
-    /// Blocks of one wave, per kernel (its name).
-    grids: HashMap<&'static str, u32>,
+    /// Blocks of one wave, per kernel (its name) and hidden size (the few-row kernels'
+    /// shared memory grows with it).
+    grids: HashMap<(&'static str, usize), u32>,
 }
 
 impl Scratch {
     fn new(dev: &CudaDevice, d: usize, n_tiles: usize) -> Result<Self> {
         Ok(Self {
-            acc: dev.alloc_zeros::<u64>(d)?,
-            l1: dev.alloc_zeros::<f32>(1)?,
-            tile_counts: dev.alloc_zeros::<u32>(n_tiles)?,
+            acc: dev.alloc_zeros::<u64>(FEW_ROWS_MAX * d)?,
+            l1: dev.alloc_zeros::<f32>(FEW_ROWS_MAX)?,
+            tile_counts: dev.alloc_zeros::<u32>(FEW_ROWS_MAX * n_tiles)?,
             ticket: dev.alloc_zeros::<u32>(1)?,
             grids: HashMap::new(),
         })
     }
 
     fn fits(&self, d: usize, n_tiles: usize) -> bool {
-        self.acc.len() >= d && self.tile_counts.len() >= n_tiles
+        self.acc.len() >= FEW_ROWS_MAX * d && self.tile_counts.len() >= FEW_ROWS_MAX * n_tiles
     }
 }
 
@@ -81,12 +96,43 @@ fn kernel_name(folds_pre: bool, v: usize) -> &'static str {
     }
 }
 
+/// The few-row entry point for `m` rows (its row bound: 4, 8 or 16) of `v` vectors a
+/// lane (1 to 8), and that bound.
+fn rows_kernel_name(m: usize, v: usize) -> (&'static str, usize) {
+    const ROWS: [[&str; 4]; 3] = [
+        [
+            "twell_mlp_decode_rows4_bf16_v1",
+            "twell_mlp_decode_rows4_bf16_v2",
+            "twell_mlp_decode_rows4_bf16_v4",
+            "twell_mlp_decode_rows4_bf16_v8",
+        ],
+        [
+            "twell_mlp_decode_rows8_bf16_v1",
+            "twell_mlp_decode_rows8_bf16_v2",
+            "twell_mlp_decode_rows8_bf16_v4",
+            "twell_mlp_decode_rows8_bf16_v8",
+        ],
+        [
+            "twell_mlp_decode_rows16_bf16_v1",
+            "twell_mlp_decode_rows16_bf16_v2",
+            "twell_mlp_decode_rows16_bf16_v4",
+            "twell_mlp_decode_rows16_bf16_v8",
+        ],
+    ];
+    let (k, bound) = match m {
+        0..=4 => (0, 4),
+        5..=8 => (1, 8),
+        _ => (2, 16),
+    };
+    (ROWS[k][v.trailing_zeros() as usize], bound)
+}
+
 /// Blocks of one wave: as many as the multiprocessors hold at once. The warps loop
 /// over the neurons, so a warp loads its row of x once for several of them, and no
 /// partial last wave idles the card.
-fn one_wave(dev: &CudaDevice, func: &CudaFunction) -> Result<u32> {
+fn one_wave(dev: &CudaDevice, func: &CudaFunction, shared_bytes: usize) -> Result<u32> {
     let per_sm = func
-        .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)
+        .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, shared_bytes, None)
         .w()?;
     Ok(fused_ops::cuda::multiprocessors(dev)? as u32 * per_sm.max(1))
 }
@@ -117,11 +163,12 @@ pub struct PreNorm<'a> {
 // of the row (256 threads, at most four 16-byte vectors each) it repeats.
 use fused_ops::cuda::ADD_RMS_NORM_MAX_HIDDEN as ADD_NORM_MAX_HIDDEN;
 
-/// Runs the fused MLP of the row `x [1, d]` into `out [mlp_result_len(1, d)]` (and, with
-/// `add_norm`, the residual add and norm after it) and returns the `[1, n_tiles]` true
-/// nonzero counts. With `add_norm`, the MLP row and the counts are written only where
-/// asked for (`out`, `want_counts`): a decode step reads neither, and each is an
-/// allocation a layer.
+/// Runs the fused MLP of the rows `x [m, d]` (`dims.m`: one row, or 2 to
+/// [`FEW_ROWS_MAX`]) into `out [mlp_result_len(m, d)]` (and, with `add_norm`, the residual
+/// add and norm after it) and returns the `[m, n_tiles]` true nonzero counts. With
+/// `add_norm`, the MLP rows and the counts are written only where asked for (`out`,
+/// `want_counts`): a decode step reads neither, and each is an allocation a layer. The
+/// norm before the MLP folds in for one row only.
 #[allow(clippy::too_many_arguments)]
 pub fn twell_mlp_decode(
     dev: &CudaDevice,
@@ -133,40 +180,60 @@ pub fn twell_mlp_decode(
     dims: &KernelDims,
     add_norm: Option<AddNorm<'_>>,
 ) -> Result<Option<CudaSlice<u32>>> {
-    let (d, f, n_tiles) = (dims.d as usize, dims.f as usize, dims.n_tiles as usize);
+    let (m, d, f, n_tiles) = (
+        dims.m as usize,
+        dims.d as usize,
+        dims.f as usize,
+        dims.n_tiles as usize,
+    );
+    let invalid = |what: String| crate::error::err(crate::error::TwellError::Invalid(what));
+    if !(use_fused_decode(m, d, false) || use_few_rows_decode(m, d, false)) {
+        return invalid(format!(
+            "twell_mlp_decode takes one row of hidden up to 4096 or 2 to {FEW_ROWS_MAX} rows of \
+             hidden up to 2048, got [{m}, {d}]"
+        ));
+    }
     if add_norm.is_none() && (out.is_none() || !want_counts) {
-        return crate::error::err(crate::error::TwellError::Invalid(
-            "twell_mlp_decode: without a folded add + norm the MLP row and counts are the \
+        return invalid(
+            "twell_mlp_decode: without a folded add + norm the MLP rows and counts are the \
              results, so both must be asked for"
                 .into(),
+        );
+    }
+    if x.len() != m * d {
+        return invalid(format!(
+            "twell_mlp_decode: x holds {} values, [{m}, {d}] needs {}",
+            x.len(),
+            m * d
         ));
     }
     if let Some(o) = &out {
-        debug_assert_eq!(o.len(), mlp_result_len(1, d));
+        debug_assert_eq!(o.len(), mlp_result_len(m, d));
     }
     let mut add_norm = add_norm;
     if let Some(a) = &add_norm {
         if d > ADD_NORM_MAX_HIDDEN
-            || a.residual.len() != d
+            || a.residual.len() != m * d
             || a.alpha.len() != d
-            || a.sum_normed.len() != 2 * d
-            || a.pre.as_ref().is_some_and(|p| p.alpha.len() != d)
+            || a.sum_normed.len() != 2 * m * d
+            || a.pre.as_ref().is_some_and(|p| m > 1 || p.alpha.len() != d)
         {
-            return crate::error::err(crate::error::TwellError::Invalid(format!(
+            return invalid(format!(
                 "twell_mlp_decode: the folded add + norm takes hidden <= {ADD_NORM_MAX_HIDDEN}, \
-                 a residual and norm weights of {d} and a result of {}, got {}, {}, {:?} and {}",
-                2 * d,
+                 a residual of {m} x {d}, norm weights of {d} (the one before the MLP for one \
+                 row only) and a result of {}, got {}, {}, {:?} and {}",
+                2 * m * d,
                 a.residual.len(),
                 a.alpha.len(),
                 a.pre.as_ref().map(|p| p.alpha.len()),
                 a.sum_normed.len()
-            )));
+            ));
         }
     }
-    let v = crate::cuda::row_vectors(d).expect("use_fused_decode checked the hidden size");
+    let v = crate::cuda::row_vectors(d).expect("checked above");
     // SAFETY: the kernel's last block writes every count.
     let mut counts = match want_counts {
-        true => Some(unsafe { dev.alloc::<u32>(n_tiles)? }),
+        true => Some(unsafe { dev.alloc::<u32>(m * n_tiles)? }),
         false => None,
     };
     SCRATCH.with(
@@ -174,16 +241,32 @@ pub fn twell_mlp_decode(
         |s| s.fits(d, n_tiles),
         || Scratch::new(dev, d, n_tiles),
         |s| {
-            // The norm before the MLP has entry points of its own (`_norm`).
-            let folds_pre = add_norm.as_ref().is_some_and(|a| a.pre.is_some());
-            let name = kernel_name(folds_pre, v);
+            // One row: the norm before the MLP has entry points of its own (`_norm`).
+            // Rows: each row of x in shared memory, as many bytes as the row bound takes.
+            let (name, shared_bytes) = match m {
+                1 => (
+                    kernel_name(add_norm.as_ref().is_some_and(|a| a.pre.is_some()), v),
+                    0,
+                ),
+                _ => {
+                    let (name, bound) = rows_kernel_name(m, v);
+                    (name, bound * d * std::mem::size_of::<bf16>())
+                }
+            };
             let func =
                 dev.get_or_load_custom_func(name, "twell_mlp_decode", TWELL_MLP_DECODE_PTX)?;
-            let wave = match s.grids.get(name) {
+            let wave = match s.grids.get(&(name, d)) {
                 Some(&g) => g,
                 None => {
-                    let g = one_wave(dev, &func)?;
-                    s.grids.insert(name, g);
+                    if shared_bytes > 0 {
+                        func.set_attribute(
+                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            shared_bytes as i32,
+                        )
+                        .w()?;
+                    }
+                    let g = one_wave(dev, &func, shared_bytes)?;
+                    s.grids.insert((name, d), g);
                     g
                 }
             };
@@ -206,38 +289,43 @@ pub fn twell_mlp_decode(
                 Some(c) => b.arg(c),
                 None => b.arg(&null),
             };
+            if m > 1 {
+                b.arg(&dims.m);
+            }
             b.arg(&dims.d)
                 .arg(&dims.f)
                 .arg(&dims.tile)
                 .arg(&dims.n_tiles);
+            // The one-row kernels take the norm before the MLP last.
             match add_norm.as_mut() {
                 Some(a) => {
                     b.arg(&a.residual)
                         .arg(&a.alpha)
                         .arg(&mut *a.sum_normed)
                         .arg(&a.eps);
-                    match &a.pre {
-                        Some(p) => b.arg(&p.alpha).arg(&p.eps),
-                        None => b.arg(&null).arg(&no_eps),
+                    match (m, &a.pre) {
+                        (1, Some(p)) => b.arg(&p.alpha).arg(&p.eps),
+                        (1, None) => b.arg(&null).arg(&no_eps),
+                        _ => &mut b,
                     };
                 }
                 None => {
-                    b.arg(&null)
-                        .arg(&null)
-                        .arg(&null)
-                        .arg(&no_eps)
-                        .arg(&null)
-                        .arg(&no_eps);
+                    b.arg(&null).arg(&null).arg(&null).arg(&no_eps);
+                    if m == 1 {
+                        b.arg(&null).arg(&no_eps);
+                    }
                 }
             }
             let warps_per_block = (BLOCK_THREADS / 32) as usize;
-            let cfg = fused_ops::cuda::grid_1d(
+            let mut cfg = fused_ops::cuda::grid_1d(
                 f.div_ceil(warps_per_block).min(wave as usize),
                 BLOCK_THREADS,
             );
-            // SAFETY: a warp per neuron (grid-stride), every index bounded by d, f and n_tiles;
-            // the scratch is at least as large as they need; a block's neuron list is bounded
-            // by DECODE_LIST in the kernel.
+            cfg.shared_mem_bytes = (m * d * std::mem::size_of::<bf16>()) as u32 * u32::from(m > 1);
+            // SAFETY: a warp per neuron (grid-stride), every index bounded by m, d, f and
+            // n_tiles; the scratch holds FEW_ROWS_MAX rows of the largest d and n_tiles; x's
+            // rows fit the dynamic shared memory given; a block's neuron list is bounded by
+            // DECODE_LIST in the kernel.
             unsafe { b.launch(cfg) }.w()?;
             Ok(())
         },
