@@ -1433,6 +1433,32 @@ impl Llama {
         }
     }
 
+    /// Keep every layer's MLP input rows from here on (see
+    /// [`SparseMlp::set_keep_inputs`]): what the model's own text feeds each layer, for
+    /// benchmarks on real activations.
+    pub fn keep_mlp_inputs(&mut self, on: bool) {
+        for b in &mut self.blocks {
+            b.mlp.set_keep_inputs(on);
+        }
+    }
+
+    /// Each layer's MLP input rows kept since the last call, `[rows, hidden]` (the
+    /// forwards' rows one after another; empty where none were kept).
+    pub fn take_mlp_inputs(&self) -> Result<Vec<Tensor>> {
+        self.blocks
+            .iter()
+            .map(|b| {
+                let rows = b.mlp.take_inputs();
+                match rows.is_empty() {
+                    true => {
+                        Tensor::zeros((0, self.config.hidden_size), self.dtype(), self.device())
+                    }
+                    false => Tensor::cat(&rows, 0),
+                }
+            })
+            .collect()
+    }
+
     /// Each layer's FFN statistics from the last forward (with `record_ffn_stats`).
     pub fn ffn_stats(&self) -> Result<Vec<Option<MlpStats>>> {
         self.blocks.iter().map(|b| b.mlp.last_stats()).collect()

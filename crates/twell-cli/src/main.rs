@@ -72,6 +72,9 @@ enum BenchCommand {
     /// One MLP layer over the Llama family's shapes, every size and a range of densities:
     /// TwELL and `Auto` against dense, and per shape the worst `Auto` ratio.
     Sweep(bench::sweep::SweepArgs),
+    /// A real model's MLP layers, each on the rows its text feeds it: TwELL and `Auto`
+    /// against dense at each token count (default: the sparse default model).
+    Layers(bench::layers::LayersArgs),
     /// The training losses over the vocabulary (cross-entropy, distillation KL),
     /// forward + backward: candle ops vs the fused ops, with peak device memory.
     Loss(bench::loss::LossBenchArgs),
@@ -136,6 +139,10 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(BenchCommand::Sweep(args)) => {
             bench::sweep::run(&args)?;
+        }
+        Command::Bench(BenchCommand::Layers(args)) => {
+            let report = bench::layers::run(&args)?;
+            bench::layers::print(&report);
         }
         Command::Bench(BenchCommand::Serve(args)) => {
             let levels = bench::serve::run(&args)?;

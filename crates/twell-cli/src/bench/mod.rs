@@ -1,6 +1,7 @@
 //! `twell bench`: dense against sparse, side by side, in one run.
 
 pub mod energy;
+pub mod layers;
 pub mod linear;
 pub mod loss;
 pub mod memory;

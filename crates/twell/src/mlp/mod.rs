@@ -268,6 +268,8 @@ pub struct SparseMlp {
     quantized: Option<Arc<quantized::QuantizedMlp>>,
     /// The f32 weights were let go ([`SparseMlp::release_f32_weights`]).
     f32_released: bool,
+    /// Every forward's input rows, while asked for ([`SparseMlp::set_keep_inputs`]).
+    kept_inputs: Option<Mutex<Vec<Tensor>>>,
 }
 
 /// The biases of the three projections (HF Llama's `mlp_bias`): `gate [f]`, `up [f]`,
@@ -352,6 +354,7 @@ impl SparseMlp {
             bias: None,
             quantized: None,
             f32_released: false,
+            kept_inputs: None,
         })
     }
 
@@ -681,6 +684,23 @@ impl SparseMlp {
         self.record_stats = on;
     }
 
+    /// Sets whether every forward keeps a copy of its input rows `[rows, d]` (the MLP's
+    /// own input, after the norm before it), until [`Self::take_inputs`]: what a real
+    /// model feeds this layer, for benchmarks that time it on real activations. While on,
+    /// no add or norm folds into the MLP's launches (their input is another tensor).
+    pub fn set_keep_inputs(&mut self, on: bool) {
+        self.kept_inputs = on.then(|| Mutex::new(Vec::new()));
+    }
+
+    /// The input rows kept since the last call, in call order (empty unless
+    /// [`Self::set_keep_inputs`]).
+    pub fn take_inputs(&self) -> Vec<Tensor> {
+        match &self.kept_inputs {
+            Some(kept) => std::mem::take(&mut *kept.lock().expect("kept inputs lock")),
+            None => Vec::new(),
+        }
+    }
+
     /// The MLP of `x` and the residual add and RMS norm after it, as a Llama block runs
     /// them: `(residual + mlp(x), rms_norm(residual + mlp(x)) · alpha)` (`alpha [d]`, the
     /// next norm's weight). Inference on the sparse CUDA path folds the add and the norm
@@ -858,6 +878,7 @@ impl SparseMlp {
         let d = x.dims().last().copied().unwrap_or(0);
         !measure
             && !self.record_stats
+            && self.kept_inputs.is_none()
             && crate::add_norm_fuses(x)
             && d == self.hidden()
             && residual.dims() == x.dims()
@@ -930,6 +951,9 @@ impl SparseMlp {
         let lead = &dims[..dims.len() - 1];
         let rows = x.elem_count() / d.max(1);
         let x2 = fused_ops::checks::reshaped(x, &[rows, d])?;
+        if let Some(kept) = &self.kept_inputs {
+            kept.lock().expect("kept inputs lock").push(x2.detach());
+        }
         let sparse = side == Side::Sparse;
         if sparse && want_l1 && self.l1_term != L1Term::Plain {
             return err(TwellError::Invalid(format!(
