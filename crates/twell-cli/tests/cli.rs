@@ -4,7 +4,7 @@
 use std::process::Command;
 
 mod common;
-use common::{tiny_checkpoint, tiny_checkpoint_of_width};
+use common::{data_dir, sparse_default_installed, tiny_checkpoint, tiny_checkpoint_of_width};
 
 fn twell(args: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_twell"))
@@ -149,6 +149,68 @@ fn bad_bench_flags_are_rejected() {
     fails_with(&["bench", "linear", "--rows", "0"], "--rows");
     fails_with(&["bench", "linear", "--calls", "0"], "--calls");
     fails_with(&["bench", "linear"], "--device cuda");
+    // The real-activation bench checks its flags before it loads a model.
+    fails_with(&["bench", "layers", "--tokens", "0"], "at least 1");
+    fails_with(&["bench", "layers", "--context", "0"], "--context");
+    fails_with(&["bench", "layers", "--reps", "0"], "at least 1");
+}
+
+/// `bench layers` on the sparse default: every layer's own rows from the held-out
+/// speeches, a density per token count in (0, 1) with the layers' spread around it,
+/// times for all three sides, and each layer's `Auto` side counted. The dense original
+/// (SiLU) is refused: the TwELL path needs a ReLU gate.
+#[test]
+fn bench_layers_times_the_sparse_defaults_layers_on_their_own_rows() {
+    if !sparse_default_installed() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("layers.json");
+    let data = data_dir();
+    let run = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_twell"))
+            .args([
+                "bench", "layers", "--tokens", "1,5", "--reps", "1", "--warmup", "0",
+            ])
+            .args(extra)
+            .env("TWELL_DATA", &data)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!text.contains("panicked"), "{text}");
+        (out.status.success(), text)
+    };
+    let (ok, text) = run(&["--json", json.to_str().unwrap()]);
+    assert!(ok, "{text}");
+    let report = read_json(&json);
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{report}");
+    for (row, m) in rows.iter().zip([1, 5]) {
+        assert_eq!(row["tokens"], m);
+        assert_eq!(row["layers"], 30);
+        let (mean, lo, hi) = (
+            row["mean_density"].as_f64().unwrap(),
+            row["min_layer_density"].as_f64().unwrap(),
+            row["max_layer_density"].as_f64().unwrap(),
+        );
+        assert!(0.0 < lo && lo <= mean && mean <= hi && hi < 1.0, "{row}");
+        for key in ["dense_ms", "sparse_ms", "auto_ms"] {
+            assert!(row[key].as_f64().unwrap() > 0.0, "{key}: {row}");
+        }
+        let sides: u64 = row["auto_sides"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s[1].as_u64().unwrap())
+            .sum();
+        assert_eq!(sides, 30, "{row}");
+    }
+    let (ok, text) = run(&["--dense"]);
+    assert!(!ok && text.contains("ReLU-gated"), "{text}");
 }
 
 #[test]

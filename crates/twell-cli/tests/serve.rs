@@ -11,14 +11,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::tiny_checkpoint;
-
-/// The data directory `scripts/setup.sh` fills.
-fn data_dir() -> PathBuf {
-    std::env::var_os("TWELL_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data"))
-}
+use common::{data_dir, tiny_checkpoint};
 
 /// Whether the default model is installed; under `CI=true` it must be.
 fn default_model_installed() -> bool {

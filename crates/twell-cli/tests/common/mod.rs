@@ -27,3 +27,28 @@ pub fn tiny_checkpoint_of_width(
     .unwrap();
     (model, text)
 }
+
+/// The data directory `scripts/setup.sh` fills: `$TWELL_DATA`, else the repository's
+/// `data/`.
+#[allow(dead_code)]
+pub fn data_dir() -> std::path::PathBuf {
+    std::env::var_os("TWELL_DATA")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data"))
+}
+
+/// Whether the sparse default model (the GGUF and its adapter) is installed; under
+/// `CI=true` it must be.
+#[allow(dead_code)]
+pub fn sparse_default_installed() -> bool {
+    let ok = data_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf").exists()
+        && data_dir().join("smollm2-135m-sparse").is_dir();
+    if !ok {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "the sparse default model is missing: CI must run scripts/setup.sh"
+        );
+        eprintln!("skipping: run scripts/setup.sh for the sparse default model");
+    }
+    ok
+}
