@@ -57,6 +57,21 @@ impl DeviceSpec {
     }
 }
 
+/// The device as a report names it: the GPU's own name (`NVIDIA H100 80GB HBM3`), so
+/// that figures say which card gave them; `cpu` for the host.
+pub fn device_name(device: &Device) -> String {
+    match device {
+        Device::Cpu => "cpu".into(),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(c) => c
+            .cuda_stream()
+            .context()
+            .name()
+            .unwrap_or_else(|_| format!("{:?}", device.location())),
+        _ => format!("{:?}", device.location()),
+    }
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct DeviceArg {
     /// cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).

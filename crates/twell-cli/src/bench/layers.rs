@@ -189,7 +189,7 @@ pub fn run(args: &LayersArgs) -> Result<LayersReport> {
     bar.finish_and_clear();
     let report = LayersReport {
         model: ck.source.display().to_string(),
-        device: format!("{:?}", device.location()),
+        device: crate::device::device_name(&device),
         dtype: format!("{dtype:?}"),
         hidden: config.hidden_size,
         ffn: config.intermediate_size,

@@ -283,7 +283,7 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
     }
     bar.finish_and_clear();
     let report = MlpReport {
-        device: format!("{:?}", device.location()),
+        device: crate::device::device_name(&device),
         dtype: args.dtype.to_string(),
         threads: rayon::current_num_threads(),
         host_read_gbps: host_bw / 1e9,

@@ -222,7 +222,7 @@ pub fn run(args: &MlpTrainBenchArgs) -> Result<MlpTrainReport> {
     }
     bar.finish_and_clear();
     let report = MlpTrainReport {
-        device: format!("{:?}", device.location()),
+        device: crate::device::device_name(&device),
         dtype: args.dtype.to_string(),
         l1: args.l1,
         rows,

@@ -249,7 +249,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
     bar.finish_and_clear();
     Ok(ModelReport {
         model: name,
-        device: format!("{:?}", device.location()),
+        device: crate::device::device_name(&device),
         dtype: format!("{dtype:?}"),
         parameters: cfg.num_parameters(),
         density_per_layer,
