@@ -879,7 +879,7 @@ impl SparseMlp {
         !measure
             && !self.record_stats
             && self.kept_inputs.is_none()
-            && crate::add_norm_fuses(x)
+            && crate::add_norm_fuses(x, self.ffn())
             && d == self.hidden()
             && residual.dims() == x.dims()
             && [x, residual, &self.gate, &self.up, &self.down]

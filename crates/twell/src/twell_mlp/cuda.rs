@@ -36,17 +36,24 @@ const PACK_UNITS: usize = 4;
 const MASK_UNITS: usize = 8;
 /// (row, 256-column) units per warp of `twell_gate_sign_mask_bf16` (`SIGN_UNITS` there).
 const SIGN_UNITS: usize = 4;
-/// Whether `m` token rows of hidden `d` take [`twell_mlp_add_norm`], the residual add
+/// Whether `m` token rows of hidden `d` (and `f` neurons) take [`twell_mlp_add_norm`], the residual add
 /// and norm after the MLP folded into its last launch: one row or a few into the
 /// one-launch decode kernels, prefill rows into the down row kernel's epilogue.
-pub fn add_norm_folds(m: usize, d: usize) -> bool {
+pub fn add_norm_folds(m: usize, d: usize, f: usize) -> bool {
     if !d.is_multiple_of(8) || d > ADD_RMS_NORM_MAX_HIDDEN {
         false
     } else if m == 1 {
         use_fused_decode(1, d, false)
     } else {
-        use_few_rows_decode(m, d, false) || folds_into_down_rows(m, d)
+        use_few_rows_decode(m, d, f, false) || folds_into_down_rows(m, d)
     }
+}
+
+/// Whether `m` rows of hidden `d` take [`twell_mlp_norm_add_norm`], both norms folded in:
+/// prefill rows, whose up row kernel normalises its row in registers (the decode kernels
+/// fold the norm before the MLP for one row only, at run time).
+pub fn norm_add_norm_folds(m: usize, d: usize) -> bool {
+    d.is_multiple_of(8) && d <= ADD_RMS_NORM_MAX_HIDDEN && folds_into_down_rows(m, d)
 }
 
 /// Whether the forward of `m` rows of hidden `d` runs the prefill row kernels (whose
@@ -200,13 +207,14 @@ pub fn twell_mlp_add_norm(
         return Ok(sum_normed);
     }
     let decodes =
-        use_fused_decode(m, d, false) || (pre.is_none() && use_few_rows_decode(m, d, false));
+        use_fused_decode(m, d, false) || (pre.is_none() && use_few_rows_decode(m, d, f, false));
     if !decodes || d % 8 != 0 {
         return err(TwellError::Invalid(format!(
             "twell_mlp_add_norm takes one token row whose hidden size the one-launch \
              decode kernel takes (the norm before the MLP folded in too, or not), 2 to \
-             {FEW_ROWS_MAX} rows of hidden up to 2048 or more than {DECODE_MAX_TOKENS} rows \
-             of hidden up to 4096 (without it); got [{m}, {d}]"
+             {FEW_ROWS_MAX} rows of hidden up to 2048 (few enough gate multiply-adds) or \
+             more than {DECODE_MAX_TOKENS} rows of hidden up to 4096 (without it); got \
+             [{m}, {d}] and d_ff {f}"
         )));
     }
     let dev = x.device().clone();
@@ -339,7 +347,7 @@ fn mlp_forward(
     };
     if fold.is_none()
         && (use_fused_decode(m, d, keep_for_backward)
-            || use_few_rows_decode(m, d, keep_for_backward))
+            || use_few_rows_decode(m, d, f, keep_for_backward))
     {
         return forward_decode_rows(&dev, &ops);
     }

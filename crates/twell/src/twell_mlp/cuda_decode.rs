@@ -34,12 +34,20 @@ pub fn use_fused_decode(m: usize, d: usize, keep_for_backward: bool) -> bool {
 /// The most rows the few-row kernel takes (`twell_mlp_decode_rows16_*`).
 pub const FEW_ROWS_MAX: usize = 16;
 
+/// The most gate multiply-adds (`m · d · f`) the few-row kernel takes. It computes the
+/// rows' gates on the CUDA cores, each gate row converted once a row; past this the
+/// staged kernels' cuBLAS gate wins (H100, 2026-12-07: at hidden 2048 / d_ff 5632 the
+/// kernel beat dense 1.45x at 4 rows and 0.5%, and lost at 8; at 576 / 1536 it won to
+/// 16 rows; docs/benchmarks.md).
+pub const FEW_ROWS_MAX_GATE_MACS: usize = 64 << 20;
+
 /// Whether a forward of `m` rows takes the few-row kernel: 2 to [`FEW_ROWS_MAX`] rows
-/// (a batched decode step, a short prompt), inference only, a hidden size of at most
-/// 2048 (8 vectors a lane: the rows' gates and two gate rows in flight fill the
-/// registers). Each row's x waits in shared memory.
-pub fn use_few_rows_decode(m: usize, d: usize, keep_for_backward: bool) -> bool {
+/// (a batched decode step, a short prompt) up to [`FEW_ROWS_MAX_GATE_MACS`], inference
+/// only, a hidden size of at most 2048 (8 vectors a lane: the rows' gates and two gate
+/// rows in flight fill the registers). Each row's x waits in shared memory.
+pub fn use_few_rows_decode(m: usize, d: usize, f: usize, keep_for_backward: bool) -> bool {
     (2..=FEW_ROWS_MAX).contains(&m)
+        && m * d * f <= FEW_ROWS_MAX_GATE_MACS
         && !keep_for_backward
         && crate::cuda::row_vectors(d).is_some_and(|v| v <= 8)
 }
@@ -187,10 +195,11 @@ pub fn twell_mlp_decode(
         dims.n_tiles as usize,
     );
     let invalid = |what: String| crate::error::err(crate::error::TwellError::Invalid(what));
-    if !(use_fused_decode(m, d, false) || use_few_rows_decode(m, d, false)) {
+    if !(use_fused_decode(m, d, false) || use_few_rows_decode(m, d, f, false)) {
         return invalid(format!(
             "twell_mlp_decode takes one row of hidden up to 4096 or 2 to {FEW_ROWS_MAX} rows of \
-             hidden up to 2048, got [{m}, {d}]"
+             hidden up to 2048 (at most {FEW_ROWS_MAX_GATE_MACS} gate multiply-adds), got \
+             [{m}, {d}] and d_ff {f}"
         ));
     }
     if add_norm.is_none() && (out.is_none() || !want_counts) {

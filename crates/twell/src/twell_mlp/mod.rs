@@ -359,21 +359,21 @@ pub fn twell_mlp_screened(
     )
 }
 
-/// Whether [`twell_mlp_add_norm`] runs for `x`: CUDA, bf16, and one token of a hidden
-/// size the one-launch decode kernel and its folded norm take, or prefill rows the down
-/// row kernel takes.
-pub fn add_norm_fuses(x: &Tensor) -> bool {
+/// Whether [`twell_mlp_add_norm`] runs for `x` through `ffn` neurons: CUDA, bf16, and one
+/// token of a hidden size the one-launch decode kernel and its folded norm take, a few
+/// rows the few-row decode kernel takes, or prefill rows the down row kernel takes.
+pub fn add_norm_fuses(x: &Tensor, ffn: usize) -> bool {
     #[cfg(feature = "cuda")]
     {
         let d = x.dims().last().copied().unwrap_or(0);
         x.device().is_cuda()
             && x.dtype() == candle_core::DType::BF16
             && d > 0
-            && cuda::add_norm_folds(x.elem_count() / d, d)
+            && cuda::add_norm_folds(x.elem_count() / d, d, ffn)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = x;
+        let _ = (x, ffn);
         false
     }
 }
@@ -430,10 +430,11 @@ pub fn twell_mlp_add_norm(
         same_dtype_and_device("twell_mlp_add_norm", x, t)?;
     }
     check_size("twell_mlp_add_norm", m, f, config)?;
-    if !add_norm_fuses(x) {
+    if !add_norm_fuses(x, f) {
         return err(TwellError::Invalid(format!(
             "twell_mlp_add_norm runs on CUDA in bf16, for one token of a hidden size the \
-             one-launch decode kernel takes or for prefill rows; got {:?} {:?} with {m} \
+             one-launch decode kernel takes, a few rows the few-row kernel takes, or for \
+             prefill rows; got {:?} {:?} with {m} \
              rows of hidden {d} (elsewhere: twell_mlp, then add_rms_norm)",
             x.device().location(),
             x.dtype()
@@ -458,10 +459,22 @@ pub fn twell_mlp_add_norm(
 }
 
 /// Whether [`twell_mlp_norm_add_norm`] runs for the residual sums `s`: CUDA, bf16, and
-/// prefill rows the down row kernel takes (as [`add_norm_fuses`] for more than one row).
+/// prefill rows the down row kernel takes (the few-row decode kernel folds only the norm
+/// after the MLP).
 pub fn norm_add_norm_runs(s: &Tensor) -> bool {
-    let rows = s.elem_count() / s.dims().last().copied().unwrap_or(1).max(1);
-    rows > 1 && add_norm_fuses(s)
+    #[cfg(feature = "cuda")]
+    {
+        let d = s.dims().last().copied().unwrap_or(0);
+        s.device().is_cuda()
+            && s.dtype() == candle_core::DType::BF16
+            && d > 0
+            && cuda::norm_add_norm_folds(s.elem_count() / d, d)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = s;
+        false
+    }
 }
 
 /// The MLP sublayer from the residual sum `s [m, d]`, the norms on both sides folded in:
