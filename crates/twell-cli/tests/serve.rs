@@ -13,18 +13,14 @@ use std::time::{Duration, Instant};
 mod common;
 use common::{data_dir, tiny_checkpoint};
 
-/// Whether the default model is installed; under `CI=true` it must be.
+/// Whether the default model and the openai client are installed; under `CI=true` they
+/// must be.
 fn default_model_installed() -> bool {
-    let ok = data_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf").exists()
-        && data_dir().join("python/.complete").exists();
-    if !ok {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "the default model or the openai client is missing: CI must run scripts/setup.sh"
-        );
-        eprintln!("skipping: run scripts/setup.sh for the default model and the openai client");
-    }
-    ok
+    common::installed(&[
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "smollm2-135m-sparse",
+        "python/.complete",
+    ])
 }
 
 /// A running `twell serve`, killed when dropped.

@@ -41,14 +41,24 @@ pub fn data_dir() -> std::path::PathBuf {
 /// `CI=true` it must be.
 #[allow(dead_code)]
 pub fn sparse_default_installed() -> bool {
-    let ok = data_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf").exists()
-        && data_dir().join("smollm2-135m-sparse").is_dir();
-    if !ok {
+    installed(&["SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-sparse"])
+}
+
+/// Whether every path of `what` is in the data directory (`scripts/setup.sh` installs
+/// them); under `CI=true` they must be, else the test skips.
+#[allow(dead_code)]
+pub fn installed(what: &[&str]) -> bool {
+    let missing: Vec<&str> = what
+        .iter()
+        .copied()
+        .filter(|p| !data_dir().join(p).exists())
+        .collect();
+    if !missing.is_empty() {
         assert!(
             std::env::var("CI").as_deref() != Ok("true"),
-            "the sparse default model is missing: CI must run scripts/setup.sh"
+            "{missing:?} missing from the data directory: CI must run scripts/setup.sh"
         );
-        eprintln!("skipping: run scripts/setup.sh for the sparse default model");
+        eprintln!("skipping: run scripts/setup.sh for {missing:?}");
     }
-    ok
+    missing.is_empty()
 }
