@@ -8,7 +8,6 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Module, Tensor};
-use candle_nn::Linear;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use sparse_llama::corpus::Corpus;
@@ -16,6 +15,7 @@ use sparse_llama::Cache;
 use twell::density::MlpWeights;
 use twell::{Activation, FfnMode, SparseMlp};
 
+use super::mlp::DenseMlp;
 use super::sweep::AUTO_FLOOR;
 use super::timing::{interleaved_medians, Rounds};
 use crate::model_args::{default_corpus, ModelArgs};
@@ -76,7 +76,7 @@ pub struct LayersReport {
 
 /// One layer's three variants on the same weights.
 struct Layer {
-    dense: (Linear, Linear, Linear),
+    dense: DenseMlp,
     sparse: SparseMlp,
     auto: SparseMlp,
 }
@@ -89,22 +89,12 @@ impl Layer {
             down: mlp.down_proj().contiguous()?,
         };
         Ok(Self {
-            dense: (
-                Linear::new(w.gate.clone(), None),
-                Linear::new(w.up.clone(), None),
-                Linear::new(w.down.clone(), None),
-            ),
+            dense: DenseMlp::new(&w),
             sparse: w.relu_mlp(FfnMode::Sparse)?,
             auto: w
                 .relu_mlp(FfnMode::Auto)?
                 .with_density_recheck(auto_recheck),
         })
-    }
-
-    /// candle's dense ReGLU MLP.
-    fn dense(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (gate, up, down) = &self.dense;
-        down.forward(&(gate.forward(x)?.relu()? * up.forward(x)?)?)
     }
 }
 
@@ -210,7 +200,7 @@ fn measure(rounds: Rounds, layers: &[Layer], xs: &[Tensor], ffn: usize) -> Resul
     for (layer, x) in layers.iter().zip(xs) {
         // Each variant once before timing (the sparse side builds its up/down matrix
         // and gate screen on its first call), then `Auto` settles on a side.
-        std::hint::black_box(layer.dense(x)?);
+        std::hint::black_box(layer.dense.forward(x)?);
         std::hint::black_box(layer.sparse.forward(x)?);
         std::hint::black_box(layer.auto.forward(x)?);
         layer.auto.calibrate(x)?;
@@ -219,7 +209,7 @@ fn measure(rounds: Rounds, layers: &[Layer], xs: &[Tensor], ffn: usize) -> Resul
     }
     let mut dense_run = |_: usize| -> candle_core::Result<()> {
         for (layer, x) in layers.iter().zip(xs) {
-            std::hint::black_box(layer.dense(x)?);
+            std::hint::black_box(layer.dense.forward(x)?);
         }
         Ok(())
     };

@@ -204,21 +204,21 @@ pub fn probe(x: &Tensor, mlp: &SparseMlp) -> candle_core::Result<twell::MlpOutpu
 }
 
 /// candle's own dense MLP on the same weights: three `candle_nn::Linear`s.
-struct DenseMlp {
+pub(crate) struct DenseMlp {
     gate: Linear,
     up: Linear,
     down: Linear,
 }
 
 impl DenseMlp {
-    fn new(w: &MlpWeights) -> Self {
+    pub(crate) fn new(w: &MlpWeights) -> Self {
         Self {
             gate: Linear::new(w.gate.clone(), None),
             up: Linear::new(w.up.clone(), None),
             down: Linear::new(w.down.clone(), None),
         }
     }
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let h = (self.gate.forward(x)?.relu()? * self.up.forward(x)?)?;
         self.down.forward(&h)
     }

@@ -930,6 +930,11 @@ impl SparseMlp {
         want_l1: bool,
         measure: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        if let Some(kept) = &self.kept_inputs {
+            let d = x.dims().last().copied().unwrap_or(0).max(1);
+            let rows = x.detach().reshape((x.elem_count() / d, d))?;
+            kept.lock().expect("kept inputs lock").push(rows);
+        }
         if let (Some(q), Some(_)) = (&self.quantized, self.quantized_side(x, want_l1)) {
             return Ok((self.run_quantized(q, x)?, None));
         }
@@ -951,9 +956,6 @@ impl SparseMlp {
         let lead = &dims[..dims.len() - 1];
         let rows = x.elem_count() / d.max(1);
         let x2 = fused_ops::checks::reshaped(x, &[rows, d])?;
-        if let Some(kept) = &self.kept_inputs {
-            kept.lock().expect("kept inputs lock").push(x2.detach());
-        }
         let sparse = side == Side::Sparse;
         if sparse && want_l1 && self.l1_term != L1Term::Plain {
             return err(TwellError::Invalid(format!(

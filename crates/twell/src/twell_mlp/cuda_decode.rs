@@ -251,7 +251,8 @@ pub fn twell_mlp_decode(
         || Scratch::new(dev, d, n_tiles),
         |s| {
             // One row: the norm before the MLP has entry points of its own (`_norm`).
-            // Rows: each row of x in shared memory, as many bytes as the row bound takes.
+            // Rows: each row of x in shared memory, as many bytes as the row bound takes
+            // (the occupancy of one wave is worked out for them).
             let (name, shared_bytes) = match m {
                 1 => (
                     kernel_name(add_norm.as_ref().is_some_and(|a| a.pre.is_some()), v),
@@ -330,7 +331,7 @@ pub fn twell_mlp_decode(
                 f.div_ceil(warps_per_block).min(wave as usize),
                 BLOCK_THREADS,
             );
-            cfg.shared_mem_bytes = (m * d * std::mem::size_of::<bf16>()) as u32 * u32::from(m > 1);
+            cfg.shared_mem_bytes = shared_bytes as u32;
             // SAFETY: a warp per neuron (grid-stride), every index bounded by m, d, f and
             // n_tiles; the scratch holds FEW_ROWS_MAX rows of the largest d and n_tiles; x's
             // rows fit the dynamic shared memory given; a block's neuron list is bounded by

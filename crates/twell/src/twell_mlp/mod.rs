@@ -363,19 +363,23 @@ pub fn twell_mlp_screened(
 /// token of a hidden size the one-launch decode kernel and its folded norm take, a few
 /// rows the few-row decode kernel takes, or prefill rows the down row kernel takes.
 pub fn add_norm_fuses(x: &Tensor, ffn: usize) -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        let d = x.dims().last().copied().unwrap_or(0);
-        x.device().is_cuda()
-            && x.dtype() == candle_core::DType::BF16
-            && d > 0
-            && cuda::add_norm_folds(x.elem_count() / d, d, ffn)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (x, ffn);
-        false
-    }
+    cuda_bf16_rows(x).is_some_and(|(m, d)| {
+        #[cfg(feature = "cuda")]
+        return cuda::add_norm_folds(m, d, ffn);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (m, d, ffn);
+            false
+        }
+    })
+}
+
+/// `x`'s rows and width where it is a bf16 tensor on a CUDA device of a nonzero width:
+/// the tensors the folded launches take.
+fn cuda_bf16_rows(x: &Tensor) -> Option<(usize, usize)> {
+    let d = x.dims().last().copied().unwrap_or(0);
+    (x.device().is_cuda() && x.dtype() == candle_core::DType::BF16 && d > 0)
+        .then(|| (x.elem_count() / d, d))
 }
 
 /// The MLP (`x [m, d]`, `gate_proj [f, d]`, `w_ud [f, 2d]`) and the residual add and RMS
@@ -462,19 +466,15 @@ pub fn twell_mlp_add_norm(
 /// prefill rows the down row kernel takes (the few-row decode kernel folds only the norm
 /// after the MLP).
 pub fn norm_add_norm_runs(s: &Tensor) -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        let d = s.dims().last().copied().unwrap_or(0);
-        s.device().is_cuda()
-            && s.dtype() == candle_core::DType::BF16
-            && d > 0
-            && cuda::norm_add_norm_folds(s.elem_count() / d, d)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = s;
-        false
-    }
+    cuda_bf16_rows(s).is_some_and(|(m, d)| {
+        #[cfg(feature = "cuda")]
+        return cuda::norm_add_norm_folds(m, d);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (m, d);
+            false
+        }
+    })
 }
 
 /// The MLP sublayer from the residual sum `s [m, d]`, the norms on both sides folded in:
