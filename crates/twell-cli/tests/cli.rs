@@ -213,7 +213,10 @@ fn bench_layers_times_the_sparse_defaults_layers_on_their_own_rows() {
     assert!(!ok && text.contains("ReLU-gated"), "{text}");
     // A text that is missing, or too short for the rows asked for, is named.
     let (ok, text) = run(&["--text", "/no/such/text"]);
-    assert!(!ok && text.contains("opening --text /no/such/text"), "{text}");
+    assert!(
+        !ok && text.contains("opening --text /no/such/text"),
+        "{text}"
+    );
     let short = dir.path().join("short.txt");
     std::fs::write(&short, "A few words, far fewer than a thousand tokens.").unwrap();
     let (ok, text) = run(&["--text", short.to_str().unwrap()]);
