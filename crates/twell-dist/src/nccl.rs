@@ -8,7 +8,8 @@
 
 use candle_core::backend::BackendDevice;
 use candle_core::cuda::cudarc::driver::DriverError;
-use candle_core::cuda::cudarc::nccl::{Comm, Id, NcclError, ReduceOp};
+use candle_core::cuda::cudarc::nccl::result::NcclError;
+use candle_core::cuda::cudarc::nccl::{Comm, Id, ReduceOp};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 
