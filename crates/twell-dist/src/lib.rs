@@ -16,7 +16,7 @@
 //!   a few flat buckets.
 
 mod buckets;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 mod nccl;
 mod tcp;
 
@@ -25,7 +25,7 @@ use std::time::Duration;
 use candle_core::{DType, Tensor};
 
 pub use buckets::{all_reduce_mean, buckets, DEFAULT_BUCKET_BYTES};
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 pub use nccl::NcclCommunicator;
 pub use tcp::{TcpCommunicator, TcpOptions};
 
