@@ -17,6 +17,9 @@
 //! cosine decay, gradient clipping and accumulation; f32 master weights. Checkpoints are
 //! HF directories plus the optimizer and trainer state, so a run can be resumed exactly.
 //! With LoRA ([`crate::lora`]) the weights stay frozen and only low-rank factors train.
+//! Data-parallel ([`Trainer::join`]): each process takes its share of every global batch,
+//! the gradients are averaged over the processes ([`twell_dist`]) before the step, and
+//! every process takes the same step.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -29,6 +32,7 @@ use sparse_llama::adapter::LoraFactor;
 use sparse_llama::checkpoint::save_hf;
 use sparse_llama::model::{Cache, Llama};
 use sparse_llama::Config;
+use twell_dist::{all_reduce_mean, Communicator, SingleProcess, DEFAULT_BUCKET_BYTES};
 
 use crate::config::TrainConfig;
 use crate::data::PackedData;
@@ -186,6 +190,8 @@ pub struct Trainer {
     teacher: Option<Teacher>,
     /// With [`TrainConfig::lora`]: the frozen base the factors merge into.
     lora: Option<LoraState>,
+    /// The processes of a data-parallel run ([`Trainer::join`]); a world of one.
+    comm: Box<dyn Communicator>,
 }
 
 /// The distillation teacher and the cache its forward passes reuse (no keys and values
@@ -280,6 +286,7 @@ impl Trainer {
             l1_controller: L1Controller::default(),
             teacher: None,
             lora,
+            comm: Box::new(SingleProcess),
         })
     }
 
@@ -371,6 +378,74 @@ impl Trainer {
         self.step
     }
 
+    /// Joins a data-parallel run through `comm` (after [`Trainer::resume`], when
+    /// resuming): each following step takes this rank's share of every global batch of
+    /// [`TrainConfig::batch_size`] sequences, and the gradients, the logged terms and the
+    /// validation are averaged over the ranks, so that every rank takes the same step.
+    /// Fails unless the batch splits evenly and every rank holds rank 0's weights, step
+    /// and λ.
+    pub fn join(&mut self, comm: Box<dyn Communicator>) -> Result<()> {
+        let world = comm.world_size();
+        if !self.cfg.batch_size.is_multiple_of(world) {
+            candle_core::bail!(
+                "a batch of {} sequences does not split evenly over {world} processes",
+                self.cfg.batch_size
+            );
+        }
+        self.comm = comm;
+        let ours = self.fingerprint()?;
+        let mut rank0s = ours.clone();
+        self.comm.broadcast_f32(&mut rank0s)?;
+        let same = ours
+            .iter()
+            .zip(&rank0s)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        let mut differing = [f32::from(u8::from(!same))];
+        self.comm.all_reduce_sum(&mut differing)?;
+        if differing[0] > 0.0 {
+            candle_core::bail!(
+                "{} of {world} processes do not hold rank 0's weights, step and λ: every \
+                 process must start from the same checkpoint",
+                differing[0]
+            );
+        }
+        Ok(())
+    }
+
+    /// The step, λ's factor and the sum of each variable at full precision: equal on
+    /// ranks that start from the same point.
+    fn fingerprint(&self) -> Result<Vec<f32>> {
+        let variables = self.full_precision_variables()?;
+        let mut names: Vec<&String> = variables.keys().collect();
+        names.sort();
+        let mut out = vec![
+            self.step as f32,
+            self.opt.steps_taken() as f32,
+            self.l1_controller.scale as f32,
+        ];
+        for name in names {
+            let sum = variables[name].sum_all()?.to_dtype(DType::F32)?;
+            out.push(sum.to_scalar::<f32>()?);
+        }
+        Ok(out)
+    }
+
+    /// This process's rank in a data-parallel run (0 outside one).
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The processes of the run (1 outside a data-parallel run).
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// The run's communicator, for the caller's own agreements between ranks (when to
+    /// stop, say).
+    pub fn communicator(&mut self) -> &mut dyn Communicator {
+        self.comm.as_mut()
+    }
+
     /// Turns per-phase timing of the following steps on or off (see `TrainConfig::profile`).
     pub fn set_profile(&mut self, on: bool) {
         self.cfg.profile = on;
@@ -435,12 +510,14 @@ impl Trainer {
         let mut grads: Vec<Option<Tensor>> = vec![None; self.opt.params().len()];
         let mut sums = LossSums::default();
         let mut l0 = vec![0f64; self.model_cfg.num_hidden_layers];
+        let mut fired = vec![vec![false; self.model_cfg.intermediate_size]; l0.len()];
         let device = self.device.clone();
         let mut clock = PhaseClock::start(&device, self.cfg.profile)?;
         let mut phases = PhaseMs::default();
         for micro in 0..self.cfg.grad_accum {
             let index = self.step * self.cfg.grad_accum + micro;
             let batch = data.batch(index, self.cfg.batch_size, self.cfg.seed, &self.device)?;
+            let batch = self.shard(&batch)?;
             self.refresh_merged()?;
             let (loss, parts) = self.micro_batch_loss(&batch, l1_coefficient)?;
             phases.forward += clock.lap()?;
@@ -448,7 +525,7 @@ impl Trainer {
             phases.backward += clock.lap()?;
             sums.add(&parts)?;
             if !self.cfg.no_activity_stats {
-                self.observe_activity(&mut l0)?;
+                self.observe_activity(&mut l0, &mut fired)?;
             }
             phases.stats += clock.lap()?;
         }
@@ -457,11 +534,15 @@ impl Trainer {
             .zip(self.opt.params())
             .map(|(g, (_, v))| g.map_or_else(|| v.zeros_like(), Ok))
             .collect::<Result<_>>()?;
+        // Data-parallel: the mean of the ranks' gradients is the global batch's gradient.
+        let grads = all_reduce_mean(self.comm.as_mut(), &grads, DEFAULT_BUCKET_BYTES)?;
         let grad_norm = grad_norm(&grads)?;
         // Clipping rides along in the update: the scaled gradients are never written.
         self.opt
             .step_scaled(&grads, lr, clip_scale(grad_norm, self.cfg.clip_norm))?;
         phases.optimizer += clock.lap()?;
+        self.gather_step_stats(&mut sums, &mut l0, &mut fired)?;
+        self.note_fired(&fired);
         self.step += 1;
 
         let accum = self.cfg.grad_accum as f64;
@@ -569,16 +650,66 @@ impl Trainer {
         Some(goal)
     }
 
-    /// Adds each layer's L0 of the last forward to `l0` and notes which neurons fired.
-    fn observe_activity(&mut self, l0: &mut [f64]) -> Result<()> {
+    /// Adds each layer's L0 of the last forward to `l0` and marks the neurons that fired
+    /// in `fired`.
+    fn observe_activity(&mut self, l0: &mut [f64], fired: &mut [Vec<bool>]) -> Result<()> {
         for (layer, stats) in self.model.ffn_stats()?.into_iter().enumerate() {
             let Some(s) = stats else { continue };
             l0[layer] += s.mean_l0;
             for (neuron, &count) in s.fired.iter().enumerate() {
-                if count > 0 {
-                    self.last_fired[layer][neuron] = Some(self.step);
-                }
+                fired[layer][neuron] |= count > 0;
             }
+        }
+        Ok(())
+    }
+
+    /// Notes the neurons that fired in this step.
+    fn note_fired(&mut self, fired: &[Vec<bool>]) {
+        for (layer, neurons) in fired.iter().enumerate() {
+            for (neuron, _) in neurons.iter().enumerate().filter(|(_, &f)| f) {
+                self.last_fired[layer][neuron] = Some(self.step);
+            }
+        }
+    }
+
+    /// This rank's rows of a global batch: equal, consecutive parts, one per rank.
+    fn shard(&self, batch: &Tensor) -> Result<Tensor> {
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        if world == 1 {
+            return Ok(batch.clone());
+        }
+        let rows = batch.dim(0)? / world;
+        batch.narrow(0, rank * rows, rows)
+    }
+
+    /// Data-parallel: the step's loss terms, L0 and fired neurons of the global batch
+    /// (the mean of the ranks' means: their shards are the same size), on every rank, so
+    /// that the log and λ's controller see the whole batch.
+    fn gather_step_stats(
+        &mut self,
+        sums: &mut LossSums,
+        l0: &mut [f64],
+        fired: &mut [Vec<bool>],
+    ) -> Result<()> {
+        let world = self.comm.world_size();
+        if world == 1 {
+            return Ok(());
+        }
+        let mut buf: Vec<f32> = [sums.ce, sums.l1, sums.kl]
+            .iter()
+            .chain(l0.iter())
+            .map(|&v| v as f32)
+            .chain(fired.iter().flatten().map(|&f| f32::from(u8::from(f))))
+            .collect();
+        self.comm.all_reduce_sum(&mut buf)?;
+        let mean = |v: f32| v as f64 / world as f64;
+        (sums.ce, sums.l1, sums.kl) = (mean(buf[0]), mean(buf[1]), mean(buf[2]));
+        let (l0_sums, fired_counts) = buf[3..].split_at(l0.len());
+        for (x, &v) in l0.iter_mut().zip(l0_sums) {
+            *x = mean(v);
+        }
+        for (f, &count) in fired.iter_mut().flatten().zip(fired_counts) {
+            *f = count > 0.0;
         }
         Ok(())
     }
@@ -606,7 +737,9 @@ impl Trainer {
         let mut cache = Cache::new(false, self.cfg.dtype(), &self.model_cfg, &self.device)?;
         let (mut sum, mut n) = (0f64, 0usize);
         let (mut l0_sum, mut l0_n) = (0f64, 0usize);
-        for k in 0..batches {
+        // Data-parallel: each rank takes every world-th batch, and the sums are added up.
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        for k in (rank..batches).step_by(world) {
             let Some(batch) = data.ordered_batch(k, self.cfg.batch_size, &self.device)? else {
                 break;
             };
@@ -630,6 +763,12 @@ impl Trainer {
                     l0_n += 1;
                 }
             }
+        }
+        if world > 1 {
+            let mut buf = [sum, n as f64, l0_sum, l0_n as f64].map(|v| v as f32);
+            self.comm.all_reduce_sum(&mut buf)?;
+            let [s, b, l, ln] = buf.map(f64::from);
+            (sum, n, l0_sum, l0_n) = (s, b as usize, l, ln as usize);
         }
         if n == 0 {
             candle_core::bail!("no validation batches");

@@ -14,6 +14,8 @@ use sparse_train::{DensityText, LoraSpec, PackedData, Penalty, StepLog, TrainCon
 use twell::{Activation, FfnMode};
 
 use crate::corpus_args::CorpusArgs;
+use crate::device::DeviceSpec;
+use crate::launch::{Rank, RankArgs};
 use crate::model_args::{DefaultModel, ModelArgs};
 
 #[derive(clap::Args, Debug)]
@@ -134,6 +136,22 @@ pub struct FinetuneArgs {
     /// checkpoint (`step-N`) to resume from: a run longer than one job's time slot.
     #[arg(long)]
     pub time_limit: Option<f64>,
+    /// Data-parallel: run N processes, each on its share of every batch (--batch is the
+    /// global batch, which must split evenly), averaging their gradients before each
+    /// step; only the first writes the log and checkpoints. With --device cuda process r
+    /// runs on cuda:r (from cuda:K, on K + r); on the CPU they share its cores.
+    #[arg(long, default_value_t = 1)]
+    pub processes: usize,
+    /// One process per GPU: --processes N on CUDA (cuda:0 to cuda:N-1, or from --device
+    /// cuda:K).
+    #[arg(long, conflicts_with = "processes")]
+    pub gpus: Option<usize>,
+    /// How long a process of a data-parallel run waits for the others (to join, or for
+    /// their next bytes) before it stops the run, in seconds.
+    #[arg(long, default_value_t = 600.0)]
+    pub peer_timeout: f64,
+    #[command(flatten)]
+    pub rank: RankArgs,
 }
 
 /// `--penalty`: [`sparse_train::Penalty`].
@@ -208,8 +226,42 @@ impl FinetuneArgs {
         Ok(cfg)
     }
 
+    /// The number of processes of the run.
+    fn world(&self) -> usize {
+        self.gpus.unwrap_or(self.processes)
+    }
+
+    /// This process's device: --device, on CUDA moved to this rank's GPU.
+    fn device_spec(&self, rank: Option<Rank>) -> DeviceSpec {
+        let first = match (self.model.device, self.gpus) {
+            (DeviceSpec::Cpu, Some(_)) => DeviceSpec::Cuda(0),
+            (spec, _) => spec,
+        };
+        match (first, rank) {
+            (DeviceSpec::Cuda(k), Some(r)) => DeviceSpec::Cuda(k + r.rank),
+            (spec, _) => spec,
+        }
+    }
+
     /// The checks that need no file.
     fn check(&self) -> Result<()> {
+        let world = self.world();
+        if world == 0 {
+            bail!("--processes and --gpus must be at least 1");
+        }
+        if !self.batch.is_multiple_of(world) {
+            bail!(
+                "--batch {} does not split evenly over {world} processes: --batch is the \
+                 global batch",
+                self.batch
+            );
+        }
+        if !(self.peer_timeout > 0.0 && self.peer_timeout.is_finite()) {
+            bail!(
+                "--peer-timeout must be a positive number of seconds, not {}",
+                self.peer_timeout
+            );
+        }
         if self.corpus.holdout == 0 {
             bail!("--holdout must be at least 1: validation needs held-out text");
         }
@@ -263,7 +315,14 @@ impl FinetuneArgs {
 
 pub fn run(args: &FinetuneArgs) -> Result<()> {
     args.check()?;
-    let device = args.model.device()?;
+    let rank = args.rank.rank();
+    if rank.is_none() && args.world() > 1 {
+        let on_cpu = args.device_spec(None) == DeviceSpec::Cpu;
+        return crate::launch::run_ranks(args.world(), on_cpu);
+    }
+    // Only the first process (or the only one) writes and reports.
+    let lead = rank.is_none_or(|r| r.rank == 0);
+    let device = args.device_spec(rank).open()?;
     let dtype = args.model.dtype(&device);
     let cfg = args.train_config(dtype)?;
     // Resuming reads the weights from the checkpoint being resumed.
@@ -284,7 +343,7 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         false => None,
     };
     let eos = model_cfg.eos_ids().first().copied();
-    let (train, val) = training_text(args, &ck.tokenizer, eos)?;
+    let (train, val) = training_text(args, &ck.tokenizer, eos, lead)?;
 
     let d_ff = model_cfg.intermediate_size;
     let mut trainer = Trainer::new(model_cfg, ck.tensors(DType::F32, &device)?, cfg, &device)?;
@@ -293,24 +352,36 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
     }
     if let Some(r) = &args.resume {
         trainer.resume(r)?;
-        eprintln!(
-            "finetune: resumed {} at step {}",
-            r.display(),
-            trainer.step()
-        );
+        if lead {
+            eprintln!(
+                "finetune: resumed {} at step {}",
+                r.display(),
+                trainer.step()
+            );
+        }
     }
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
+    if let Some(r) = rank {
+        join_run(&mut trainer, r, args, &device)
+            .with_context(|| format!("process {} of {}", r.rank, r.world))?;
+    }
     let log_path = args.out.join("train_log.jsonl");
-    let mut log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log_path)
-        .with_context(|| format!("opening {}", log_path.display()))?;
-    let bar = ProgressBar::new(args.steps as u64).with_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed}<{eta}] {msg}")
-            .expect("static progress template"),
-    );
+    let (mut log, bar) = match lead {
+        true => {
+            std::fs::create_dir_all(&args.out)
+                .with_context(|| format!("creating {}", args.out.display()))?;
+            let log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log_path)
+                .with_context(|| format!("opening {}", log_path.display()))?;
+            let bar = ProgressBar::new(args.steps as u64).with_style(
+                ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed}<{eta}] {msg}")
+                    .expect("static progress template"),
+            );
+            (Some(log), bar)
+        }
+        false => (None, ProgressBar::hidden()),
+    };
     bar.set_position(trainer.step() as u64);
     let save_dtype = if dtype == DType::F32 {
         DType::F32
@@ -349,18 +420,31 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
             let v = trainer.validate(&val, args.eval_batches)?;
             (entry.val_ce, entry.val_l0) = (Some(v.ce), v.mean_l0);
         }
-        writeln!(log, "{}", serde_json::to_string(&entry)?)?;
+        if let Some(log) = &mut log {
+            writeln!(log, "{}", serde_json::to_string(&entry)?)?;
+        }
         bar.set_message(progress_line(&entry, d_ff));
         bar.set_position(step as u64);
-        let out_of_time = args
+        let mut out_of_time = args
             .time_limit
             .is_some_and(|limit| started.elapsed().as_secs_f64() >= limit);
+        if args.time_limit.is_some() {
+            // The first process's clock decides for all of them.
+            let mut flag = [u8::from(out_of_time)];
+            trainer.communicator().broadcast(&mut flag)?;
+            out_of_time = flag[0] == 1;
+        }
         let scheduled = args.save_every > 0 && step % args.save_every == 0;
         if (scheduled || out_of_time) && step < args.steps {
             let dir = args.out.join(format!("step-{step}"));
-            save(&trainer, &dir)?;
+            if lead {
+                save(&trainer, &dir)?;
+            }
             if out_of_time {
                 bar.abandon();
+                if !lead {
+                    return Ok(());
+                }
                 eprintln!(
                     "finetune: --time-limit reached at step {step} of {}; continue with --resume {}",
                     args.steps,
@@ -371,6 +455,9 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         }
     }
     bar.finish();
+    if !lead {
+        return Ok(());
+    }
     let final_dir = args.out.join("final");
     save(&trainer, &final_dir)?;
     let curve_path = args.out.join("train_curve.svg");
@@ -381,6 +468,45 @@ pub fn run(args: &FinetuneArgs) -> Result<()> {
         log_path.display(),
         curve_path.display()
     );
+    Ok(())
+}
+
+/// Joins this process to the run: over TCP, and on a GPU of a build with `nccl`, then
+/// through NCCL (its unique id sent over TCP).
+fn join_run(
+    trainer: &mut Trainer,
+    rank: Rank,
+    args: &FinetuneArgs,
+    device: &candle_core::Device,
+) -> Result<()> {
+    let timeout = std::time::Duration::from_secs_f64(args.peer_timeout);
+    let options = twell_dist::TcpOptions::new(rank.rank, rank.world, rank.rendezvous)
+        .with_connect_timeout(timeout)
+        .with_timeout(timeout);
+    let tcp = twell_dist::TcpCommunicator::connect(&options)?;
+    let comm: Box<dyn twell_dist::Communicator> = match device {
+        #[cfg(feature = "nccl")]
+        candle_core::Device::Cuda(gpu) => {
+            let mut tcp = tcp;
+            Box::new(twell_dist::NcclCommunicator::new(gpu, &mut tcp)?)
+        }
+        _ => Box::new(tcp),
+    };
+    if rank.rank == 0 {
+        let how = match device.is_cpu() || cfg!(feature = "nccl") {
+            true => "",
+            false => {
+                " (through host memory over TCP: a build with --features nccl reduces on the GPUs)"
+            }
+        };
+        eprintln!(
+            "finetune: {} processes, each on {} of every {} sequences{how}",
+            rank.world,
+            args.batch / rank.world,
+            args.batch
+        );
+    }
+    trainer.join(comm)?;
     Ok(())
 }
 
@@ -409,6 +535,7 @@ fn training_text(
     args: &FinetuneArgs,
     tokenizer: &tokenizers::Tokenizer,
     eos: Option<u32>,
+    report: bool,
 ) -> Result<(PackedData, PackedData)> {
     let (train_docs, val_docs) = args.corpus.split()?;
     let mut train_tokens = train_docs.tokenize(tokenizer, eos)?;
@@ -441,6 +568,9 @@ fn training_text(
     }
     let train = PackedData::new(&train_tokens, args.seq_len)?;
     let val = PackedData::new(&val_docs.tokenize(tokenizer, eos)?, args.seq_len)?;
+    if !report {
+        return Ok((train, val));
+    }
     eprintln!(
         "finetune: {} training sequences of {} tokens ({} documents, {} of them --extra-data), {} validation sequences ({} documents)",
         train.len(),

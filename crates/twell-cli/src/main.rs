@@ -10,6 +10,7 @@ mod eval;
 mod finetune;
 mod generate;
 mod host_tuning;
+mod launch;
 mod model_args;
 mod sample;
 mod serve;
@@ -38,7 +39,7 @@ enum Command {
     /// Generate text (prompt or chat), streaming, with prefill/decode speed.
     Generate(generate::GenerateArgs),
     /// L1 sparsity fine-tuning (ReLU gate, loss = CE + λ·L1).
-    Finetune(finetune::FinetuneArgs),
+    Finetune(Box<finetune::FinetuneArgs>),
     /// Perplexity on held-out text and per-layer FFN sparsity.
     Eval(eval::EvalArgs),
     /// Texts sampled from a model, prompted from training documents: more text for
