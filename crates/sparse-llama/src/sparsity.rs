@@ -98,3 +98,93 @@ impl SparsityTracker {
             .collect()
     }
 }
+
+/// An order of a layer's `load.len()` neurons for a tensor-parallel split into `shards`
+/// equal, contiguous parts, with the parts' summed loads (say, how often each neuron fired
+/// on calibration text) as even as a greedy pass makes them: the heaviest neuron first,
+/// each to the part with the least load that still has room. A sparse FFN's GPUs wait for
+/// the one with the most active neurons, and the active neurons of a fine-tuned model
+/// cluster in index ranges, so contiguous parts of the original order fall out of balance.
+/// Part `s` is `order[s * n / shards .. (s + 1) * n / shards]`, each part in index order.
+pub fn balanced_neuron_order(load: &[u64], shards: usize) -> Result<Vec<usize>> {
+    let n = load.len();
+    if shards == 0 || !n.is_multiple_of(shards) {
+        candle_core::bail!("{n} neurons do not split into {shards} equal parts");
+    }
+    let size = n / shards;
+    let mut by_load: Vec<usize> = (0..n).collect();
+    by_load.sort_by_key(|&j| (std::cmp::Reverse(load[j]), j));
+    let mut parts: Vec<Vec<usize>> = vec![Vec::with_capacity(size); shards];
+    let mut sums = vec![0u64; shards];
+    for j in by_load {
+        let s = (0..shards)
+            .filter(|&s| parts[s].len() < size)
+            .min_by_key(|&s| (sums[s], s))
+            .expect("a part with room remains while neurons do");
+        parts[s].push(j);
+        sums[s] += load[j];
+    }
+    Ok(parts
+        .into_iter()
+        .flat_map(|mut p| {
+            p.sort_unstable();
+            p
+        })
+        .collect())
+}
+
+/// For one token row's active neurons (`active[j]`), the most active neurons any of the
+/// `shards` contiguous parts of `order` holds over their mean: 1.0 is even, `shards` is
+/// all in one part. A row with no active neuron counts as even.
+pub fn row_imbalance(active: &[bool], order: &[usize], shards: usize) -> f64 {
+    let size = order.len() / shards.max(1);
+    let counts: Vec<usize> = order
+        .chunks(size.max(1))
+        .map(|part| part.iter().filter(|&&j| active[j]).count())
+        .collect();
+    let total: usize = counts.iter().sum();
+    if total == 0 {
+        return 1.0;
+    }
+    let max = *counts.iter().max().expect("at least one part") as f64;
+    max * shards as f64 / total as f64
+}
+
+#[cfg(test)]
+mod shard_tests {
+    use super::*;
+
+    #[test]
+    fn balanced_order_is_a_permutation_with_even_parts() -> Result<()> {
+        // The first quarter of the neurons carries all the load, as clustered neurons do.
+        let load: Vec<u64> = (0..64)
+            .map(|j| if j < 16 { 10 + j as u64 } else { 0 })
+            .collect();
+        let order = balanced_neuron_order(&load, 4)?;
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..64).collect::<Vec<_>>());
+        let sums: Vec<u64> = order
+            .chunks(16)
+            .map(|p| p.iter().map(|&j| load[j]).sum())
+            .collect();
+        let (min, max) = (*sums.iter().min().unwrap(), *sums.iter().max().unwrap());
+        assert!(max - min <= 25, "{sums:?}");
+        // Contiguous parts of the original order put it all in the first.
+        let identity: Vec<usize> = (0..64).collect();
+        let active: Vec<bool> = load.iter().map(|&l| l > 0).collect();
+        assert_eq!(row_imbalance(&active, &identity, 4), 4.0);
+        assert_eq!(row_imbalance(&active, &order, 4), 1.0);
+        Ok(())
+    }
+
+    #[test]
+    fn uneven_splits_are_refused_and_empty_rows_are_even() {
+        assert!(balanced_neuron_order(&[1, 2, 3], 2).is_err());
+        assert!(balanced_neuron_order(&[1, 2], 0).is_err());
+        assert_eq!(
+            row_imbalance(&[false; 8], &(0..8).collect::<Vec<_>>(), 2),
+            1.0
+        );
+    }
+}

@@ -76,6 +76,9 @@ enum BenchCommand {
     /// A real model's MLP layers, each on the rows its text feeds it: TwELL and `Auto`
     /// against dense at each token count (default: the sparse default model).
     Layers(bench::layers::LayersArgs),
+    /// How evenly a real model's active neurons fall across the parts of a
+    /// tensor-parallel FFN, in its own neuron order and in a balanced one.
+    Shards(bench::shards::ShardsArgs),
     /// The training losses over the vocabulary (cross-entropy, distillation KL),
     /// forward + backward: candle ops vs the fused ops, with peak device memory.
     Loss(bench::loss::LossBenchArgs),
@@ -144,6 +147,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Layers(args)) => {
             let report = bench::layers::run(&args)?;
             bench::layers::print(&report);
+        }
+        Command::Bench(BenchCommand::Shards(args)) => {
+            let report = bench::shards::run(&args)?;
+            bench::shards::print(&report);
         }
         Command::Bench(BenchCommand::Serve(args)) => {
             let levels = bench::serve::run(&args)?;

@@ -224,6 +224,61 @@ fn bench_layers_times_the_sparse_defaults_layers_on_their_own_rows() {
 }
 
 #[test]
+fn bench_shards_measures_the_sparse_defaults_parts_in_both_orders() {
+    if !sparse_default_installed() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("shards.json");
+    let run = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_twell"))
+            .args(["bench", "shards", "--rows", "1024"])
+            .args(extra)
+            .env("TWELL_DATA", data_dir())
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!text.contains("panicked"), "{text}");
+        (out.status.success(), text)
+    };
+    let (ok, text) = run(&["--shards", "1,2,4", "--json", json.to_str().unwrap()]);
+    assert!(ok, "{text}");
+    let report = read_json(&json);
+    assert_eq!(report["layers"], 30);
+    assert_eq!(report["fit_rows"], 512);
+    let density = report["mean_density"].as_f64().unwrap();
+    assert!(0.0 < density && density < 0.5, "{report}");
+    let rows = report["rows"].as_array().unwrap();
+    for (row, shards) in rows.iter().zip([1.0, 2.0, 4.0]) {
+        for key in [
+            "contiguous_mean",
+            "contiguous_p99",
+            "balanced_mean",
+            "balanced_p99",
+        ] {
+            let v = row[key].as_f64().unwrap();
+            // One part is even by definition; no part holds more than all of them.
+            assert!((1.0..=shards).contains(&v), "{key}: {row}");
+            if shards == 1.0 {
+                assert_eq!(v, 1.0, "{row}");
+            }
+        }
+    }
+    // Four parts of a token's few active neurons are less even than two.
+    assert!(rows[2]["contiguous_mean"].as_f64() > rows[1]["contiguous_mean"].as_f64());
+    let (ok, text) = run(&["--shards", "7"]);
+    assert!(!ok && text.contains("does not split into 7"), "{text}");
+    let (ok, text) = run(&["--shards", "0"]);
+    assert!(!ok && text.contains("at least 1"), "{text}");
+    let (ok, text) = run(&["--dense"]);
+    assert!(!ok && text.contains("ReLU-gated"), "{text}");
+}
+
+#[test]
 fn cuda_without_the_feature_is_explained() {
     if cfg!(feature = "cuda") {
         return;

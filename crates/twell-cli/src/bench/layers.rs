@@ -103,50 +103,15 @@ pub fn run(args: &LayersArgs) -> Result<LayersReport> {
     if args.tokens.is_empty() || args.tokens.contains(&0) {
         bail!("--tokens: token counts must be at least 1");
     }
-    if args.context == 0 {
-        bail!("--context must be at least 1");
-    }
-    let ck = args.model.open()?;
-    let device = args.model.device()?;
-    let dtype = args.model.dtype(&device);
-    let mut model = ck.load_model(dtype, &device, &args.model.load_options())?;
+    let (ck, model, inputs) = capture_mlp_inputs(
+        &args.model,
+        args.text.as_deref(),
+        *args.tokens.iter().max().expect("checked non-empty"),
+        args.context,
+    )?;
     let config = model.config().clone();
-    if config.activation != Activation::Relu {
-        bail!(
-            "bench layers times the TwELL path, which needs a ReLU-gated model: the sparse \
-             default (no --dense), a fine-tuned checkpoint, or --relu"
-        );
-    }
-    // At least this many rows go through the model, so that few rows are a spread of
-    // positions rather than a window's first.
-    const MIN_CAPTURED_ROWS: usize = 1024;
-    let rows_needed =
-        (*args.tokens.iter().max().expect("checked non-empty")).max(MIN_CAPTURED_ROWS);
-    let context = args.context.min(config.max_position_embeddings);
-
-    // The model's own text through it, each layer's MLP input rows kept.
-    let text = args.text.clone().unwrap_or_else(default_corpus);
-    let mut corpus = Corpus::open(&text).with_context(|| format!("opening --text {text}"))?;
-    if args.text.is_none() {
-        corpus = corpus.last(10);
-    }
-    let eos = config.eos_ids().first().copied();
-    let tokens = corpus.tokenize(&ck.tokenizer, eos)?;
-    let windows = rows_needed.div_ceil(context);
-    if tokens.len() < windows * context.min(rows_needed) {
-        bail!(
-            "the text gives {} tokens, {rows_needed} rows need {}",
-            tokens.len(),
-            windows * context.min(rows_needed)
-        );
-    }
-    let width = context.min(rows_needed);
-    let ids = Tensor::from_slice(&tokens[..windows * width], (windows, width), &device)?;
-    model.keep_mlp_inputs(true);
-    let mut cache = Cache::new(false, dtype, &config, &device)?;
-    model.forward(&ids, 0, &mut cache)?;
-    let inputs = model.take_mlp_inputs()?;
-    model.keep_mlp_inputs(false);
+    let device = inputs[0].device().clone();
+    let dtype = inputs[0].dtype();
 
     let layers = model
         .mlps()
@@ -191,6 +156,66 @@ pub fn run(args: &LayersArgs) -> Result<LayersReport> {
     }
     Ok(report)
 }
+
+/// Loads `--model`, runs `text` (default: the corpus's held-out speeches) through it in
+/// windows of `context` tokens, at least `rows` rows and [`MIN_CAPTURED_ROWS`], and
+/// returns each layer's MLP input rows `[rows', hidden]` (rows' ≥ rows). The model must
+/// be ReLU-gated: the TwELL path and its active neurons need it.
+pub(crate) fn capture_mlp_inputs(
+    model_args: &ModelArgs,
+    text: Option<&str>,
+    rows: usize,
+    context: usize,
+) -> Result<(
+    sparse_llama::checkpoint::Checkpoint,
+    sparse_llama::Llama,
+    Vec<Tensor>,
+)> {
+    if context == 0 {
+        bail!("--context must be at least 1");
+    }
+    let ck = model_args.open()?;
+    let device = model_args.device()?;
+    let dtype = model_args.dtype(&device);
+    let mut model = ck.load_model(dtype, &device, &model_args.load_options())?;
+    let config = model.config().clone();
+    if config.activation != Activation::Relu {
+        bail!(
+            "this bench needs a ReLU-gated model (its active neurons): the sparse default \
+             (no --dense), a fine-tuned checkpoint, or --relu"
+        );
+    }
+    let rows_needed = rows.max(MIN_CAPTURED_ROWS);
+    let context = context.min(config.max_position_embeddings);
+    let text_arg = text.map(String::from).unwrap_or_else(default_corpus);
+    let mut corpus =
+        Corpus::open(&text_arg).with_context(|| format!("opening --text {text_arg}"))?;
+    if text.is_none() {
+        corpus = corpus.last(10);
+    }
+    let eos = config.eos_ids().first().copied();
+    let tokens = corpus.tokenize(&ck.tokenizer, eos)?;
+    let windows = rows_needed.div_ceil(context);
+    if tokens.len() < windows * context.min(rows_needed) {
+        bail!(
+            "the text gives {} tokens, {rows_needed} rows need {}",
+            tokens.len(),
+            windows * context.min(rows_needed)
+        );
+    }
+    let width = context.min(rows_needed);
+    let ids = Tensor::from_slice(&tokens[..windows * width], (windows, width), &device)?;
+    model.keep_mlp_inputs(true);
+    let mut cache = Cache::new(false, dtype, &config, &device)?;
+    model.forward(&ids, 0, &mut cache)?;
+    let inputs = model.take_mlp_inputs()?;
+    model.keep_mlp_inputs(false);
+    Ok((ck, model, inputs))
+}
+
+/// At least this many rows go through the model, so that few rows are a spread of
+/// positions rather than a window's first.
+const MIN_CAPTURED_ROWS: usize = 1024;
 
 /// Every layer on its rows `xs[l]`: dense, TwELL and `Auto` interleaved.
 fn measure(rounds: Rounds, layers: &[Layer], xs: &[Tensor], ffn: usize) -> Result<LayersRow> {

@@ -9,6 +9,7 @@ pub mod mlp;
 pub mod mlp_train;
 pub mod model;
 pub mod serve;
+pub mod shards;
 pub mod sweep;
 pub mod timing;
 
