@@ -4,24 +4,9 @@
 use std::process::Command;
 
 mod common;
-use common::{data_dir, sparse_default_installed, tiny_checkpoint, tiny_checkpoint_of_width};
-
-fn twell(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_twell"))
-        .args(args)
-        .output()
-        .expect("run twell");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        !text.contains("panicked"),
-        "twell {args:?} panicked:\n{text}"
-    );
-    (out.status.success(), text)
-}
+use common::{
+    sparse_default_installed, tiny_checkpoint, tiny_checkpoint_of_width, twell, twell_on_data,
+};
 
 fn fails_with(args: &[&str], needle: &str) {
     let (ok, text) = twell(args);
@@ -166,23 +151,11 @@ fn bench_layers_times_the_sparse_defaults_layers_on_their_own_rows() {
     }
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("layers.json");
-    let data = data_dir();
     let run = |extra: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_twell"))
-            .args([
-                "bench", "layers", "--tokens", "1,5", "--reps", "1", "--warmup", "0",
-            ])
-            .args(extra)
-            .env("TWELL_DATA", &data)
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(!text.contains("panicked"), "{text}");
-        (out.status.success(), text)
+        let base = [
+            "bench", "layers", "--tokens", "1,5", "--reps", "1", "--warmup", "0",
+        ];
+        twell_on_data(&[&base[..], extra].concat())
     };
     let (ok, text) = run(&["--json", json.to_str().unwrap()]);
     assert!(ok, "{text}");
@@ -230,21 +203,8 @@ fn bench_shards_measures_the_sparse_defaults_parts_in_both_orders() {
     }
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("shards.json");
-    let run = |extra: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_twell"))
-            .args(["bench", "shards", "--rows", "1024"])
-            .args(extra)
-            .env("TWELL_DATA", data_dir())
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(!text.contains("panicked"), "{text}");
-        (out.status.success(), text)
-    };
+    let run =
+        |extra: &[&str]| twell_on_data(&[&["bench", "shards", "--rows", "1024"], extra].concat());
     let (ok, text) = run(&["--shards", "1,2,4", "--json", json.to_str().unwrap()]);
     assert!(ok, "{text}");
     let report = read_json(&json);

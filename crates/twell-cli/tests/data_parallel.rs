@@ -4,28 +4,9 @@
 //! code.
 
 use std::path::Path;
-use std::process::Command;
 
 mod common;
-use common::tiny_checkpoint;
-
-/// Runs `twell ARGS`; success and the output.
-fn twell(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_twell"))
-        .args(args)
-        .output()
-        .expect("run twell");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        !text.contains("panicked"),
-        "twell {args:?} panicked:\n{text}"
-    );
-    (out.status.success(), text)
-}
+use common::{tiny_checkpoint, twell};
 
 /// The steps of a run's log.
 fn train_log(out: &Path) -> Vec<serde_json::Value> {

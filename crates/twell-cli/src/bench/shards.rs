@@ -91,19 +91,26 @@ pub fn run(args: &ShardsArgs) -> Result<ShardsReport> {
         .flatten()
         .map(|r| r.iter().filter(|&&a| a).count())
         .sum();
-    let mut report_rows = Vec::new();
-    for &shards in &args.shards {
-        let (mut contiguous, mut balanced) = (Vec::new(), Vec::new());
-        let mut worst_layer = (0, 0.0);
-        for (layer, rows_active) in active.iter().enumerate() {
+    // Each layer's calibration load: how many of the first half's rows fired each neuron.
+    let loads: Vec<Vec<u64>> = active
+        .iter()
+        .map(|rows_active| {
             let mut load = vec![0u64; ffn];
             for row in &rows_active[..fit] {
                 for (l, &a) in load.iter_mut().zip(row) {
                     *l += u64::from(a);
                 }
             }
-            let order = balanced_neuron_order(&load, shards)?;
-            let identity: Vec<usize> = (0..ffn).collect();
+            load
+        })
+        .collect();
+    let identity: Vec<usize> = (0..ffn).collect();
+    let mut report_rows = Vec::new();
+    for &shards in &args.shards {
+        let (mut contiguous, mut balanced) = (Vec::new(), Vec::new());
+        let mut worst_layer = (0, 0.0);
+        for (layer, (rows_active, load)) in active.iter().zip(&loads).enumerate() {
+            let order = balanced_neuron_order(load, shards)?;
             let before: Vec<f64> = rows_active[fit..]
                 .iter()
                 .map(|r| row_imbalance(r, &identity, shards))

@@ -62,3 +62,33 @@ pub fn installed(what: &[&str]) -> bool {
     }
     missing.is_empty()
 }
+
+/// Runs `twell ARGS` (with `envs` set); whether it succeeded, and its stdout and stderr.
+/// No run may panic: a bad input gets a clear error.
+pub fn twell_with(args: &[&str], envs: &[(&str, &std::ffi::OsStr)]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_twell"))
+        .args(args)
+        .envs(envs.iter().copied())
+        .output()
+        .expect("run twell");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !text.contains("panicked"),
+        "twell {args:?} panicked:\n{text}"
+    );
+    (out.status.success(), text)
+}
+
+/// [`twell_with`] and no extra environment.
+pub fn twell(args: &[&str]) -> (bool, String) {
+    twell_with(args, &[])
+}
+
+/// [`twell_with`] on the data directory ([`data_dir`]), where the default model is.
+pub fn twell_on_data(args: &[&str]) -> (bool, String) {
+    twell_with(args, &[("TWELL_DATA", data_dir().as_os_str())])
+}
