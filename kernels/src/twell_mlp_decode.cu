@@ -26,6 +26,7 @@
 // start (two reads of a 4 KB row from L2), while its first gate rows are on their way;
 // the sum then adds to `residual + y`. A decode step's MLP sublayer is then one launch:
 // the add + norm before it, the MLP, the add + norm after it.
+#include "mma_sync.cuh"
 #include "rms_norm_row.cuh"
 
 // The sums' fixed point: 2^32 steps per unit.
@@ -331,6 +332,21 @@ DECODE_KERNELS(16, 1)
 // x (dynamic, m · d bf16), the block's list.
 #define FEW_ROWS_AT_ONCE 4
 
+// Lane r < R adds row r's |h| to its L1 term and counts neuron j in row r's tile.
+template <int R>
+__device__ __forceinline__ void count_neuron_rows(const float* h, uint32_t mask, long long j, int tile, int n_tiles,
+                                                  float* l1, uint32_t* tile_counts) {
+    const int lane = threadIdx.x & 31;
+    if (lane < R && ((mask >> lane) & 1u)) {
+        float mine = 0.f;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (r == lane) mine = h[r];
+        red_add(l1 + lane, fabsf(mine));
+        red_add(tile_counts + lane * n_tiles + j / tile, 1u);
+    }
+}
+
 // Adds active neuron j into the sums of the rows in `mask` (row r's gate g[r] > 0):
 // h_r = g_r · (x_r . Wu_j), acc_r += h_r · Wd_j. Wu_j and Wd_j are read once for all rows.
 template <int MAXV, int R>
@@ -384,14 +400,7 @@ __device__ __forceinline__ void add_neuron_rows(const __nv_bfloat16* xs, const _
             }
         }
     }
-    if (lane < R && ((mask >> lane) & 1u)) {
-        float mine = 0.f;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            if (r == lane) mine = h[r];
-        red_add(l1 + lane, fabsf(mine));
-        red_add(tile_counts + lane * n_tiles + j / tile, 1u);
-    }
+    count_neuron_rows<R>(h, mask, j, tile, n_tiles, l1, tile_counts);
 }
 
 template <int MAXV, int R>
@@ -400,6 +409,78 @@ __device__ __noinline__ void add_neuron_rows_overflow(const __nv_bfloat16* xs, c
                                                       int n_tiles, unsigned long long* acc, float* l1,
                                                       uint32_t* tile_counts) {
     add_neuron_rows<MAXV, R>(xs, w_ud, j, mask, g, d, tile, n_tiles, acc, l1, tile_counts);
+}
+
+// Whether this block is the last of the launch to finish (a ticket after a fence); every
+// block's adds are then visible to it.
+__device__ __forceinline__ bool last_block_out(uint32_t* ticket) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// The last block's work for m rows: each row's sums into the bf16 output row (and, given
+// a residual, the residual add and RMS norm of it), the L1 terms and counts, the scratch
+// zeroed again. NV 16-byte vectors a thread cover the row (d <= NV · 2048).
+template <int NV>
+__device__ void finish_rows(unsigned long long* acc, float* l1, uint32_t* tile_counts, uint32_t* ticket,
+                            __nv_bfloat16* __restrict__ out, uint32_t* __restrict__ counts, int m, int d, int n_tiles,
+                            const __nv_bfloat16* __restrict__ residual, const __nv_bfloat16* __restrict__ alpha,
+                            __nv_bfloat16* __restrict__ sum_normed, float eps) {
+    const int vecs = d / VEC;
+    uint4 al[NV];
+    if (residual != nullptr) norm_row_load<NV>(alpha, vecs, al);
+    for (int r0 = 0; r0 < m; r0 += FEW_ROWS_AT_ONCE) {
+        uint4 mlp[FEW_ROWS_AT_ONCE][NV], res[FEW_ROWS_AT_ONCE][NV];
+#pragma unroll
+        for (int q = 0; q < FEW_ROWS_AT_ONCE; ++q) {
+            const int r = r0 + q;
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int v = threadIdx.x + i * DECODE_THREADS;
+                mlp[q][i] = make_uint4(0u, 0u, 0u, 0u);
+                res[q][i] = make_uint4(0u, 0u, 0u, 0u);
+                if (r < m && v < vecs) {
+                    uint4* sums = reinterpret_cast<uint4*>(acc + static_cast<long long>(r) * d + v * VEC);
+                    __nv_bfloat162* mh = reinterpret_cast<__nv_bfloat162*>(&mlp[q][i]);
+#pragma unroll
+                    for (int k = 0; k < VEC / 2; ++k) {
+                        const uint4 p = __ldcg(sums + k);
+                        sums[k] = make_uint4(0u, 0u, 0u, 0u);
+                        mh[k] = __floats2bfloat162_rn(from_fixed(p.x, p.y), from_fixed(p.z, p.w));
+                    }
+                    if (out != nullptr) *reinterpret_cast<uint4*>(out + static_cast<long long>(r) * d + v * VEC) = mlp[q][i];
+                    if (residual != nullptr)
+                        res[q][i] = *reinterpret_cast<const uint4*>(residual + static_cast<long long>(r) * d + v * VEC);
+                }
+            }
+        }
+        if (residual == nullptr) continue;
+#pragma unroll
+        for (int q = 0; q < FEW_ROWS_AT_ONCE; ++q) {
+            const int r = r0 + q;
+            if (r >= m) break;  // the same in every thread
+            float sum[NV][VEC];
+            const float scale = norm_row_scale(norm_row_add<NV>(res[q], mlp[q], sum), d, eps);
+            norm_row_store<NV>(sum_normed + static_cast<long long>(r) * d, vecs, sum);
+            norm_row_store_scaled<NV>(sum_normed + static_cast<long long>(m + r) * d, vecs, scale, sum, al);
+        }
+    }
+    for (int r = threadIdx.x; r < m; r += blockDim.x) {
+        if (out != nullptr) out[l1_at(m, d, r)] = __float2bfloat16(__ldcg(l1 + r));
+        l1[r] = 0.f;
+    }
+    for (int t = threadIdx.x; t < m * n_tiles; t += blockDim.x) {
+        if (counts != nullptr) counts[t] = __ldcg(tile_counts + t);
+        tile_counts[t] = 0u;
+    }
+    if (threadIdx.x == 0) *ticket = 0u;
 }
 
 template <int MAXV, int R>
@@ -492,62 +573,8 @@ __device__ void decode_rows(const __nv_bfloat16* __restrict__ x,     // [m, d]
         add_neuron_rows<MAXV, R>(xs, w_ud, listed_j[s], listed_mask[s], listed_g + s * R, d, tile, n_tiles, acc, l1,
                                  tile_counts);
 
-    __shared__ bool last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    uint4 al[NV];
-    if (residual != nullptr) norm_row_load<NV>(alpha, vecs, al);
-    for (int r0 = 0; r0 < m; r0 += FEW_ROWS_AT_ONCE) {
-        uint4 mlp[FEW_ROWS_AT_ONCE][NV], res[FEW_ROWS_AT_ONCE][NV];
-#pragma unroll
-        for (int q = 0; q < FEW_ROWS_AT_ONCE; ++q) {
-            const int r = r0 + q;
-#pragma unroll
-            for (int i = 0; i < NV; ++i) {
-                const int v = threadIdx.x + i * DECODE_THREADS;
-                mlp[q][i] = make_uint4(0u, 0u, 0u, 0u);
-                res[q][i] = make_uint4(0u, 0u, 0u, 0u);
-                if (r < m && v < vecs) {
-                    uint4* sums = reinterpret_cast<uint4*>(acc + static_cast<long long>(r) * d + v * VEC);
-                    __nv_bfloat162* mh = reinterpret_cast<__nv_bfloat162*>(&mlp[q][i]);
-#pragma unroll
-                    for (int k = 0; k < VEC / 2; ++k) {
-                        const uint4 p = __ldcg(sums + k);
-                        sums[k] = make_uint4(0u, 0u, 0u, 0u);
-                        mh[k] = __floats2bfloat162_rn(from_fixed(p.x, p.y), from_fixed(p.z, p.w));
-                    }
-                    if (out != nullptr) *reinterpret_cast<uint4*>(out + static_cast<long long>(r) * d + v * VEC) = mlp[q][i];
-                    if (residual != nullptr)
-                        res[q][i] = *reinterpret_cast<const uint4*>(residual + static_cast<long long>(r) * d + v * VEC);
-                }
-            }
-        }
-        if (residual == nullptr) continue;
-#pragma unroll
-        for (int q = 0; q < FEW_ROWS_AT_ONCE; ++q) {
-            const int r = r0 + q;
-            if (r >= m) break;  // the same in every thread
-            float sum[NV][VEC];
-            const float scale = norm_row_scale(norm_row_add<NV>(res[q], mlp[q], sum), d, eps);
-            norm_row_store<NV>(sum_normed + static_cast<long long>(r) * d, vecs, sum);
-            norm_row_store_scaled<NV>(sum_normed + static_cast<long long>(m + r) * d, vecs, scale, sum, al);
-        }
-    }
-    for (int r = threadIdx.x; r < m; r += blockDim.x) {
-        if (out != nullptr) out[l1_at(m, d, r)] = __float2bfloat16(__ldcg(l1 + r));
-        l1[r] = 0.f;
-    }
-    for (int t = threadIdx.x; t < m * n_tiles; t += blockDim.x) {
-        if (counts != nullptr) counts[t] = __ldcg(tile_counts + t);
-        tile_counts[t] = 0u;
-    }
-    if (threadIdx.x == 0) *ticket = 0u;
+    if (!last_block_out(ticket)) return;
+    finish_rows<NV>(acc, l1, tile_counts, ticket, out, counts, m, d, n_tiles, residual, alpha, sum_normed, eps);
 }
 
 // One block a multiprocessor: the rows' gates and the gate rows in flight take the
@@ -568,3 +595,218 @@ __device__ void decode_rows(const __nv_bfloat16* __restrict__ x,     // [m, d]
 ROWS_KERNELS(4)
 ROWS_KERNELS(8)
 ROWS_KERNELS(16)
+
+// ---------------------------------------------------------------------------------------
+// A few token rows (2 to 8 · NT) with the gates on the tensor cores.
+//
+// The CUDA-core kernel above converts every gate row once for each row of x, so its cost
+// grows with m · d · f and it loses to the staged kernels past a few rows of the wider
+// shapes. Here a block takes 16 neurons at a time and computes their gates for all the
+// rows as m16n8k16 products: the 16 gate rows are the A operand, the rows of x (zero past
+// m) the B operand, with f32 sums. The block's 8 warps split the hidden size into
+// 32-column chunks and add their partial products in a fixed order, so the gates do not
+// depend on the schedule.
+//
+// Within a chunk the columns are taken in a permuted order, which leaves every dot product
+// unchanged: lane (q, t) = (lane / 4, lane % 4) reads 16 contiguous bytes (columns 8t to
+// 8t + 7) of gate rows q and q + 8 and of x rows q + 8n, and feeds words 0, 1 to the
+// chunk's first k-step and words 2, 3 to its second, as the fragments' columns 2t, 2t + 1
+// and 2t + 8, 2t + 9. A and B take the same permutation, so each product pairs the same
+// column of the gate row and of x.
+//
+// The active neurons go on the block's list with the mask of their rows, and phase 2 adds
+// them as the CUDA-core kernel does, its loops running over the row so that any hidden
+// size (a multiple of 32, up to 2048 · NV) runs; the rows of x are read from L2. A block
+// whose list could not take another 16 neurons adds the listed ones first, so none is
+// dropped.
+#define TC_NEURONS 16
+#define TC_WARPS (DECODE_THREADS / 32)
+#define TC_CHUNK 32
+// 32-column chunks a warp has in flight at once.
+#define TC_UNROLL 4
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int k) {
+    return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
+    const __nv_bfloat162* ah = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const __nv_bfloat162* bh = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const float2 af = __bfloat1622float2(ah[q]);
+        const float2 bf = __bfloat1622float2(bh[q]);
+        acc = fmaf(af.x, bf.x, fmaf(af.y, bf.y, acc));
+    }
+    return acc;
+}
+
+// Adds active neuron j into the sums of the rows in `mask`, as `add_neuron_rows` does, for
+// any hidden size: Wu_j and each masked row of x in 256-column passes, then Wd_j by bf16
+// pairs.
+template <int R>
+__device__ void add_neuron_rows_wide(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,
+                                     long long j, uint32_t mask, const float* g, int d, int tile, int n_tiles,
+                                     unsigned long long* acc, float* l1, uint32_t* tile_counts) {
+    const int lane = threadIdx.x & 31;
+    const __nv_bfloat16* row = w_ud + j * 2 * d;
+    float part[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) part[r] = 0.f;
+#pragma unroll 4
+    for (int e = lane * VEC; e < d; e += 32 * VEC) {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(row + e));
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if ((mask >> r) & 1u)  // the same in every lane
+                part[r] = dot8(__ldg(reinterpret_cast<const uint4*>(x + static_cast<long long>(r) * d + e)), u, part[r]);
+    }
+    float h[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) h[r] = (mask >> r) & 1u ? round_bf16(g[r] * warp_sum(part[r])) : 0.f;
+#pragma unroll 4
+    for (int e = 2 * lane; e < d; e += 64) {
+        const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + d + e));
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if ((mask >> r) & 1u) {
+                red_add(acc + static_cast<long long>(r) * d + e, to_fixed(h[r] * wf.x));
+                red_add(acc + static_cast<long long>(r) * d + e + 1, to_fixed(h[r] * wf.y));
+            }
+        }
+    }
+    count_neuron_rows<R>(h, mask, j, tile, n_tiles, l1, tile_counts);
+}
+
+template <int NT, int NV>
+__device__ void decode_rows_tc(const __nv_bfloat16* __restrict__ x,     // [m, d]
+                               const __nv_bfloat16* __restrict__ wg,    // [f, d]
+                               const __nv_bfloat16* __restrict__ w_ud,  // [f, 2d]
+                               unsigned long long* acc, float* l1, uint32_t* tile_counts, uint32_t* ticket,
+                               __nv_bfloat16* __restrict__ out, uint32_t* __restrict__ counts, int m, int d, int f,
+                               int tile, int n_tiles, const __nv_bfloat16* __restrict__ residual,
+                               const __nv_bfloat16* __restrict__ alpha, __nv_bfloat16* __restrict__ sum_normed,
+                               float eps) {
+    constexpr int R = 8 * NT;
+    __shared__ float partial[TC_WARPS][TC_NEURONS][R];
+    __shared__ int listed_j[DECODE_LIST];
+    __shared__ uint32_t listed_mask[DECODE_LIST];
+    __shared__ float listed_g[DECODE_LIST * R];
+    __shared__ int n_listed;
+    if (threadIdx.x == 0) n_listed = 0;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int q = lane >> 2, t = lane & 3;
+    const int chunks = d / TC_CHUNK;
+    const int groups = (f + TC_NEURONS - 1) / TC_NEURONS;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+
+    for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
+        __syncthreads();  // n_listed, and the last group's partial sums read
+        // Room for this group's 16: else the listed neurons go first.
+        if (n_listed > DECODE_LIST - TC_NEURONS) {
+            for (int s = warp; s < n_listed; s += TC_WARPS)
+                add_neuron_rows_wide<R>(x, w_ud, listed_j[s], listed_mask[s], listed_g + s * R, d, tile, n_tiles,
+                                        acc, l1, tile_counts);
+            __syncthreads();
+            if (threadIdx.x == 0) n_listed = 0;
+        }
+        const long long j0 = static_cast<long long>(grp) * TC_NEURONS;
+        const bool row_a = j0 + q < f, row_b = j0 + q + 8 < f;
+        const __nv_bfloat16* wa = wg + (j0 + q) * d + VEC * t;
+        const __nv_bfloat16* wb = wg + (j0 + q + 8) * d + VEC * t;
+        float c[NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
+        for (int c0 = warp; c0 < chunks; c0 += TC_WARPS * TC_UNROLL) {
+            uint4 a[TC_UNROLL], b[TC_UNROLL], xv[TC_UNROLL][NT];
+#pragma unroll
+            for (int u = 0; u < TC_UNROLL; ++u) {
+                const int ch = c0 + u * TC_WARPS;
+                const bool in = ch < chunks;
+                a[u] = in && row_a ? __ldcs(reinterpret_cast<const uint4*>(wa + ch * TC_CHUNK)) : zero;
+                b[u] = in && row_b ? __ldcs(reinterpret_cast<const uint4*>(wb + ch * TC_CHUNK)) : zero;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const int r = q + 8 * n;
+                    xv[u][n] = in && r < m ? __ldg(reinterpret_cast<const uint4*>(x + static_cast<long long>(r) * d +
+                                                                                   ch * TC_CHUNK + VEC * t))
+                                           : zero;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < TC_UNROLL; ++u) {
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    const uint32_t af[4] = {word_of(a[u], 2 * s), word_of(b[u], 2 * s), word_of(a[u], 2 * s + 1),
+                                            word_of(b[u], 2 * s + 1)};
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+                        mma_16816(c[n], af, word_of(xv[u][n], 2 * s), word_of(xv[u][n], 2 * s + 1));
+                }
+            }
+        }
+        // c[n]: neuron q (0, 1) and q + 8 (2, 3), rows 8n + 2t and 8n + 2t + 1.
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            partial[warp][q][8 * n + 2 * t] = c[n][0];
+            partial[warp][q][8 * n + 2 * t + 1] = c[n][1];
+            partial[warp][q + 8][8 * n + 2 * t] = c[n][2];
+            partial[warp][q + 8][8 * n + 2 * t + 1] = c[n][3];
+        }
+        __syncthreads();
+        // Thread (neuron, row) adds the warps' parts in warp order; R threads a neuron, so a
+        // warp holds 32 / R whole neurons and one ballot gives each its row mask.
+        if (threadIdx.x < TC_NEURONS * R) {  // the same in every lane of a warp
+            const int nj = threadIdx.x / R, r = threadIdx.x % R;
+            float g = 0.f;
+#pragma unroll
+            for (int w = 0; w < TC_WARPS; ++w) g += partial[w][nj][r];
+            g = round_bf16(g);  // as the cuBLAS gate of the other paths rounds it
+            const long long j = j0 + nj;
+            const bool active = g > 0.f && r < m && j < f;
+            const uint32_t bits = __ballot_sync(FULL_MASK, active);
+            const int first = lane - r;  // this neuron's row-0 lane
+            const uint32_t mask = (bits >> first) & (R == 32 ? FULL_MASK : ((1u << R) - 1u));
+            int slot = 0;
+            if (r == 0 && mask != 0u) slot = atomicAdd(&n_listed, 1);
+            slot = __shfl_sync(FULL_MASK, slot, first);
+            if (mask != 0u) {
+                if (r == 0) {
+                    listed_j[slot] = static_cast<int>(j);
+                    listed_mask[slot] = mask;
+                }
+                listed_g[slot * R + r] = g;
+            }
+        }
+    }
+    __syncthreads();
+
+    // Phase 2: the block's listed neurons, shared by its warps.
+    for (int s = warp; s < n_listed; s += TC_WARPS)
+        add_neuron_rows_wide<R>(x, w_ud, listed_j[s], listed_mask[s], listed_g + s * R, d, tile, n_tiles, acc, l1,
+                                tile_counts);
+
+    if (!last_block_out(ticket)) return;
+    finish_rows<NV>(acc, l1, tile_counts, ticket, out, counts, m, d, n_tiles, residual, alpha, sum_normed, eps);
+}
+
+#define ROWS_TC_KERNEL(NT, NV, MIN_BLOCKS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, MIN_BLOCKS)                                 \
+        twell_mlp_decode_rows_tc##NT##_bf16_nv##NV(                                                          \
+            const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wg,                       \
+            const __nv_bfloat16* __restrict__ w_ud, unsigned long long* acc, float* l1, uint32_t* tile_counts, \
+            uint32_t* ticket, __nv_bfloat16* __restrict__ out, uint32_t* __restrict__ counts, int m, int d,   \
+            int f, int tile, int n_tiles, const __nv_bfloat16* __restrict__ residual,                        \
+            const __nv_bfloat16* __restrict__ alpha, __nv_bfloat16* __restrict__ sum_normed, float eps) {    \
+        decode_rows_tc<NT, NV>(x, wg, w_ud, acc, l1, tile_counts, ticket, out, counts, m, d, f, tile,        \
+                               n_tiles, residual, alpha, sum_normed, eps);                                   \
+    }
+
+// Up to 8 rows (one n-tile) and 16 (two), hidden up to 2048, 4096, 8192. Two blocks a
+// multiprocessor where the finishing rows fit 128 registers.
+ROWS_TC_KERNEL(1, 1, 2)
+ROWS_TC_KERNEL(1, 2, 2)
+ROWS_TC_KERNEL(1, 4, 1)
+ROWS_TC_KERNEL(2, 1, 2)
+ROWS_TC_KERNEL(2, 2, 2)
+ROWS_TC_KERNEL(2, 4, 1)

@@ -6,7 +6,7 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use twell::density::{synthetic_input, synthetic_mlp, MlpWeights};
-use twell::{twell_mlp, up_down_matrix, GateGemm, KernelPaths, RowWalk, TwellConfig};
+use twell::{twell_mlp, up_down_matrix, FewRows, GateGemm, KernelPaths, RowWalk, TwellConfig};
 
 use super::{gpu, rel_l2, TOLERANCE};
 
@@ -284,7 +284,7 @@ fn check_mlp_add_norm(
     let alpha = Tensor::randn(1f32, 0.1, d, dev)?.to_dtype(DType::BF16)?;
     let eps = 1e-5;
     let w_ud = up_down_matrix(&w.up, &w.down)?;
-    if !twell::add_norm_fuses(&x, f) {
+    if !twell::add_norm_fuses(&x, f, config) {
         bail!("mlp + add + norm ({m} rows, d {d}) would not fold on this device");
     }
     let diff = |a: &Tensor, b: &Tensor| -> Result<f64> {
@@ -443,7 +443,8 @@ fn check_mlp_norm_add_norm(
 /// staged kernels' 2–64 rows (hidden past 2048, past the few-row kernel's gate bound,
 /// 17–64 rows) and just past them, M not a multiple of any
 /// tile, tiles of two and four mask words with overflow, a d_ff that ends inside a mask
-/// word, and M past 65,536.
+/// word, a d_ff of one tile at 17–64 rows (whose staged down writes its rows itself), and
+/// M past 65,536.
 #[rustfmt::skip]
 const FORWARD_CASES: &[Case] = &[
     (1, 2048, 5632, 0.01, 256, 8),
@@ -463,6 +464,8 @@ const FORWARD_CASES: &[Case] = &[
     (17, 2048, 5632, 0.01, 256, 8),
     (7, 4096, 11008, 0.005, 256, 8),
     (33, 576, 1000, 0.05, 256, 8),
+    (20, 64, 200, 0.3, 256, 8),
+    (40, 576, 256, 0.05, 256, 8),
     (64, 2048, 5632, 0.03, 256, 8),
     (65, 2048, 5632, 0.03, 256, 8),
     (513, 2048, 5632, 0.1, 32, 8),
@@ -506,6 +509,7 @@ fn forward_matches_f32_with_the_masked_gate_at_every_size() {
         let paths = KernelPaths {
             gate: GateGemm::Masked,
             walk,
+            ..Default::default()
         };
         assert_forward_cases(ForwardPath::Pairs, paths);
     }
@@ -540,12 +544,72 @@ const WALKS: [KernelPaths; 2] = [
     KernelPaths {
         gate: GateGemm::Auto,
         walk: RowWalk::Mask,
+        few_rows: FewRows::Auto,
     },
     KernelPaths {
         gate: GateGemm::Auto,
         walk: RowWalk::Slots,
+        few_rows: FewRows::Auto,
     },
 ];
+
+/// Each kernel of 2 to 16 rows forced: the tensor-core gates, the CUDA-core gates, the
+/// staged kernels.
+const FEW_ROW_KERNELS: [FewRows; 3] = [FewRows::TensorCores, FewRows::CudaCores, FewRows::Staged];
+
+/// 2-16 rows with each few-row kernel forced, against f32: one and two n-tiles of rows,
+/// rows not a power of two, hidden 64 to 8192 (the CUDA-core kernel takes up to 2048, the
+/// staged kernels the rest), hidden not a multiple of 32 (the tensor-core kernel's
+/// fallback), a d_ff that no 16-neuron group divides, densities whose neuron lists
+/// overflow and flush, and overflowing tiles.
+#[test]
+fn forward_matches_f32_on_each_few_row_kernel() {
+    #[rustfmt::skip]
+    let cases: &[Case] = &[
+        (2, 64, 250, 0.3, 256, 8),
+        (3, 576, 1536, 0.05, 256, 8),
+        (8, 2048, 5632, 0.01, 256, 8),
+        (9, 896, 4864, 0.03, 128, 4),
+        (16, 2048, 5632, 0.5, 256, 8),
+        (5, 1000, 3000, 0.3, 256, 8),
+        (4, 256, 65536, 0.5, 256, 8),
+        (7, 3072, 8200, 0.03, 256, 8),
+        (16, 4096, 14336, 0.005, 256, 8),
+        (16, 5120, 13824, 0.3, 256, 8),
+        (12, 8192, 28672, 0.005, 256, 8),
+    ];
+    let dev = gpu();
+    for few_rows in FEW_ROW_KERNELS {
+        let paths = KernelPaths {
+            few_rows,
+            ..Default::default()
+        };
+        eprintln!("{paths:?}");
+        assert_all_pass!(cases.iter().enumerate().map(|(k, &case)| {
+            check_case(&dev, case, ForwardPath::Pairs, paths, 1700 + k as u64).unwrap()
+        }));
+    }
+}
+
+#[test]
+fn the_add_and_norm_folded_into_the_tensor_core_few_row_kernel_match_the_separate_launches() {
+    // (m, d, d_ff, density): each finishing width (hidden up to 2048, 4096, 8192), one and
+    // two n-tiles of rows, lists that flush.
+    #[rustfmt::skip]
+    let cases = [
+        (2, 576, 1536, 0.05), (8, 2048, 5632, 0.01), (11, 4096, 14336, 0.005),
+        (16, 8192, 28672, 0.005), (16, 2048, 5632, 0.5),
+    ];
+    let paths = KernelPaths {
+        few_rows: FewRows::TensorCores,
+        ..Default::default()
+    };
+    let dev = gpu();
+    assert_all_pass!(cases
+        .iter()
+        .enumerate()
+        .map(|(k, &dims)| check_mlp_add_norm(&dev, dims, paths, 1800 + k as u64).unwrap()));
+}
 
 #[test]
 fn the_add_and_norm_folded_into_the_mlp_match_the_separate_launches() {
@@ -637,23 +701,24 @@ fn bf16_steps_counts_spacings_at_each_magnitude() -> anyhow::Result<()> {
 #[test]
 fn the_decode_kernels_give_the_same_bits_every_launch() {
     let dev = gpu();
+    let tensor_cores = FewRows::TensorCores;
     let cases = [
-        (1, 2048, 5632, 0.01),
-        (1, 576, 1536, 0.05),
-        (1, 2048, 5632, 0.5),
-        (4, 2048, 5632, 0.01),
-        (16, 576, 1536, 0.05),
-        (3, 256, 65536, 0.5),
+        (1, 2048, 5632, 0.01, FewRows::Auto),
+        (1, 576, 1536, 0.05, FewRows::Auto),
+        (1, 2048, 5632, 0.5, FewRows::Auto),
+        (4, 2048, 5632, 0.01, FewRows::Auto),
+        (16, 576, 1536, 0.05, FewRows::Auto),
+        (3, 256, 65536, 0.5, FewRows::Auto),
+        (4, 2048, 5632, 0.01, tensor_cores),
+        (16, 4096, 14336, 0.3, tensor_cores),
     ];
-    for (k, &(m, d, f, density)) in cases.iter().enumerate() {
+    for (k, &(m, d, f, density, few_rows)) in cases.iter().enumerate() {
         let seed = 1200 + k as u64;
-        let (config, w, x) = case_inputs(
-            &dev,
-            (m, d, f, density, 256, 8),
-            KernelPaths::default(),
-            seed,
-        )
-        .unwrap();
+        let paths = KernelPaths {
+            few_rows,
+            ..Default::default()
+        };
+        let (config, w, x) = case_inputs(&dev, (m, d, f, density, 256, 8), paths, seed).unwrap();
         dev.set_seed(seed).unwrap();
         let residual = Tensor::randn(0f32, 1.0, (m, d), &dev)
             .and_then(|t| t.to_dtype(DType::BF16))
@@ -689,10 +754,13 @@ fn the_decode_kernels_give_the_same_bits_every_launch() {
                 assert_eq!(
                     bits(a),
                     bits(&b),
-                    "{m} rows, d {d}, d_ff {f}, density {density}: output {i} of run {run} differs"
+                    "{m} rows, d {d}, d_ff {f}, density {density}, {few_rows:?}: output {i} of run \
+                     {run} differs"
                 );
             }
         }
-        eprintln!("{m} rows, d {d}, d_ff {f}, density {density}: 20 launches, the same bits");
+        eprintln!(
+            "{m} rows, d {d}, d_ff {f}, density {density}, {few_rows:?}: 20 launches, the same bits"
+        );
     }
 }

@@ -56,6 +56,25 @@ impl Default for TwellConfig {
 pub struct KernelPaths {
     pub gate: GateGemm,
     pub walk: RowWalk,
+    pub few_rows: FewRows,
+}
+
+/// Which kernel runs a CUDA forward of 2 to 16 token rows at inference (a batched decode
+/// step, a short prompt).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FewRows {
+    /// The measured best: the CUDA-core few-row kernel within its gate bound, the staged
+    /// kernels past it.
+    #[default]
+    Auto,
+    /// The one-launch kernel with the rows' gates on the tensor cores, for a hidden size
+    /// that is a multiple of 32 up to 8192 (the staged kernels otherwise).
+    TensorCores,
+    /// The one-launch kernel with the rows' gates on the CUDA cores, for a hidden size up
+    /// to 2048 (the staged kernels otherwise), past its gate bound too.
+    CudaCores,
+    /// The staged kernels (gate GEMM, then the up and down kernels).
+    Staged,
 }
 
 /// How the gate GEMM runs on CUDA.

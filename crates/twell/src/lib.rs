@@ -35,7 +35,9 @@ mod twell_mlp_products;
 
 pub use cpu::screen::GateScreen;
 pub use error::TwellError;
-pub use format::{GateGemm, KernelPaths, RowWalk, Twell, TwellConfig, TwellPattern, TwellStats};
+pub use format::{
+    FewRows, GateGemm, KernelPaths, RowWalk, Twell, TwellConfig, TwellPattern, TwellStats,
+};
 pub use gate_l0::{gate_l0, gate_l0_reference, GateL0};
 pub use gate_pack::{gate_pack, GatePack};
 pub use gated_t2d::{gated_t2d, GatedT2d};

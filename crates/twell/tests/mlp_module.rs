@@ -429,7 +429,11 @@ fn forward_add_norm_and_forward_sublayer_are_the_steps_they_fold() {
     let residual = Tensor::zeros((1, 64), DType::F32, &dev).unwrap();
     let alpha = Tensor::ones(64, DType::F32, &dev).unwrap();
     let w_ud = twell::up_down_matrix(&w.up, &w.down).unwrap();
-    assert!(!twell::add_norm_fuses(&x, 256));
+    assert!(!twell::add_norm_fuses(
+        &x,
+        256,
+        twell::TwellConfig::default()
+    ));
     let fold_err = |residual: &Tensor, pre: Option<(&Tensor, f64)>| {
         twell::twell_mlp_add_norm(
             &x,

@@ -64,6 +64,9 @@ pub struct MlpBenchArgs {
     /// neurons (`twell::RowWalk`).
     #[arg(long, value_enum, default_value_t = WalkArg::Mask)]
     pub walk: WalkArg,
+    /// The CUDA kernel of the sparse variants at 2 to 16 rows (`twell::FewRows`).
+    #[arg(long, value_enum, default_value_t = FewRowsArg::Auto)]
+    pub few_rows: FewRowsArg,
     /// `Auto` re-measures the density every this many calls (0: only when unknown);
     /// on a GPU each measurement is a sync (`SparseMlp::with_density_recheck`).
     #[arg(long, default_value_t = twell::auto::AUTO_RECHECK_CALLS)]
@@ -90,6 +93,30 @@ pub enum WalkArg {
     Slots,
 }
 
+/// `--few-rows`: [`twell::FewRows`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FewRowsArg {
+    /// The measured best for the size.
+    Auto,
+    /// The one-launch kernel with the gates on the tensor cores.
+    TensorCores,
+    /// The one-launch kernel with the gates on the CUDA cores.
+    CudaCores,
+    /// The staged kernels.
+    Staged,
+}
+
+impl FewRowsArg {
+    pub fn paths(self) -> twell::FewRows {
+        match self {
+            Self::Auto => twell::FewRows::Auto,
+            Self::TensorCores => twell::FewRows::TensorCores,
+            Self::CudaCores => twell::FewRows::CudaCores,
+            Self::Staged => twell::FewRows::Staged,
+        }
+    }
+}
+
 impl MlpBenchArgs {
     /// The TwELL configuration of the sparse variants.
     pub fn twell_config(&self) -> twell::TwellConfig {
@@ -103,6 +130,7 @@ impl MlpBenchArgs {
                 WalkArg::Mask => twell::RowWalk::Mask,
                 WalkArg::Slots => twell::RowWalk::Slots,
             },
+            few_rows: self.few_rows.paths(),
         })
     }
 }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use super::mlp::{GateArg, MlpBenchArgs, MlpRow, WalkArg};
+use super::mlp::{FewRowsArg, GateArg, MlpBenchArgs, MlpRow, WalkArg};
 use super::timing::Rounds;
 use crate::device::{DeviceArg, DtypeArg};
 
@@ -51,6 +51,9 @@ pub struct SweepArgs {
     /// `Auto` re-measures the density every this many calls (0: only when unknown).
     #[arg(long, default_value_t = twell::auto::AUTO_RECHECK_CALLS)]
     pub auto_recheck: usize,
+    /// The CUDA kernel of the sparse side at 2 to 16 rows (`twell::FewRows`).
+    #[arg(long, value_enum, default_value_t = FewRowsArg::Auto)]
+    pub few_rows: FewRowsArg,
     /// Write every cell and the per-shape summary as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -101,6 +104,7 @@ pub fn run(args: &SweepArgs) -> Result<SweepReport> {
             stages: false,
             gate: GateArg::Auto,
             walk: WalkArg::Mask,
+            few_rows: args.few_rows,
             auto_recheck: args.auto_recheck,
         };
         let report = super::mlp::run(&mlp).with_context(|| format!("shape {shape}"))?;

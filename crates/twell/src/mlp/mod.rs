@@ -879,7 +879,7 @@ impl SparseMlp {
         !measure
             && !self.record_stats
             && self.kept_inputs.is_none()
-            && crate::add_norm_fuses(x, self.ffn())
+            && crate::add_norm_fuses(x, self.ffn(), self.config)
             && d == self.hidden()
             && residual.dims() == x.dims()
             && [x, residual, &self.gate, &self.up, &self.down]

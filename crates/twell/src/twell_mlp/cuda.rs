@@ -25,7 +25,7 @@ use crate::cuda::{
     gate_gemm, row_vectors, KernelDims, DECODE_MAX_TOKENS, DEFAULT_SHARED_BYTES, WARP_CHUNK,
 };
 use crate::error::{err, TwellError};
-use crate::format::{RowWalk, TwellConfig};
+use crate::format::{FewRows, RowWalk, TwellConfig};
 use crate::output::mlp_result_len;
 
 const GATED_T2D_PTX: &str = twell_kernels::GATED_T2D;
@@ -39,13 +39,13 @@ const SIGN_UNITS: usize = 4;
 /// Whether `m` token rows of hidden `d` (and `f` neurons) take [`twell_mlp_add_norm`], the residual add
 /// and norm after the MLP folded into its last launch: one row or a few into the
 /// one-launch decode kernels, prefill rows into the down row kernel's epilogue.
-pub fn add_norm_folds(m: usize, d: usize, f: usize) -> bool {
+pub fn add_norm_folds(m: usize, d: usize, f: usize, few_rows: FewRows) -> bool {
     if !d.is_multiple_of(8) || d > ADD_RMS_NORM_MAX_HIDDEN {
         false
     } else if m == 1 {
         use_fused_decode(1, d, false)
     } else {
-        use_few_rows_decode(m, d, f, false) || folds_into_down_rows(m, d)
+        use_few_rows_decode(m, d, f, false, few_rows) || folds_into_down_rows(m, d)
     }
 }
 
@@ -206,15 +206,16 @@ pub fn twell_mlp_add_norm(
             mlp_forward((x, xl), (wg, wl), (w_ud, ul), config, false, Some(fold))?;
         return Ok(sum_normed);
     }
-    let decodes =
-        use_fused_decode(m, d, false) || (pre.is_none() && use_few_rows_decode(m, d, f, false));
+    let decodes = use_fused_decode(m, d, false)
+        || (pre.is_none() && use_few_rows_decode(m, d, f, false, config.paths().few_rows));
     if !decodes || d % 8 != 0 {
         return err(TwellError::Invalid(format!(
             "twell_mlp_add_norm takes one token row whose hidden size the one-launch \
              decode kernel takes (the norm before the MLP folded in too, or not), 2 to \
-             {FEW_ROWS_MAX} rows of hidden up to 2048 (few enough gate multiply-adds) or \
+             {FEW_ROWS_MAX} rows the few-row kernel takes ({:?}) or \
              more than {DECODE_MAX_TOKENS} rows of hidden up to 4096 (without it); got \
-             [{m}, {d}] and d_ff {f}"
+             [{m}, {d}] and d_ff {f}",
+            config.paths().few_rows
         )));
     }
     let dev = x.device().clone();
@@ -236,6 +237,7 @@ pub fn twell_mlp_add_norm(
         None,
         false,
         &dims,
+        config.paths().few_rows,
         Some(AddNorm {
             residual: bf16_view("residual", residual, rl)?,
             alpha: bf16_view("alpha", alpha, al)?,
@@ -347,7 +349,7 @@ fn mlp_forward(
     };
     if fold.is_none()
         && (use_fused_decode(m, d, keep_for_backward)
-            || use_few_rows_decode(m, d, f, keep_for_backward))
+            || use_few_rows_decode(m, d, f, keep_for_backward, config.paths().few_rows))
     {
         return forward_decode_rows(&dev, &ops);
     }
@@ -459,6 +461,7 @@ fn forward_decode_rows(dev: &CudaDevice, ops: &Operands) -> Result<(CudaStorage,
         Some(&mut out),
         true,
         &ops.dims,
+        ops.config.paths().few_rows,
         None,
     )?
     .expect("counts asked for");
@@ -766,9 +769,10 @@ fn down_slot_chunks(
     let dims = &ops.dims;
     let (m, d) = (dims.m as usize, dims.d as usize);
     let n_tiles = ops.config.n_tiles(dims.f as usize);
-    let decode = m <= DECODE_MAX_TOKENS;
-    let tile_groups = if decode { n_tiles } else { 1 };
-    // The f32 partial sums exist only on the decode path.
+    // Decode rows split each row's tiles over warps whose partial sums meet in f32 (then
+    // the finish kernel); with one tile (d_ff up to a tile) a warp writes its row itself.
+    let tile_groups = if m <= DECODE_MAX_TOKENS { n_tiles } else { 1 };
+    let decode = tile_groups > 1;
     let mut acc = if decode {
         dev.alloc_zeros::<f32>(m * d)?
     } else {

@@ -15,6 +15,7 @@ use half::bf16;
 use fused_ops::cuda::{stream_key, PerStream};
 
 use crate::cuda::KernelDims;
+use crate::format::FewRows;
 use crate::output::mlp_result_len;
 
 const TWELL_MLP_DECODE_PTX: &str = twell_kernels::TWELL_MLP_DECODE;
@@ -41,15 +42,55 @@ pub const FEW_ROWS_MAX: usize = 16;
 /// 16 rows; docs/benchmarks.md).
 pub const FEW_ROWS_MAX_GATE_MACS: usize = 64 << 20;
 
-/// Whether a forward of `m` rows takes the few-row kernel: 2 to [`FEW_ROWS_MAX`] rows
-/// (a batched decode step, a short prompt) up to [`FEW_ROWS_MAX_GATE_MACS`], inference
-/// only, a hidden size of at most 2048 (8 vectors a lane: the rows' gates and two gate
-/// rows in flight fill the registers). Each row's x waits in shared memory.
-pub fn use_few_rows_decode(m: usize, d: usize, f: usize, keep_for_backward: bool) -> bool {
-    (2..=FEW_ROWS_MAX).contains(&m)
-        && m * d * f <= FEW_ROWS_MAX_GATE_MACS
-        && !keep_for_backward
-        && crate::cuda::row_vectors(d).is_some_and(|v| v <= 8)
+/// The widest hidden size the tensor-core few-row kernel takes (its last block finishes
+/// a row in four 16-byte vectors a thread).
+pub const FEW_ROWS_TC_MAX_HIDDEN: usize = 8192;
+
+/// The two one-launch kernels of 2 to [`FEW_ROWS_MAX`] rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FewRowsKernel {
+    /// The rows' gates on the CUDA cores, x in shared memory: hidden up to 2048.
+    CudaCores,
+    /// The rows' gates as m16n8k16 products: hidden a multiple of 32 up to
+    /// [`FEW_ROWS_TC_MAX_HIDDEN`].
+    TensorCores,
+}
+
+/// Which one-launch kernel a forward of `m` rows takes under `choice`, if any: 2 to
+/// [`FEW_ROWS_MAX`] rows (a batched decode step, a short prompt), inference only. `Auto`
+/// takes the CUDA-core kernel within [`FEW_ROWS_MAX_GATE_MACS`] (hidden up to 2048: 8
+/// vectors a lane, as the rows' gates and two gate rows in flight fill the registers).
+pub fn few_rows_kernel(
+    m: usize,
+    d: usize,
+    f: usize,
+    keep_for_backward: bool,
+    choice: FewRows,
+) -> Option<FewRowsKernel> {
+    if !(2..=FEW_ROWS_MAX).contains(&m) || keep_for_backward {
+        return None;
+    }
+    let cuda_cores = crate::cuda::row_vectors(d).is_some_and(|v| v <= 8);
+    let tensor_cores = d.is_multiple_of(32) && d <= FEW_ROWS_TC_MAX_HIDDEN;
+    match choice {
+        FewRows::Auto => {
+            (cuda_cores && m * d * f <= FEW_ROWS_MAX_GATE_MACS).then_some(FewRowsKernel::CudaCores)
+        }
+        FewRows::CudaCores => cuda_cores.then_some(FewRowsKernel::CudaCores),
+        FewRows::TensorCores => tensor_cores.then_some(FewRowsKernel::TensorCores),
+        FewRows::Staged => None,
+    }
+}
+
+/// Whether a forward of `m` rows takes a one-launch few-row kernel ([`few_rows_kernel`]).
+pub fn use_few_rows_decode(
+    m: usize,
+    d: usize,
+    f: usize,
+    keep_for_backward: bool,
+    choice: FewRows,
+) -> bool {
+    few_rows_kernel(m, d, f, keep_for_backward, choice).is_some()
 }
 
 /// The zeroed sums, L1 terms, tile counts and ticket of one stream, for up to
@@ -135,6 +176,32 @@ fn rows_kernel_name(m: usize, v: usize) -> (&'static str, usize) {
     (ROWS[k][v.trailing_zeros() as usize], bound)
 }
 
+/// The tensor-core few-row entry point for `m` rows (up to 8 or 16) of hidden `d` (up to
+/// 2048, 4096 or 8192).
+fn tc_kernel_name(m: usize, d: usize) -> &'static str {
+    const TC: [[&str; 3]; 2] = [
+        [
+            "twell_mlp_decode_rows_tc1_bf16_nv1",
+            "twell_mlp_decode_rows_tc1_bf16_nv2",
+            "twell_mlp_decode_rows_tc1_bf16_nv4",
+        ],
+        [
+            "twell_mlp_decode_rows_tc2_bf16_nv1",
+            "twell_mlp_decode_rows_tc2_bf16_nv2",
+            "twell_mlp_decode_rows_tc2_bf16_nv4",
+        ],
+    ];
+    let nv = match d {
+        0..=2048 => 0,
+        2049..=4096 => 1,
+        _ => 2,
+    };
+    TC[usize::from(m > 8)][nv]
+}
+
+/// Neurons a block of the tensor-core kernel takes at a time (`TC_NEURONS`).
+const TC_NEURONS: usize = 16;
+
 /// Blocks of one wave: as many as the multiprocessors hold at once. The warps loop
 /// over the neurons, so a warp loads its row of x once for several of them, and no
 /// partial last wave idles the card.
@@ -186,6 +253,7 @@ pub fn twell_mlp_decode(
     out: Option<&mut CudaSlice<bf16>>,
     want_counts: bool,
     dims: &KernelDims,
+    few_rows: FewRows,
     add_norm: Option<AddNorm<'_>>,
 ) -> Result<Option<CudaSlice<u32>>> {
     let (m, d, f, n_tiles) = (
@@ -195,10 +263,12 @@ pub fn twell_mlp_decode(
         dims.n_tiles as usize,
     );
     let invalid = |what: String| crate::error::err(crate::error::TwellError::Invalid(what));
-    if !(use_fused_decode(m, d, false) || use_few_rows_decode(m, d, f, false)) {
+    let rows_kernel = few_rows_kernel(m, d, f, false, few_rows);
+    if !(use_fused_decode(m, d, false) || rows_kernel.is_some()) {
         return invalid(format!(
-            "twell_mlp_decode takes one row of hidden up to 4096 or 2 to {FEW_ROWS_MAX} rows of \
-             hidden up to 2048 (at most {FEW_ROWS_MAX_GATE_MACS} gate multiply-adds), got \
+            "twell_mlp_decode takes one row of hidden up to 4096, or 2 to {FEW_ROWS_MAX} rows \
+             that the few-row kernel {few_rows:?} takes (on the CUDA cores: hidden up to 2048; \
+             on the tensor cores: hidden a multiple of 32 up to {FEW_ROWS_TC_MAX_HIDDEN}), got \
              [{m}, {d}] and d_ff {f}"
         ));
     }
@@ -239,7 +309,9 @@ pub fn twell_mlp_decode(
             ));
         }
     }
-    let v = crate::cuda::row_vectors(d).expect("checked above");
+    // Vectors a lane for the kernels that hold a row in registers (the tensor-core kernel
+    // takes hidden sizes past them).
+    let v = crate::cuda::row_vectors(d);
     // SAFETY: the kernel's last block writes every count.
     let mut counts = match want_counts {
         true => Some(unsafe { dev.alloc::<u32>(m * n_tiles)? }),
@@ -253,15 +325,27 @@ pub fn twell_mlp_decode(
             // One row: the norm before the MLP has entry points of its own (`_norm`).
             // Rows: each row of x in shared memory, as many bytes as the row bound takes
             // (the occupancy of one wave is worked out for them).
-            let (name, shared_bytes) = match m {
-                1 => (
-                    kernel_name(add_norm.as_ref().is_some_and(|a| a.pre.is_some()), v),
+            // The tensor-core kernel reads x from L2 and takes TC_NEURONS neurons a block
+            // at a time; the others a neuron a warp.
+            let (name, shared_bytes, neurons_per_block) = match rows_kernel {
+                None => (
+                    kernel_name(
+                        add_norm.as_ref().is_some_and(|a| a.pre.is_some()),
+                        v.expect("use_fused_decode checked the hidden size"),
+                    ),
                     0,
+                    BLOCK_THREADS as usize / 32,
                 ),
-                _ => {
-                    let (name, bound) = rows_kernel_name(m, v);
-                    (name, bound * d * std::mem::size_of::<bf16>())
+                Some(FewRowsKernel::CudaCores) => {
+                    let (name, bound) =
+                        rows_kernel_name(m, v.expect("few_rows_kernel checked the hidden size"));
+                    (
+                        name,
+                        bound * d * std::mem::size_of::<bf16>(),
+                        BLOCK_THREADS as usize / 32,
+                    )
                 }
+                Some(FewRowsKernel::TensorCores) => (tc_kernel_name(m, d), 0, TC_NEURONS),
             };
             let func =
                 dev.get_or_load_custom_func(name, "twell_mlp_decode", TWELL_MLP_DECODE_PTX)?;
@@ -326,16 +410,16 @@ pub fn twell_mlp_decode(
                     }
                 }
             }
-            let warps_per_block = (BLOCK_THREADS / 32) as usize;
             let mut cfg = fused_ops::cuda::grid_1d(
-                f.div_ceil(warps_per_block).min(wave as usize),
+                f.div_ceil(neurons_per_block).min(wave as usize),
                 BLOCK_THREADS,
             );
             cfg.shared_mem_bytes = shared_bytes as u32;
-            // SAFETY: a warp per neuron (grid-stride), every index bounded by m, d, f and
-            // n_tiles; the scratch holds FEW_ROWS_MAX rows of the largest d and n_tiles; x's
-            // rows fit the dynamic shared memory given; a block's neuron list is bounded by
-            // DECODE_LIST in the kernel.
+            // SAFETY: a warp (or, on the tensor cores, a block) per neuron or group of
+            // neurons (grid-stride), every index bounded by m, d, f and n_tiles; the scratch
+            // holds FEW_ROWS_MAX rows of the largest d and n_tiles; x's rows fit the dynamic
+            // shared memory given; a block's neuron list is bounded by DECODE_LIST in the
+            // kernel; the tensor-core kernel reads whole 32-column chunks (d % 32 == 0).
             unsafe { b.launch(cfg) }.w()?;
             Ok(())
         },

@@ -362,13 +362,13 @@ pub fn twell_mlp_screened(
 /// Whether [`twell_mlp_add_norm`] runs for `x` through `ffn` neurons: CUDA, bf16, and one
 /// token of a hidden size the one-launch decode kernel and its folded norm take, a few
 /// rows the few-row decode kernel takes, or prefill rows the down row kernel takes.
-pub fn add_norm_fuses(x: &Tensor, ffn: usize) -> bool {
+pub fn add_norm_fuses(x: &Tensor, ffn: usize, config: TwellConfig) -> bool {
     cuda_bf16_rows(x).is_some_and(|(m, d)| {
         #[cfg(feature = "cuda")]
-        return cuda::add_norm_folds(m, d, ffn);
+        return cuda::add_norm_folds(m, d, ffn, config.paths().few_rows);
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (m, d, ffn);
+            let _ = (m, d, ffn, config);
             false
         }
     })
@@ -434,7 +434,7 @@ pub fn twell_mlp_add_norm(
         same_dtype_and_device("twell_mlp_add_norm", x, t)?;
     }
     check_size("twell_mlp_add_norm", m, f, config)?;
-    if !add_norm_fuses(x, f) {
+    if !add_norm_fuses(x, f, config) {
         return err(TwellError::Invalid(format!(
             "twell_mlp_add_norm runs on CUDA in bf16, for one token of a hidden size the \
              one-launch decode kernel takes, a few rows the few-row kernel takes, or for \
