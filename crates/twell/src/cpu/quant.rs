@@ -13,8 +13,9 @@
 //! The token is quantized per block to int8 (`x ≈ s·p`, with `Σp` kept), so a block's
 //! product is one exact integer dot, the `vpdpbusd` instruction of AVX-512 VNNI
 //! (unsigned by signed bytes: `|p|` against `q·sign(p)`, with `q` the int8 or `u − 8`),
-//! then one multiply-add in f32: `Σ w·x ≈ s·d·Σ q·p`, plus `s·c·Σ p` for Q4_1. Other
-//! CPUs take a portable loop.
+//! then one multiply-add in f32: `Σ w·x ≈ s·d·Σ q·p`, plus `s·c·Σ p` for Q4_1. AVX2
+//! CPUs get the same integer sums in two instructions a block; others take a portable
+//! loop.
 
 use rayon::prelude::*;
 
@@ -384,16 +385,23 @@ impl QuantRows {
     pub fn dot(&self, r: usize, x: &QuantToken) -> f32 {
         debug_assert_eq!(x.len(), self.cols);
         #[cfg(target_arch = "x86_64")]
-        if vnni() {
+        {
             let (bytes, scale, offset) = self.row_parts(r);
-            // SAFETY: the CPU has AVX-512 VNNI (detected at run time); the slices are
-            // the row's blocks, as many as the token's.
-            return unsafe {
-                match self.format {
-                    QuantFormat::Q8 => x86::dot_q8(bytes, scale, x),
-                    QuantFormat::Q4_1 => x86::dot_q4_1(bytes, scale, offset, x),
+            // SAFETY: the CPU has the level's features (detected at run time); the
+            // slices are the row's blocks, as many as the token's.
+            unsafe {
+                match (simd(), self.format) {
+                    (Simd::Vnni, QuantFormat::Q8) => return x86::vnni::dot_q8(bytes, scale, x),
+                    (Simd::Vnni, QuantFormat::Q4_1) => {
+                        return x86::vnni::dot_q4_1(bytes, scale, offset, x)
+                    }
+                    (Simd::Avx2, QuantFormat::Q8) => return x86::avx2::dot_q8(bytes, scale, x),
+                    (Simd::Avx2, QuantFormat::Q4_1) => {
+                        return x86::avx2::dot_q4_1(bytes, scale, offset, x)
+                    }
+                    (Simd::Portable, _) => {}
                 }
-            };
+            }
         }
         self.dot_portable(r, x)
     }
@@ -402,15 +410,22 @@ impl QuantRows {
     /// Q4_1 block unpacked) once for the four, as a prefill's rows are.
     pub fn dot4(&self, r: usize, x: [&QuantToken; 4]) -> [f32; 4] {
         #[cfg(target_arch = "x86_64")]
-        if vnni() {
+        {
             let (bytes, scale, offset) = self.row_parts(r);
             // SAFETY: as in `dot`.
-            return unsafe {
-                match self.format {
-                    QuantFormat::Q8 => x86::dot4_q8(bytes, scale, x),
-                    QuantFormat::Q4_1 => x86::dot4_q4_1(bytes, scale, offset, x),
+            unsafe {
+                match (simd(), self.format) {
+                    (Simd::Vnni, QuantFormat::Q8) => return x86::vnni::dot4_q8(bytes, scale, x),
+                    (Simd::Vnni, QuantFormat::Q4_1) => {
+                        return x86::vnni::dot4_q4_1(bytes, scale, offset, x)
+                    }
+                    (Simd::Avx2, QuantFormat::Q8) => return x86::avx2::dot4_q8(bytes, scale, x),
+                    (Simd::Avx2, QuantFormat::Q4_1) => {
+                        return x86::avx2::dot4_q4_1(bytes, scale, offset, x)
+                    }
+                    (Simd::Portable, _) => {}
                 }
-            };
+            }
         }
         x.map(|t| self.dot_portable(r, t))
     }
@@ -450,17 +465,17 @@ impl QuantRows {
         debug_assert_eq!(y.len(), self.cols);
         let nb = self.blocks_per_row();
         #[cfg(target_arch = "x86_64")]
-        if self.format == QuantFormat::Q8 && vnni() {
-            // SAFETY: AVX-512 is present (VNNI implies it); the slices are row `r`'s.
-            unsafe {
-                x86::axpy_q8(
-                    alpha,
-                    &self.bytes[r * self.cols..(r + 1) * self.cols],
-                    &self.scale[r * nb..(r + 1) * nb],
-                    y,
-                )
-            };
-            return;
+        if self.format == QuantFormat::Q8 {
+            let (u, d) = (
+                &self.bytes[r * self.cols..(r + 1) * self.cols],
+                &self.scale[r * nb..(r + 1) * nb],
+            );
+            // SAFETY: the CPU has the level's features; the slices are row `r`'s.
+            match simd() {
+                Simd::Vnni => return unsafe { x86::vnni::axpy_q8(alpha, u, d, y) },
+                Simd::Avx2 => return unsafe { x86::avx2::axpy_q8(alpha, u, d, y) },
+                Simd::Portable => {}
+            }
         }
         let mut row = [0f32; BLOCK];
         for k in 0..nb {
@@ -613,30 +628,177 @@ pub fn f32_rows(x: &candle_core::Tensor, width: usize, what: &str) -> Result<Vec
     x.flatten_all()?.to_vec1::<f32>()
 }
 
+/// The SIMD level of the quantized dots: AVX-512 VNNI (`vpdpbusd`, one instruction per
+/// block), or AVX2 (`vpmaddubsw` then `vpmaddwd`: the same exact integer sums, since no
+/// pair of products reaches `i16::MAX`), or neither (the portable loops).
 #[cfg(target_arch = "x86_64")]
-fn vnni() -> bool {
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Simd {
+    Vnni,
+    Avx2,
+    Portable,
+}
+
+#[cfg(target_arch = "x86_64")]
+fn simd() -> Simd {
     use std::sync::OnceLock;
-    static VNNI: OnceLock<bool> = OnceLock::new();
-    *VNNI.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
+    static SIMD: OnceLock<Simd> = OnceLock::new();
+    *SIMD.get_or_init(|| {
+        if is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512vnni")
+        {
+            Simd::Vnni
+        } else if fused_ops::simd::has_avx2_fma() {
+            Simd::Avx2
+        } else {
+            Simd::Portable
+        }
     })
+}
+
+/// The quantized dots for one SIMD level: `$features` enabled, `$idot` the exact integer
+/// dot of a block (unsigned `|p|` bytes against signed `q·sign(p)` bytes, summed in i32
+/// lanes), `$axpy` the Q8 row update.
+#[cfg(target_arch = "x86_64")]
+macro_rules! quant_kernels {
+    ($module:ident, $features:literal, $idot:path, $axpy:path) => {
+        pub mod $module {
+            use super::super::{QuantToken, BLOCK};
+            use super::offsets;
+            use std::arch::x86_64::*;
+
+            pub use $axpy as axpy_q8;
+
+            #[target_feature(enable = $features)]
+            unsafe fn hsum(v: __m256) -> f32 {
+                let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+                _mm_cvtss_f32(s)
+            }
+
+            /// The exact integer dot of int8 weight block `w` with the token's block `k`
+            /// (`|p|`, unsigned, against `q·sign(p)`: the same sum), scaled into f32 lanes.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn block_i8(
+                w: __m256i,
+                x: &QuantToken,
+                d: f32,
+                k: usize,
+                acc: __m256,
+            ) -> __m256 {
+                let q = _mm256_loadu_si256(x.q.as_ptr().add(k * BLOCK) as *const __m256i);
+                let p = $idot(_mm256_abs_epi8(q), _mm256_sign_epi8(w, q));
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x.scale[k]), acc)
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn load_q8(u: &[u8], k: usize) -> __m256i {
+                _mm256_loadu_si256(u.as_ptr().add(k * BLOCK) as *const __m256i)
+            }
+
+            /// Block `k`'s 32 nibbles as centred int8 (`u − 8`), in the GGUF's order (low
+            /// nibbles first).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn load_q4_1(nib: &[u8], k: usize) -> __m256i {
+                let mask = _mm_set1_epi8(15);
+                let b = _mm_loadu_si128(nib.as_ptr().add(k * BLOCK / 2) as *const __m128i);
+                let lo = _mm_and_si128(b, mask);
+                let hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+                _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8))
+            }
+
+            /// The blocks of one row against one token. Four accumulators, so the
+            /// multiply-adds of neighbouring blocks overlap.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn dot_blocks(
+                load: impl Fn(usize) -> __m256i,
+                d: &[f32],
+                x: &QuantToken,
+            ) -> f32 {
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let nb = d.len();
+                let mut k = 0;
+                while k + 4 <= nb {
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = block_i8(load(k + j), x, d[k + j], k + j, *a);
+                    }
+                    k += 4;
+                }
+                while k < nb {
+                    acc[0] = block_i8(load(k), x, d[k], k, acc[0]);
+                    k += 1;
+                }
+                hsum(_mm256_add_ps(
+                    _mm256_add_ps(acc[0], acc[1]),
+                    _mm256_add_ps(acc[2], acc[3]),
+                ))
+            }
+
+            /// Q8 rows: int8 bytes and scales `d`.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q8(u: &[u8], d: &[f32], x: &QuantToken) -> f32 {
+                dot_blocks(|k| load_q8(u, k), d, x)
+            }
+
+            /// Q4_1 rows: nibbles, scales `d`, offsets `c`.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q4_1(nib: &[u8], d: &[f32], c: &[f32], x: &QuantToken) -> f32 {
+                dot_blocks(|k| load_q4_1(nib, k), d, x) + offsets(c, &x.scaled_sum)
+            }
+
+            /// Four tokens' blocks against each weight block, read (and unpacked) once.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn dot4_blocks(
+                load: impl Fn(usize) -> __m256i,
+                d: &[f32],
+                x: [&QuantToken; 4],
+            ) -> [f32; 4] {
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for (k, &dk) in d.iter().enumerate() {
+                    let w = load(k);
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = block_i8(w, x[j], dk, k, *a);
+                    }
+                }
+                acc.map(|a| hsum(a))
+            }
+
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot4_q8(u: &[u8], d: &[f32], x: [&QuantToken; 4]) -> [f32; 4] {
+                dot4_blocks(|k| load_q8(u, k), d, x)
+            }
+
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot4_q4_1(
+                nib: &[u8],
+                d: &[f32],
+                c: &[f32],
+                x: [&QuantToken; 4],
+            ) -> [f32; 4] {
+                let sums = dot4_blocks(|k| load_q4_1(nib, k), d, x);
+                let mut out = [0f32; 4];
+                for j in 0..4 {
+                    out[j] = sums[j] + offsets(c, &x[j].scaled_sum);
+                }
+                out
+            }
+        }
+    };
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{QuantToken, BLOCK};
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
-    }
+    use super::BLOCK;
 
     /// `Σ_k a[k]·b[k]`, the blocks' offset terms (independent of the integer dots).
     #[inline(always)]
@@ -657,118 +819,24 @@ mod x86 {
         s[0] + s[1] + s[2] + s[3] + tail
     }
 
-    /// The exact integer dot of int8 weight block `w` with the token's block `k` (`|p|`,
-    /// unsigned, against `q·sign(p)`: the same sum), scaled into f32 lanes.
+    /// `Σ u·s` over each 4-byte group, in one instruction.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn block_i8(w: __m256i, x: &QuantToken, d: f32, k: usize, acc: __m256) -> __m256 {
-        let q = _mm256_loadu_si256(x.q.as_ptr().add(k * BLOCK) as *const __m256i);
-        let p = _mm256_dpbusd_epi32(
-            _mm256_setzero_si256(),
-            _mm256_abs_epi8(q),
-            _mm256_sign_epi8(w, q),
-        );
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x.scale[k]), acc)
+    unsafe fn idot_vnni(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
     }
 
+    /// The same sums in two: byte pairs into i16 (`|u·s| ≤ 127·127`, so a pair stays
+    /// below `i16::MAX` and nothing saturates), then i16 pairs into i32.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn load_q8(u: &[u8], k: usize) -> __m256i {
-        _mm256_loadu_si256(u.as_ptr().add(k * BLOCK) as *const __m256i)
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn idot_avx2(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
     }
 
-    /// Block `k`'s 32 nibbles as centred int8 (`u − 8`), in the GGUF's order (low
-    /// nibbles first).
-    #[inline]
+    /// `y += alpha · d·q` over a Q8 row, 16 weights an instruction.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn load_q4_1(nib: &[u8], k: usize) -> __m256i {
-        let mask = _mm_set1_epi8(15);
-        let b = _mm_loadu_si128(nib.as_ptr().add(k * BLOCK / 2) as *const __m128i);
-        let lo = _mm_and_si128(b, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-        _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8))
-    }
-
-    /// Q8 rows: int8 bytes and scales `d`. Four accumulators, so the multiply-adds of
-    /// neighbouring blocks overlap.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn dot_q8(u: &[u8], d: &[f32], x: &QuantToken) -> f32 {
-        let load = |k: usize| load_q8(u, k);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let nb = d.len();
-        let mut k = 0;
-        while k + 4 <= nb {
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = block_i8(load(k + j), x, d[k + j], k + j, *a);
-            }
-            k += 4;
-        }
-        while k < nb {
-            acc[0] = block_i8(load(k), x, d[k], k, acc[0]);
-            k += 1;
-        }
-        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        hsum(sum)
-    }
-
-    /// Q4_1 rows: nibbles, scales `d`, offsets `c`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn dot_q4_1(nib: &[u8], d: &[f32], c: &[f32], x: &QuantToken) -> f32 {
-        let load = |k: usize| load_q4_1(nib, k);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let nb = d.len();
-        let mut k = 0;
-        while k + 4 <= nb {
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = block_i8(load(k + j), x, d[k + j], k + j, *a);
-            }
-            k += 4;
-        }
-        while k < nb {
-            acc[0] = block_i8(load(k), x, d[k], k, acc[0]);
-            k += 1;
-        }
-        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        hsum(sum) + offsets(c, &x.scaled_sum)
-    }
-
-    /// Four tokens' blocks against one weight block `w`, into four accumulators.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn block4(w: __m256i, x: &[&QuantToken; 4], d: f32, k: usize, acc: &mut [__m256; 4]) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            *a = block_i8(w, x[j], d, k, *a);
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn dot4_q8(u: &[u8], d: &[f32], x: [&QuantToken; 4]) -> [f32; 4] {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for (k, &dk) in d.iter().enumerate() {
-            let w = load_q8(u, k);
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = block_i8(w, x[j], dk, k, *a);
-            }
-        }
-        acc.map(|a| hsum(a))
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn dot4_q4_1(nib: &[u8], d: &[f32], c: &[f32], x: [&QuantToken; 4]) -> [f32; 4] {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for (k, &dk) in d.iter().enumerate() {
-            block4(load_q4_1(nib, k), &x, dk, k, &mut acc);
-        }
-        let mut out = [0f32; 4];
-        for j in 0..4 {
-            out[j] = hsum(acc[j]) + offsets(c, &x[j].scaled_sum);
-        }
-        out
-    }
-
-    /// `y += alpha · d·q` over a Q8 row.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn axpy_q8(alpha: f32, u: &[u8], d: &[f32], y: &mut [f32]) {
+    pub unsafe fn axpy_q8_avx512(alpha: f32, u: &[u8], d: &[f32], y: &mut [f32]) {
         for (k, &dk) in d.iter().enumerate() {
             let a = _mm512_set1_ps(alpha * dk);
             for h in 0..2 {
@@ -781,6 +849,30 @@ mod x86 {
             }
         }
     }
+
+    /// The same, 8 weights an instruction.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy_q8_avx2(alpha: f32, u: &[u8], d: &[f32], y: &mut [f32]) {
+        for (k, &dk) in d.iter().enumerate() {
+            let a = _mm256_set1_ps(alpha * dk);
+            for h in 0..4 {
+                let off = k * BLOCK + h * 8;
+                let b = _mm_loadl_epi64(u.as_ptr().add(off) as *const __m128i);
+                let v = _mm256_cvtepi8_epi32(b);
+                let yp = y.as_mut_ptr().add(off);
+                let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), a, _mm256_loadu_ps(yp));
+                _mm256_storeu_ps(yp, acc);
+            }
+        }
+    }
+
+    quant_kernels!(
+        vnni,
+        "avx512f,avx512bw,avx512vl,avx512vnni",
+        super::idot_vnni,
+        super::axpy_q8_avx512
+    );
+    quant_kernels!(avx2, "avx2,fma", super::idot_avx2, super::axpy_q8_avx2);
 }
 
 #[cfg(test)]
@@ -939,6 +1031,117 @@ mod tests {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Every SIMD level this CPU has, called directly (so a machine with VNNI checks the
+    /// AVX2 loops too), against the portable loops: one and four tokens, block counts
+    /// that four does not divide, full-scale weights and tokens (the largest products,
+    /// where an i16 pair sum could saturate), and the Q8 row update. The integer sums are
+    /// exact, so the levels agree bit for bit.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_simd_level_matches_the_portable_loops() -> Result<()> {
+        type Dot = unsafe fn(&[u8], &[f32], &[f32], &QuantToken) -> f32;
+        type Dot4 = unsafe fn(&[u8], &[f32], &[f32], [&QuantToken; 4]) -> [f32; 4];
+        type Axpy = unsafe fn(f32, &[u8], &[f32], &mut [f32]);
+        #[allow(clippy::type_complexity)]
+        let mut levels: Vec<(&str, [Dot; 2], [Dot4; 2], Axpy)> = Vec::new();
+        if fused_ops::simd::has_avx2_fma() {
+            levels.push((
+                "avx2",
+                [
+                    |u, d, _, x| unsafe { x86::avx2::dot_q8(u, d, x) },
+                    x86::avx2::dot_q4_1,
+                ],
+                [
+                    |u, d, _, x| unsafe { x86::avx2::dot4_q8(u, d, x) },
+                    x86::avx2::dot4_q4_1,
+                ],
+                x86::avx2::axpy_q8,
+            ));
+        }
+        if simd() == Simd::Vnni {
+            levels.push((
+                "vnni",
+                [
+                    |u, d, _, x| unsafe { x86::vnni::dot_q8(u, d, x) },
+                    x86::vnni::dot_q4_1,
+                ],
+                [
+                    |u, d, _, x| unsafe { x86::vnni::dot4_q8(u, d, x) },
+                    x86::vnni::dot4_q4_1,
+                ],
+                x86::vnni::axpy_q8,
+            ));
+        }
+        let mut seen: Vec<Vec<u32>> = Vec::new();
+        for (name, dot, dot4, axpy) in levels {
+            let mut bits = Vec::new();
+            for (cols, scale) in [(160, 0.1), (576, 1.0), (32 * 7, 3.0)] {
+                let rows = 5;
+                let mut w = random(rows * cols, 11, scale);
+                // Row 0 at full scale in every block: ±127 weights against ±127 tokens.
+                for (j, v) in w[..cols].iter_mut().enumerate() {
+                    *v = if j % 3 == 0 { -scale } else { scale };
+                }
+                let xs: Vec<Vec<f32>> = (0..4)
+                    .map(|t| match t {
+                        0 => (0..cols)
+                            .map(|j| if j % 2 == 0 { 2.0 } else { -2.0 })
+                            .collect(),
+                        _ => random(cols, 20 + t, 2.0),
+                    })
+                    .collect();
+                let tokens: Vec<QuantToken> = xs.iter().map(|x| QuantToken::new(x)).collect();
+                for (f, format) in [QuantFormat::Q8, QuantFormat::Q4_1].into_iter().enumerate() {
+                    let q = QuantRows::quantize(&w, rows, cols, format)?;
+                    for r in 0..rows {
+                        let (u, d, c) = q.row_parts(r);
+                        let four = [&tokens[0], &tokens[1], &tokens[2], &tokens[3]];
+                        // SAFETY: the CPU has the level's features (checked above).
+                        let (one, many) =
+                            unsafe { (dot[f](u, d, c, &tokens[0]), dot4[f](u, d, c, four)) };
+                        for (t, &got) in std::iter::once(&one).chain(&many).enumerate() {
+                            let want = q.dot_portable(r, &tokens[t.saturating_sub(1)]);
+                            assert!(
+                                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                "{name} {format:?} cols {cols} row {r} token {t}: {got} against {want}"
+                            );
+                            bits.push(got.to_bits());
+                        }
+                    }
+                    if format == QuantFormat::Q8 {
+                        let nb = cols / BLOCK;
+                        let mut y = random(cols, 30, 1.0);
+                        let mut want = y.clone();
+                        // SAFETY: as above; row 2's bytes and scales.
+                        unsafe {
+                            axpy(
+                                0.5,
+                                &q.bytes[2 * cols..3 * cols],
+                                &q.scale[2 * nb..3 * nb],
+                                &mut y,
+                            )
+                        };
+                        let deq = q.dequantize();
+                        for (j, v) in want.iter_mut().enumerate() {
+                            *v += 0.5 * deq[2 * cols + j];
+                        }
+                        for (j, (a, b)) in y.iter().zip(&want).enumerate() {
+                            assert!(
+                                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                                "{name} axpy {j}: {a} {b}"
+                            );
+                        }
+                    }
+                }
+            }
+            seen.push(bits);
+        }
+        if let [a, b] = &seen[..] {
+            assert_eq!(a, b, "AVX2 and VNNI dots differ");
         }
         Ok(())
     }
