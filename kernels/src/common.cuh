@@ -85,6 +85,19 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float* in) {
     *reinterpret_cast<uint4*>(p) = raw;
 }
 
+// Σ_i a_i · b_i over the 8 bf16 pairs of two 16-byte vectors, added to acc.
+__device__ __forceinline__ float dot8_acc(const uint4& a, const uint4& b, float acc) {
+    const __nv_bfloat162* ah = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const __nv_bfloat162* bh = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const float2 af = __bfloat1622float2(ah[q]);
+        const float2 bf = __bfloat1622float2(bh[q]);
+        acc = fmaf(af.x, bf.x, fmaf(af.y, bf.y, acc));
+    }
+    return acc;
+}
+
 // x . w over d elements (d a multiple of 8, both 16-byte aligned), by one warp:
 // lane l takes vectors l, l + 32, ...; the result is in every lane.
 __device__ __forceinline__ float warp_dot(const __nv_bfloat16* __restrict__ x,

@@ -10,19 +10,6 @@
 #define LINEAR_ROWS_THREADS 256
 #define LINEAR_ROWS_WARPS (LINEAR_ROWS_THREADS / 32)
 
-// Σ_i a_i · b_i over the 8 bf16 pairs of two 16-byte vectors, added to acc.
-__device__ __forceinline__ float dot8_acc(const uint4& a, const uint4& b, float acc) {
-    const __nv_bfloat162* ah = reinterpret_cast<const __nv_bfloat162*>(&a);
-    const __nv_bfloat162* bh = reinterpret_cast<const __nv_bfloat162*>(&b);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const float2 af = __bfloat1622float2(ah[q]);
-        const float2 bf = __bfloat1622float2(bh[q]);
-        acc = fmaf(af.x, bf.x, fmaf(af.y, bf.y, acc));
-    }
-    return acc;
-}
-
 // U 16-byte vectors a lane of chunk c of row r of w (zeros past the row or past n).
 template <int U>
 __device__ __forceinline__ void load_chunk(const __nv_bfloat16* __restrict__ w, long long r, int c, int n,

@@ -629,18 +629,6 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int k) {
     return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
 }
 
-__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
-    const __nv_bfloat162* ah = reinterpret_cast<const __nv_bfloat162*>(&a);
-    const __nv_bfloat162* bh = reinterpret_cast<const __nv_bfloat162*>(&b);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const float2 af = __bfloat1622float2(ah[q]);
-        const float2 bf = __bfloat1622float2(bh[q]);
-        acc = fmaf(af.x, bf.x, fmaf(af.y, bf.y, acc));
-    }
-    return acc;
-}
-
 // Adds active neuron j into the sums of the rows in `mask`, as `add_neuron_rows` does, for
 // any hidden size: Wu_j and each masked row of x in 256-column passes, then Wd_j by bf16
 // pairs.
@@ -659,7 +647,7 @@ __device__ void add_neuron_rows_wide(const __nv_bfloat16* __restrict__ x, const 
 #pragma unroll
         for (int r = 0; r < R; ++r)
             if ((mask >> r) & 1u)  // the same in every lane
-                part[r] = dot8(__ldg(reinterpret_cast<const uint4*>(x + static_cast<long long>(r) * d + e)), u, part[r]);
+                part[r] = dot8_acc(__ldg(reinterpret_cast<const uint4*>(x + static_cast<long long>(r) * d + e)), u, part[r]);
     }
     float h[R];
 #pragma unroll
