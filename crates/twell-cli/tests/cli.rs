@@ -5,7 +5,8 @@ use std::process::Command;
 
 mod common;
 use common::{
-    sparse_default_installed, tiny_checkpoint, tiny_checkpoint_of_width, twell, twell_on_data,
+    sparse_default_installed, tiny_checkpoint, tiny_checkpoint_of_width, tiny_corpus, twell,
+    twell_on_data,
 };
 
 fn fails_with(args: &[&str], needle: &str) {
@@ -116,6 +117,9 @@ fn bad_bench_flags_are_rejected() {
         "weights of its own",
     );
     fails_with(&["bench", "mlp", "--device", "cuda:x"], "cuda:N");
+    // The few-row kernel choice names the kernels it takes.
+    fails_with(&["bench", "mlp", "--few-rows", "sideways"], "tensor-cores");
+    fails_with(&["bench", "sweep", "--few-rows", "sideways"], "cuda-cores");
     // The sweep checks every shape before it measures the first.
     fails_with(
         &["bench", "sweep", "--shape", "64x128,2048by5632"],
@@ -505,20 +509,6 @@ fn train_log(out: &std::path::Path) -> Vec<serde_json::Value> {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
-}
-
-/// Four short documents in `dir/docs`: a corpus to split into training and held-out text.
-fn tiny_corpus(dir: &std::path::Path) -> std::path::PathBuf {
-    let docs = dir.join("docs");
-    std::fs::create_dir_all(&docs).unwrap();
-    for k in 0..4 {
-        std::fs::write(
-            docs.join(format!("{k}.txt")),
-            format!("document {k}: the state of our union. ").repeat(30),
-        )
-        .unwrap();
-    }
-    docs
 }
 
 #[test]

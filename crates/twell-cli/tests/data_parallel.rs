@@ -6,7 +6,7 @@
 use std::path::Path;
 
 mod common;
-use common::{tiny_checkpoint, twell};
+use common::{tiny_checkpoint, tiny_corpus, twell};
 
 /// The steps of a run's log.
 fn train_log(out: &Path) -> Vec<serde_json::Value> {
@@ -48,15 +48,7 @@ fn assert_same_curve(a: &[serde_json::Value], b: &[serde_json::Value]) {
 fn two_processes_follow_one_process_and_resume_on_the_same_curve() {
     let dir = tempfile::tempdir().unwrap();
     let (model, _) = tiny_checkpoint(dir.path());
-    let docs = dir.path().join("docs");
-    std::fs::create_dir_all(&docs).unwrap();
-    for k in 0..4 {
-        std::fs::write(
-            docs.join(format!("{k}.txt")),
-            format!("document {k}: the state of our union is strong. ").repeat(30),
-        )
-        .unwrap();
-    }
+    let docs = tiny_corpus(dir.path());
     let run = |name: &str, extra: &[&str]| {
         let out = dir.path().join(name);
         let mut args = vec![

@@ -20,22 +20,29 @@ use super::sweep::AUTO_FLOOR;
 use super::timing::{interleaved_medians, Rounds};
 use crate::model_args::{default_corpus, ModelArgs};
 
+/// The model and the text whose MLP inputs a bench captures ([`capture_mlp_inputs`]).
 #[derive(clap::Args, Debug)]
-pub struct LayersArgs {
+pub struct CapturedText {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Text whose tokens feed the model: a directory of .txt files, a file, or
     /// dir/*.txt (default: the corpus's held-out speeches, its last 10 documents).
     #[arg(long)]
     pub text: Option<String>,
+    /// The text goes through the model in windows of this many tokens.
+    #[arg(long, default_value_t = 512)]
+    pub context: usize,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct LayersArgs {
+    #[command(flatten)]
+    pub input: CapturedText,
     /// Token rows per call: each layer runs on M of the rows its text gave it, spread
     /// evenly over the windows' positions (a window's first positions fire more
     /// neurons than the rest).
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
     pub tokens: Vec<usize>,
-    /// The text goes through the model in windows of this many tokens.
-    #[arg(long, default_value_t = 512)]
-    pub context: usize,
     #[command(flatten)]
     pub rounds: Rounds,
     /// `Auto` re-measures the density every this many calls (0: only when unknown).
@@ -104,10 +111,8 @@ pub fn run(args: &LayersArgs) -> Result<LayersReport> {
         bail!("--tokens: token counts must be at least 1");
     }
     let (ck, model, inputs) = capture_mlp_inputs(
-        &args.model,
-        args.text.as_deref(),
+        &args.input,
         *args.tokens.iter().max().expect("checked non-empty"),
-        args.context,
     )?;
     let config = model.config().clone();
     let device = inputs[0].device().clone();
@@ -157,20 +162,19 @@ pub fn run(args: &LayersArgs) -> Result<LayersReport> {
     Ok(report)
 }
 
-/// Loads `--model`, runs `text` (default: the corpus's held-out speeches) through it in
-/// windows of `context` tokens, at least `rows` rows and [`MIN_CAPTURED_ROWS`], and
+/// Loads `--model`, runs `--text` (default: the corpus's held-out speeches) through it in
+/// windows of `--context` tokens, at least `rows` rows and [`MIN_CAPTURED_ROWS`], and
 /// returns each layer's MLP input rows `[rows', hidden]` (rows' ≥ rows). The model must
 /// be ReLU-gated: the TwELL path and its active neurons need it.
 pub(crate) fn capture_mlp_inputs(
-    model_args: &ModelArgs,
-    text: Option<&str>,
+    input: &CapturedText,
     rows: usize,
-    context: usize,
 ) -> Result<(
     sparse_llama::checkpoint::Checkpoint,
     sparse_llama::Llama,
     Vec<Tensor>,
 )> {
+    let (model_args, text, context) = (&input.model, input.text.as_deref(), input.context);
     if context == 0 {
         bail!("--context must be at least 1");
     }

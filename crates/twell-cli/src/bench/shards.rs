@@ -10,25 +10,18 @@ use candle_core::DType;
 use serde::Serialize;
 use sparse_llama::sparsity::{balanced_neuron_order, row_imbalance};
 
-use super::layers::capture_mlp_inputs;
-use crate::model_args::ModelArgs;
+use super::layers::{capture_mlp_inputs, CapturedText};
 
 #[derive(clap::Args, Debug)]
 pub struct ShardsArgs {
     #[command(flatten)]
-    pub model: ModelArgs,
-    /// Text whose tokens feed the model (default: the corpus's held-out speeches).
-    #[arg(long)]
-    pub text: Option<String>,
+    pub input: CapturedText,
     /// Parts d_ff is split into (GPUs of the tensor-parallel FFN).
     #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
     pub shards: Vec<usize>,
     /// Token rows through the model: half fit the permutation, half measure it.
     #[arg(long, default_value_t = 4096)]
     pub rows: usize,
-    /// The text goes through the model in windows of this many tokens.
-    #[arg(long, default_value_t = 512)]
-    pub context: usize,
     /// Write the report as JSON here.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -65,8 +58,7 @@ pub fn run(args: &ShardsArgs) -> Result<ShardsReport> {
     if args.rows < 2 {
         bail!("--rows must be at least 2 (half fit, half measure)");
     }
-    let (ck, model, inputs) =
-        capture_mlp_inputs(&args.model, args.text.as_deref(), args.rows, args.context)?;
+    let (ck, model, inputs) = capture_mlp_inputs(&args.input, args.rows)?;
     let ffn = model.config().intermediate_size;
     if let Some(&s) = args.shards.iter().find(|&&s| !ffn.is_multiple_of(s)) {
         bail!("--shards {s}: d_ff {ffn} does not split into {s} equal parts");

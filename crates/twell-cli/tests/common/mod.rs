@@ -92,3 +92,17 @@ pub fn twell(args: &[&str]) -> (bool, String) {
 pub fn twell_on_data(args: &[&str]) -> (bool, String) {
     twell_with(args, &[("TWELL_DATA", data_dir().as_os_str())])
 }
+
+/// Four short documents in `dir/docs`: a corpus to split into training and held-out text.
+pub fn tiny_corpus(dir: &std::path::Path) -> std::path::PathBuf {
+    let docs = dir.join("docs");
+    std::fs::create_dir_all(&docs).unwrap();
+    for k in 0..4 {
+        std::fs::write(
+            docs.join(format!("{k}.txt")),
+            format!("document {k}: the state of our union. ").repeat(30),
+        )
+        .unwrap();
+    }
+    docs
+}
