@@ -7,9 +7,11 @@
 // neuron costs two contiguous 2d-byte reads. Overflowing tiles (count > capacity) are
 // read from the dense gate, where the up kernel also leaves their h.
 //
-// Work is split so that every size fills the GPU: for many tokens a warp takes a whole
-// tile (up) or a whole row chunk (down); for few tokens (decode) a warp takes one slot
-// (up) or one tile of one chunk (down), the partial sums meeting in f32 atomics.
+// Work is split so that every size fills the GPU. The row kernels give a token row to a
+// warp, or to up to 8 warps of a block (`RowPart`) where rows are few. The slot kernels
+// (rows too wide for the row kernels' registers) give a warp a whole tile (up) or a whole
+// row chunk (down) for many tokens, and for few tokens one slot (up) or one tile of one
+// chunk (down), the partial sums meeting in f32 atomics.
 #include "common.cuh"
 
 // Warps per block of the row kernels (256 threads: `BLOCK_THREADS` on the host); a split
@@ -281,7 +283,8 @@ __device__ void up_row(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
         up_row<MAXV, SPLIT, true, false>(x, w_ud, counts, indices, values, gate, l1, u_out, M, d, f, tile, \
                                          cap, n_tiles, eps);                                        \
     }
-#define UP_ROW_KERNELS(MAXV) UP_ROW_KERNEL(MAXV, 1) UP_ROW_KERNEL(MAXV, 2) UP_ROW_KERNEL(MAXV, 4)
+#define UP_ROW_KERNELS(MAXV) \
+    UP_ROW_KERNEL(MAXV, 1) UP_ROW_KERNEL(MAXV, 2) UP_ROW_KERNEL(MAXV, 4) UP_ROW_KERNEL(MAXV, 8)
 UP_ROW_KERNELS(1)
 UP_ROW_KERNELS(2)
 UP_ROW_KERNELS(4)
@@ -454,7 +457,8 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
         down_row<MAXV, SPLIT, true, false>(w_ud, counts, indices, values, gate, l1, out, M, d, f, tile, cap, \
                                     n_tiles, residual, alpha, eps);                                       \
     }
-#define DOWN_ROW_KERNELS(MAXV) DOWN_ROW_KERNEL(MAXV, 1) DOWN_ROW_KERNEL(MAXV, 2) DOWN_ROW_KERNEL(MAXV, 4)
+#define DOWN_ROW_KERNELS(MAXV) \
+    DOWN_ROW_KERNEL(MAXV, 1) DOWN_ROW_KERNEL(MAXV, 2) DOWN_ROW_KERNEL(MAXV, 4) DOWN_ROW_KERNEL(MAXV, 8)
 DOWN_ROW_KERNELS(1)
 DOWN_ROW_KERNELS(2)
 DOWN_ROW_KERNELS(4)

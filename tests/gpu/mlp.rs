@@ -6,7 +6,9 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use twell::density::{synthetic_input, synthetic_mlp, MlpWeights};
-use twell::{twell_mlp, up_down_matrix, FewRows, GateGemm, KernelPaths, RowWalk, TwellConfig};
+use twell::{
+    twell_mlp, up_down_matrix, FewRows, GateGemm, KernelPaths, RowWalk, StagedRows, TwellConfig,
+};
 
 use super::{gpu, rel_l2, TOLERANCE};
 
@@ -393,7 +395,7 @@ fn check_mlp_norm_add_norm(
     let pre_alpha = Tensor::randn(1f32, 0.1, d, dev)?.to_dtype(DType::BF16)?;
     let alpha = Tensor::randn(1f32, 0.1, d, dev)?.to_dtype(DType::BF16)?;
     let eps = 1e-5;
-    if !twell::norm_add_norm_runs(&s) {
+    if !twell::norm_add_norm_runs(&s, f, config) {
         bail!("mlp with both norms folded ({m} rows, d {d}) would not run on this device");
     }
     let fold = |t: &Tensor| -> Result<Tensor> {
@@ -539,19 +541,58 @@ fn auto_at_thirty_percent_density_settles_on_a_dense_side() {
     );
 }
 
-/// Both row walks.
+/// Both row walks, with the row kernels at 2 to 64 rows (where `StagedRows::Auto` may take
+/// the slot kernels, which fold no norm).
 const WALKS: [KernelPaths; 2] = [
     KernelPaths {
         gate: GateGemm::Auto,
         walk: RowWalk::Mask,
         few_rows: FewRows::Auto,
+        staged_rows: StagedRows::RowKernels,
     },
     KernelPaths {
         gate: GateGemm::Auto,
         walk: RowWalk::Slots,
         few_rows: FewRows::Auto,
+        staged_rows: StagedRows::RowKernels,
     },
 ];
+
+/// 2 to 64 rows with each form of the staged kernels forced (and the few-row kernel off),
+/// against f32: a row over eight, four and two warps (its parts' sums in shared memory
+/// past the default 48 KB at hidden 3072 and 4096), hidden 64 to 8192 (past 4096 the slot
+/// kernels either way), rows not a power of two, a d_ff of one tile and one that ends
+/// inside a tile, overflowing tiles.
+#[test]
+fn forward_matches_f32_on_each_form_of_the_staged_kernels_at_decode_sizes() {
+    #[rustfmt::skip]
+    let cases: &[Case] = &[
+        (2, 64, 250, 0.3, 256, 8),
+        (3, 576, 1536, 0.05, 256, 8),
+        (9, 2048, 5632, 0.005, 256, 8),
+        (16, 3072, 8192, 0.01, 256, 8),
+        (17, 2048, 5632, 0.03, 256, 8),
+        (24, 4096, 14336, 0.005, 256, 8),
+        (33, 576, 1000, 0.05, 128, 4),
+        (40, 576, 256, 0.05, 256, 8),
+        (64, 2048, 5632, 0.5, 256, 8),
+        (64, 4096, 11008, 0.01, 256, 8),
+        (50, 5120, 13824, 0.01, 256, 8),
+        (8, 8192, 28672, 0.005, 256, 8),
+    ];
+    let dev = gpu();
+    for staged_rows in [StagedRows::RowKernels, StagedRows::SlotKernels] {
+        let paths = KernelPaths {
+            few_rows: FewRows::Staged,
+            staged_rows,
+            ..Default::default()
+        };
+        eprintln!("{paths:?}");
+        assert_all_pass!(cases.iter().enumerate().map(|(k, &case)| {
+            check_case(&dev, case, ForwardPath::Pairs, paths, 1900 + k as u64).unwrap()
+        }));
+    }
+}
 
 /// Each kernel of 2 to 16 rows forced: the tensor-core gates, the CUDA-core gates, the
 /// staged kernels.
@@ -620,7 +661,8 @@ fn the_add_and_norm_folded_into_the_mlp_match_the_separate_launches() {
     let cases = [
         (1, 2048, 5632, 0.01), (1, 576, 1536, 0.05), (1, 4096, 11008, 0.03),
         (1, 2048, 5632, 0.5), (2, 2048, 5632, 0.01), (7, 576, 1536, 0.05),
-        (16, 576, 1536, 0.5), (4, 256, 65536, 0.5), (65, 2048, 5632, 0.01), (333, 576, 1536, 0.05),
+        (16, 576, 1536, 0.5), (4, 256, 65536, 0.5), (17, 2048, 5632, 0.01), (5, 3072, 8192, 0.03),
+        (64, 4096, 11008, 0.005), (40, 576, 1536, 0.3), (65, 2048, 5632, 0.01), (333, 576, 1536, 0.05),
         (8192, 2048, 5632, 0.005), (70_000, 2048, 5632, 0.01), (300, 4096, 11008, 0.03),
         (1000, 2048, 5632, 0.5),
     ];
@@ -636,11 +678,13 @@ fn the_add_and_norm_folded_into_the_mlp_match_the_separate_launches() {
 
 #[test]
 fn the_norm_before_the_mlp_folded_into_its_weights_matches_the_separate_launches() {
-    // (m, d, d_ff, density): four warps a row and one, past 65,536 rows, d 4096,
+    // (m, d, d_ff, density): 2-64 rows (a row over eight, four and two warps; the few-row
+    // kernel's sizes past its bound), four warps a row and one, past 65,536 rows, d 4096,
     // overflowing tiles.
     #[rustfmt::skip]
     let cases = [
-        (333, 576, 1536, 0.05), (8192, 2048, 5632, 0.005), (70_000, 2048, 5632, 0.01),
+        (17, 2048, 5632, 0.01), (5, 3072, 8192, 0.03), (64, 4096, 11008, 0.005),
+        (40, 576, 1536, 0.3), (16, 2048, 8192, 0.01), (333, 576, 1536, 0.05), (8192, 2048, 5632, 0.005), (70_000, 2048, 5632, 0.01),
         (300, 4096, 11008, 0.03), (1000, 2048, 5632, 0.5),
     ];
     let dev = gpu();
@@ -695,29 +739,36 @@ fn bf16_steps_counts_spacings_at_each_magnitude() -> anyhow::Result<()> {
 }
 
 /// The decode kernels add their neurons with atomics from every block: their sums are
-/// fixed point so that the order does not show. Twenty launches of each form (plain, with
-/// the add and norm after it, for one row also with the norm before it folded in) give
-/// the same bits, for one row and for a few, at a density whose neuron lists overflow.
+/// fixed point so that the order does not show. The row kernels at decode sizes add a
+/// row's parts in a fixed order. Twenty launches of each form (plain, with the add and
+/// norm after it, for one row also with the norm before it folded in) give the same bits,
+/// for one row and for a few, at a density whose neuron lists overflow.
 #[test]
 fn the_decode_kernels_give_the_same_bits_every_launch() {
     let dev = gpu();
-    let tensor_cores = FewRows::TensorCores;
+    let paths = |few_rows, staged_rows| KernelPaths {
+        few_rows,
+        staged_rows,
+        ..Default::default()
+    };
+    let (cuda_cores, tensor_cores, staged) =
+        (FewRows::CudaCores, FewRows::TensorCores, FewRows::Staged);
+    let auto = paths(FewRows::Auto, StagedRows::Auto);
+    let rows = StagedRows::RowKernels;
     let cases = [
-        (1, 2048, 5632, 0.01, FewRows::Auto),
-        (1, 576, 1536, 0.05, FewRows::Auto),
-        (1, 2048, 5632, 0.5, FewRows::Auto),
-        (4, 2048, 5632, 0.01, FewRows::Auto),
-        (16, 576, 1536, 0.05, FewRows::Auto),
-        (3, 256, 65536, 0.5, FewRows::Auto),
-        (4, 2048, 5632, 0.01, tensor_cores),
-        (16, 4096, 14336, 0.3, tensor_cores),
+        (1, 2048, 5632, 0.01, auto),
+        (1, 576, 1536, 0.05, auto),
+        (1, 2048, 5632, 0.5, auto),
+        (4, 2048, 5632, 0.01, paths(cuda_cores, rows)),
+        (16, 576, 1536, 0.05, paths(cuda_cores, rows)),
+        (3, 256, 65536, 0.5, paths(cuda_cores, rows)),
+        (4, 2048, 5632, 0.01, paths(tensor_cores, rows)),
+        (16, 4096, 14336, 0.3, paths(tensor_cores, rows)),
+        (24, 2048, 5632, 0.01, paths(staged, rows)),
+        (6, 4096, 11008, 0.3, paths(staged, rows)),
     ];
-    for (k, &(m, d, f, density, few_rows)) in cases.iter().enumerate() {
+    for (k, &(m, d, f, density, paths)) in cases.iter().enumerate() {
         let seed = 1200 + k as u64;
-        let paths = KernelPaths {
-            few_rows,
-            ..Default::default()
-        };
         let (config, w, x) = case_inputs(&dev, (m, d, f, density, 256, 8), paths, seed).unwrap();
         dev.set_seed(seed).unwrap();
         let residual = Tensor::randn(0f32, 1.0, (m, d), &dev)
@@ -754,13 +805,13 @@ fn the_decode_kernels_give_the_same_bits_every_launch() {
                 assert_eq!(
                     bits(a),
                     bits(&b),
-                    "{m} rows, d {d}, d_ff {f}, density {density}, {few_rows:?}: output {i} of run \
+                    "{m} rows, d {d}, d_ff {f}, density {density}, {paths:?}: output {i} of run \
                      {run} differs"
                 );
             }
         }
         eprintln!(
-            "{m} rows, d {d}, d_ff {f}, density {density}, {few_rows:?}: 20 launches, the same bits"
+            "{m} rows, d {d}, d_ff {f}, density {density}, {paths:?}: 20 launches, the same bits"
         );
     }
 }

@@ -120,6 +120,12 @@ fn bad_bench_flags_are_rejected() {
     // The few-row kernel choice names the kernels it takes.
     fails_with(&["bench", "mlp", "--few-rows", "sideways"], "tensor-cores");
     fails_with(&["bench", "sweep", "--few-rows", "sideways"], "cuda-cores");
+    for bench in ["mlp", "sweep", "model"] {
+        fails_with(
+            &["bench", bench, "--staged-rows", "diagonal"],
+            "slot-kernels",
+        );
+    }
     // The sweep checks every shape before it measures the first.
     fails_with(
         &["bench", "sweep", "--shape", "64x128,2048by5632"],

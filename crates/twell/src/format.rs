@@ -57,6 +57,24 @@ pub struct KernelPaths {
     pub gate: GateGemm,
     pub walk: RowWalk,
     pub few_rows: FewRows,
+    pub staged_rows: StagedRows,
+}
+
+/// Which staged kernels run a CUDA forward of 2 to 64 token rows at inference, where the
+/// few-row kernel does not (a batched decode step past its bounds, a short prompt).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StagedRows {
+    /// The measured best: the row kernels where the hidden size fits them (up to 4096),
+    /// the slot kernels past it.
+    #[default]
+    Auto,
+    /// The prefill row kernels, each row split over up to eight warps (their parts meet
+    /// in shared memory in a fixed order) with the norms around the MLP folded in, where
+    /// the hidden size fits them (the slot kernels otherwise).
+    RowKernels,
+    /// A warp per slot (up) and per tile of a 256-column chunk (down), whose partial sums
+    /// meet in f32 atomics before a finish kernel writes the rows.
+    SlotKernels,
 }
 
 /// Which kernel runs a CUDA forward of 2 to 16 token rows at inference (a batched decode

@@ -36,7 +36,8 @@ mod twell_mlp_products;
 pub use cpu::screen::GateScreen;
 pub use error::TwellError;
 pub use format::{
-    FewRows, GateGemm, KernelPaths, RowWalk, Twell, TwellConfig, TwellPattern, TwellStats,
+    FewRows, GateGemm, KernelPaths, RowWalk, StagedRows, Twell, TwellConfig, TwellPattern,
+    TwellStats,
 };
 pub use gate_l0::{gate_l0, gate_l0_reference, GateL0};
 pub use gate_pack::{gate_pack, GatePack};
@@ -44,9 +45,10 @@ pub use gated_t2d::{gated_t2d, GatedT2d};
 pub use mlp::{Activation, FfnMode, L1Term, MlpBias, MlpStats, Nonzeros, SparseMlp, GATE_L0_EPS};
 pub use output::{mlp_result_len, up_down_matrix, MlpOutput};
 pub use twell_mlp::{
-    add_norm_fuses, gate_screen, norm_add_norm_runs, twell_mlp, twell_mlp_add_norm,
-    twell_mlp_norm_add_norm, twell_mlp_screened, twell_mlp_with_backward_path, BackwardPath,
-    TwellMlp,
+    add_norm_fuses, gate_screen, norm_add_norm_runs, staged_rows_for, twell_mlp,
+    twell_mlp_add_norm, twell_mlp_norm_add_norm, twell_mlp_screened, twell_mlp_with_backward_path,
+    BackwardPath, TwellMlp, ROW_KERNELS_MIN_ADDS_PER_PAIR, ROW_KERNELS_MIN_ROWS,
+    STAGED_ROWS_ASSUMED_DENSITY,
 };
 pub use twell_mlp_products::{products_run, twell_mlp_products};
 

@@ -539,7 +539,7 @@ fn a_folded_norm_weight_gives_the_unfolded_sublayer() {
     assert!(err.contains("trainable"), "{err}");
     // The launch with both norms folded is CUDA-only and names the unfolded ops.
     let s = synthetic_input(100, 64, DType::F32, &dev, 11).unwrap();
-    assert!(!twell::norm_add_norm_runs(&s));
+    assert!(!twell::norm_add_norm_runs(&s, 256, Default::default()));
     let w_ud = twell::up_down_matrix(&w.up, &w.down).unwrap();
     let launch = |gate: &Tensor, alpha: &Tensor| {
         twell::twell_mlp_norm_add_norm(&s, gate, &w_ud, Default::default(), 1e-5, (alpha, 1e-5))

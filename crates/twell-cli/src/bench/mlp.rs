@@ -67,6 +67,10 @@ pub struct MlpBenchArgs {
     /// The CUDA kernel of the sparse variants at 2 to 16 rows (`twell::FewRows`).
     #[arg(long, value_enum, default_value_t = FewRowsArg::Auto)]
     pub few_rows: FewRowsArg,
+    /// The CUDA staged kernels of the sparse variants at 2 to 64 rows where the few-row
+    /// kernel does not run (`twell::StagedRows`).
+    #[arg(long, value_enum, default_value_t = StagedRowsArg::Auto)]
+    pub staged_rows: StagedRowsArg,
     /// `Auto` re-measures the density every this many calls (0: only when unknown);
     /// on a GPU each measurement is a sync (`SparseMlp::with_density_recheck`).
     #[arg(long, default_value_t = twell::auto::AUTO_RECHECK_CALLS)]
@@ -106,6 +110,27 @@ pub enum FewRowsArg {
     Staged,
 }
 
+/// `--staged-rows`: [`twell::StagedRows`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StagedRowsArg {
+    /// The measured best for the size.
+    Auto,
+    /// The row kernels, a row split over up to eight warps.
+    RowKernels,
+    /// A warp per slot and per tile, sums meeting in atomics.
+    SlotKernels,
+}
+
+impl StagedRowsArg {
+    pub fn paths(self) -> twell::StagedRows {
+        match self {
+            Self::Auto => twell::StagedRows::Auto,
+            Self::RowKernels => twell::StagedRows::RowKernels,
+            Self::SlotKernels => twell::StagedRows::SlotKernels,
+        }
+    }
+}
+
 impl FewRowsArg {
     pub fn paths(self) -> twell::FewRows {
         match self {
@@ -131,6 +156,7 @@ impl MlpBenchArgs {
                 WalkArg::Slots => twell::RowWalk::Slots,
             },
             few_rows: self.few_rows.paths(),
+            staged_rows: self.staged_rows.paths(),
         })
     }
 }

@@ -18,6 +18,7 @@ use twell::FfnMode;
 
 use super::energy::EnergyMeter;
 use super::memory::MemoryProbe;
+use super::mlp::{FewRowsArg, StagedRowsArg};
 use super::random_tokens;
 use super::timing::median;
 use crate::device::FfnArg;
@@ -72,6 +73,12 @@ pub struct ModelBenchArgs {
     /// decode (`decode`) runs either way.
     #[arg(long)]
     pub no_graph: bool,
+    /// The CUDA kernel of the sparse MLP at 2 to 16 rows (`twell::FewRows`).
+    #[arg(long, value_enum, default_value_t = FewRowsArg::Auto)]
+    pub few_rows: FewRowsArg,
+    /// The CUDA staged kernels of the sparse MLP at 2 to 64 rows (`twell::StagedRows`).
+    #[arg(long, value_enum, default_value_t = StagedRowsArg::Auto)]
+    pub staged_rows: StagedRowsArg,
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// SVG chart of the sparse/dense speed-up per measurement.
@@ -175,7 +182,12 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
     }
     let device = args.model.device()?;
     let dtype = args.model.dtype(&device);
-    let (cfg, weights, name) = model_source(args, dtype, &device)?;
+    let (mut cfg, weights, name) = model_source(args, dtype, &device)?;
+    cfg.twell = cfg.twell.with_paths(twell::KernelPaths {
+        few_rows: args.few_rows.paths(),
+        staged_rows: args.staged_rows.paths(),
+        ..cfg.twell.paths()
+    });
     let mut model = Llama::load(
         VarBuilder::from_tensors(weights.clone(), dtype, &device),
         &cfg,

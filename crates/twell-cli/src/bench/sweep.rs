@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use super::mlp::{FewRowsArg, GateArg, MlpBenchArgs, MlpRow, WalkArg};
+use super::mlp::{FewRowsArg, GateArg, MlpBenchArgs, MlpRow, StagedRowsArg, WalkArg};
 use super::timing::Rounds;
 use crate::device::{DeviceArg, DtypeArg};
 
@@ -54,6 +54,9 @@ pub struct SweepArgs {
     /// The CUDA kernel of the sparse side at 2 to 16 rows (`twell::FewRows`).
     #[arg(long, value_enum, default_value_t = FewRowsArg::Auto)]
     pub few_rows: FewRowsArg,
+    /// The CUDA staged kernels of the sparse side at 2 to 64 rows (`twell::StagedRows`).
+    #[arg(long, value_enum, default_value_t = StagedRowsArg::Auto)]
+    pub staged_rows: StagedRowsArg,
     /// Write every cell and the per-shape summary as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -105,6 +108,7 @@ pub fn run(args: &SweepArgs) -> Result<SweepReport> {
             gate: GateArg::Auto,
             walk: WalkArg::Mask,
             few_rows: args.few_rows,
+            staged_rows: args.staged_rows,
             auto_recheck: args.auto_recheck,
         };
         let report = super::mlp::run(&mlp).with_context(|| format!("shape {shape}"))?;

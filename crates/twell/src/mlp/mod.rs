@@ -12,7 +12,7 @@ use candle_nn::VarBuilder;
 use crate::auto::{Entry, Side, AUTO_RECHECK_CALLS};
 use crate::cpu::screen::{GateScreen, SCREEN_MAX_DENSITY, SCREEN_MAX_ROWS};
 use crate::error::{err, TwellError};
-use crate::format::TwellConfig;
+use crate::format::{KernelPaths, StagedRows, TwellConfig};
 use crate::{twell_mlp_screened, twell_mlp_with_backward_path, up_down_matrix, BackwardPath};
 
 /// Not a trainable variable nor part of an autograd graph: a copy made of it once
@@ -798,14 +798,17 @@ impl SparseMlp {
         let (side, timer) = self.pick(s, Entry::SublayerFromSum, false, measure)?;
         let measure = measure || self.measures_free(s.device(), side);
         self.timed(s.device(), timer, || {
-            if crate::norm_add_norm_runs(s) && self.folds_add_norm(side, s, s, &[alpha], measure) {
+            let config = self.kernel_config(s);
+            if crate::norm_add_norm_runs(s, self.ffn(), config)
+                && self.folds_add_norm(side, s, s, &[alpha], measure)
+            {
                 let d = self.hidden();
                 let rows = fused_ops::checks::reshaped(s, &[s.elem_count() / d, d])?;
                 let (sum, normed) = crate::twell_mlp_norm_add_norm(
                     &rows,
                     &self.gate,
                     &self.up_down()?,
-                    self.config,
+                    config,
                     pre_eps,
                     (alpha, eps),
                 )?;
@@ -879,7 +882,7 @@ impl SparseMlp {
         !measure
             && !self.record_stats
             && self.kept_inputs.is_none()
-            && crate::add_norm_fuses(x, self.ffn(), self.config)
+            && crate::add_norm_fuses(x, self.ffn(), self.kernel_config(x))
             && d == self.hidden()
             && residual.dims() == x.dims()
             && [x, residual, &self.gate, &self.up, &self.down]
@@ -887,6 +890,23 @@ impl SparseMlp {
                 .chain(alphas.iter().copied())
                 .all(|t| !t.track_op())
             && side == Side::Sparse
+    }
+
+    /// The TwELL configuration of a call on `x`: `StagedRows::Auto` settled by the density
+    /// last measured ([`crate::staged_rows_for`]), so that the kernels a call runs and the
+    /// checks of which norms fold into them agree.
+    fn kernel_config(&self, x: &Tensor) -> TwellConfig {
+        let paths = self.config.paths();
+        let (StagedRows::Auto, Some(density)) = (paths.staged_rows, self.last_density()) else {
+            return self.config;
+        };
+        let d = self.hidden();
+        let m = x.elem_count() / d.max(1);
+        let staged_rows = crate::staged_rows_for(m, d, self.ffn(), self.config.tile(), density);
+        self.config.with_paths(KernelPaths {
+            staged_rows,
+            ..paths
+        })
     }
 
     /// The folded launch of [`Self::folds_add_norm`], in `x`'s shape.
@@ -903,7 +923,7 @@ impl SparseMlp {
             &rows(x)?,
             &self.gate,
             &self.up_down()?,
-            self.config,
+            self.kernel_config(x),
             (&rows(residual)?, post.0, post.1),
             pre,
         )?;
@@ -957,6 +977,7 @@ impl SparseMlp {
         let rows = x.elem_count() / d.max(1);
         let x2 = fused_ops::checks::reshaped(x, &[rows, d])?;
         let sparse = side == Side::Sparse;
+        let config = self.kernel_config(&x2);
         if sparse && want_l1 && self.l1_term != L1Term::Plain {
             return err(TwellError::Invalid(format!(
                 "the {:?} sparsity term is computed on the dense path only: train with the \
@@ -967,7 +988,7 @@ impl SparseMlp {
         if sparse {
             let res = match self.screen_for(x2.dim(0)?)? {
                 Some(screen) => {
-                    twell_mlp_screened(&x2, &self.gate, &self.up_down()?, self.config, screen)?
+                    twell_mlp_screened(&x2, &self.gate, &self.up_down()?, config, screen)?
                 }
                 None => {
                     let last = self.last_density();
@@ -975,7 +996,7 @@ impl SparseMlp {
                         &x2,
                         &self.gate,
                         &self.up_down()?,
-                        self.config,
+                        config,
                         self.backward_path
                             .unwrap_or_else(|| BackwardPath::for_density(last)),
                     )?
@@ -984,7 +1005,7 @@ impl SparseMlp {
             return self.keep_op_output(res, LastForward::Sparse, measure, lead, want_l1);
         }
         if side == Side::Products {
-            let res = crate::twell_mlp_products(&x2, &self.gate, &self.up_down()?, self.config)?;
+            let res = crate::twell_mlp_products(&x2, &self.gate, &self.up_down()?, config)?;
             return self.keep_op_output(res, LastForward::Products, measure, lead, want_l1);
         }
         let add_bias = |t: Tensor, pick: fn(&MlpBias) -> &Tensor| match &self.bias {

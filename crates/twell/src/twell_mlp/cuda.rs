@@ -25,7 +25,7 @@ use crate::cuda::{
     gate_gemm, row_vectors, KernelDims, DECODE_MAX_TOKENS, DEFAULT_SHARED_BYTES, WARP_CHUNK,
 };
 use crate::error::{err, TwellError};
-use crate::format::{FewRows, RowWalk, TwellConfig};
+use crate::format::{RowWalk, StagedRows, TwellConfig};
 use crate::output::mlp_result_len;
 
 const GATED_T2D_PTX: &str = twell_kernels::GATED_T2D;
@@ -38,28 +38,62 @@ const MASK_UNITS: usize = 8;
 const SIGN_UNITS: usize = 4;
 /// Whether `m` token rows of hidden `d` (and `f` neurons) take [`twell_mlp_add_norm`], the residual add
 /// and norm after the MLP folded into its last launch: one row or a few into the
-/// one-launch decode kernels, prefill rows into the down row kernel's epilogue.
-pub fn add_norm_folds(m: usize, d: usize, f: usize, few_rows: FewRows) -> bool {
+/// one-launch decode kernels, other rows into the down row kernel's epilogue.
+pub fn add_norm_folds(m: usize, d: usize, f: usize, config: TwellConfig) -> bool {
     if !d.is_multiple_of(8) || d > ADD_RMS_NORM_MAX_HIDDEN {
         false
     } else if m == 1 {
         use_fused_decode(1, d, false)
     } else {
-        use_few_rows_decode(m, d, f, false, few_rows) || folds_into_down_rows(m, d)
+        use_few_rows_decode(m, d, f, false, config.paths().few_rows)
+            || folds_into_down_rows(m, d, f, config)
     }
 }
 
-/// Whether `m` rows of hidden `d` take [`twell_mlp_norm_add_norm`], both norms folded in:
-/// prefill rows, whose up row kernel normalises its row in registers (the decode kernels
-/// fold the norm before the MLP for one row only, at run time).
-pub fn norm_add_norm_folds(m: usize, d: usize) -> bool {
-    d.is_multiple_of(8) && d <= ADD_RMS_NORM_MAX_HIDDEN && folds_into_down_rows(m, d)
+/// Whether `m` rows of hidden `d` (and `f` neurons) take [`twell_mlp_norm_add_norm`], both
+/// norms folded in: the rows of the row kernels, whose up kernel normalises its row in
+/// registers (the one-launch decode kernels fold the norm before the MLP for one row only,
+/// at run time, and the few-row kernel not at all).
+pub fn norm_add_norm_folds(m: usize, d: usize, f: usize, config: TwellConfig) -> bool {
+    d.is_multiple_of(8)
+        && d <= ADD_RMS_NORM_MAX_HIDDEN
+        && !use_few_rows_decode(m, d, f, false, config.paths().few_rows)
+        && folds_into_down_rows(m, d, f, config)
 }
 
-/// Whether the forward of `m` rows of hidden `d` runs the prefill row kernels (whose
-/// down kernel can fold the add and norm after it).
-fn folds_into_down_rows(m: usize, d: usize) -> bool {
-    m > DECODE_MAX_TOKENS && row_vectors(d).is_some()
+/// Whether an inference forward of `m` rows of hidden `d`, past the one-launch decode
+/// kernels, runs the row kernels (whose down kernel can fold the add and norm after it).
+fn folds_into_down_rows(m: usize, d: usize, f: usize, config: TwellConfig) -> bool {
+    m > 1 && row_kernels_for(m, d, f, config, false).is_some()
+}
+
+/// The row kernels' vectors a lane (`row_vectors`) where they take a staged forward of
+/// `m` rows of hidden `d` through `f` neurons: always past [`DECODE_MAX_TOKENS`] rows; at
+/// or below it at inference where `config` asks for them or its `Auto` finds them faster
+/// ([`crate::staged_rows_for`] at [`crate::STAGED_ROWS_ASSUMED_DENSITY`]). Why rows at
+/// decode sizes at all: in a replayed decode step only the device's time counts, and
+/// there the slot kernels' warps per slot and per tile (most with nothing to do, their
+/// sums meeting in atomics) cost more than the gate GEMM at wide shapes and many rows.
+fn row_kernels_for(
+    m: usize,
+    d: usize,
+    f: usize,
+    config: TwellConfig,
+    keep_for_backward: bool,
+) -> Option<usize> {
+    let slots = keep_for_backward
+        || match config.paths().staged_rows {
+            StagedRows::SlotKernels => true,
+            StagedRows::RowKernels => false,
+            StagedRows::Auto => {
+                let density = crate::STAGED_ROWS_ASSUMED_DENSITY;
+                crate::staged_rows_for(m, d, f, config.tile(), density) == StagedRows::SlotKernels
+            }
+        };
+    if m <= DECODE_MAX_TOKENS && slots {
+        return None;
+    }
+    row_vectors(d)
 }
 
 /// How many consecutive warps share a token row in the prefill row kernels: the most of
@@ -72,6 +106,15 @@ fn folds_into_down_rows(m: usize, d: usize) -> bool {
 /// kernels' vectors a lane for hidden `d` (`row_vectors`).
 fn row_split(dev: &CudaDevice, m: usize, d: usize, v: usize) -> Result<usize> {
     let wave = multiprocessors(dev)? * row_kernel_warps_per_sm(dev, v)?;
+    if m <= DECODE_MAX_TOKENS {
+        // Decode sizes: the most warps a row, its parts' sums in shared memory past the
+        // default where the device lets a block opt in to more.
+        let most = max_shared_bytes(dev)?;
+        return Ok(DECODE_ROW_SPLITS
+            .into_iter()
+            .find(|&split| m * split <= wave && down_split_bytes(split, d) <= most)
+            .unwrap_or(1));
+    }
     let split = ROW_SPLITS
         .into_iter()
         .find(|&split| m * split <= wave)
@@ -100,9 +143,23 @@ fn row_kernel_warps_per_sm(dev: &CudaDevice, v: usize) -> Result<usize> {
     })
 }
 
-/// The splits the prefill row kernels are built for besides one warp a row, most first
+/// The splits the prefill row kernels take besides one warp a row, most first
 /// (their `SPLIT`: `_s4`, `_s2`; each divides a block's 8 warps).
 const ROW_SPLITS: [usize; 2] = [4, 2];
+
+/// The same for 2 to [`DECODE_MAX_TOKENS`] rows, where a row's pairs are few and its
+/// parts' round trips to L2 are what a step waits on (`_s8`: a block a row).
+const DECODE_ROW_SPLITS: [usize; 3] = [8, 4, 2];
+
+/// The most dynamic shared memory a block may opt in to on `dev`.
+fn max_shared_bytes(dev: &CudaDevice) -> Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    Ok(fused_ops::cuda::device_attribute(
+        dev,
+        A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+    )?
+    .max(DEFAULT_SHARED_BYTES))
+}
 
 /// The dynamic shared memory the down row kernel needs for a row split `split` ways:
 /// the f32 sums of parts 1.. of each of a block's rows.
@@ -195,7 +252,8 @@ pub fn twell_mlp_add_norm(
 ) -> Result<CudaStorage> {
     let (m, d) = xl.shape().dims2()?;
     let f = wl.shape().dims2()?.0;
-    if m > 1 && pre.is_none() && d % 8 == 0 && folds_into_down_rows(m, d) {
+    let few_rows = use_few_rows_decode(m, d, f, false, config.paths().few_rows);
+    if m > 1 && pre.is_none() && d % 8 == 0 && !few_rows && folds_into_down_rows(m, d, f, config) {
         let fold = RowFold {
             residual: bf16_view("residual", residual, rl)?,
             alpha: bf16_view("alpha", alpha, al)?,
@@ -206,16 +264,16 @@ pub fn twell_mlp_add_norm(
             mlp_forward((x, xl), (wg, wl), (w_ud, ul), config, false, Some(fold))?;
         return Ok(sum_normed);
     }
-    let decodes = use_fused_decode(m, d, false)
-        || (pre.is_none() && use_few_rows_decode(m, d, f, false, config.paths().few_rows));
+    let decodes = use_fused_decode(m, d, false) || (pre.is_none() && few_rows);
     if !decodes || d % 8 != 0 {
         return err(TwellError::Invalid(format!(
             "twell_mlp_add_norm takes one token row whose hidden size the one-launch \
              decode kernel takes (the norm before the MLP folded in too, or not), 2 to \
              {FEW_ROWS_MAX} rows the few-row kernel takes ({:?}) or \
-             more than {DECODE_MAX_TOKENS} rows of hidden up to 4096 (without it); got \
+             rows the row kernels take (hidden up to 4096, {:?}; without it); got \
              [{m}, {d}] and d_ff {f}",
-            config.paths().few_rows
+            config.paths().few_rows,
+            config.paths().staged_rows
         )));
     }
     let dev = x.device().clone();
@@ -254,7 +312,7 @@ pub fn twell_mlp_add_norm(
 /// already carry the pre-norm's weight (so the norm's own weight is one). The gate GEMM
 /// reads `s` itself, and the up row kernel normalises its row in registers and scales the
 /// gate by the norm's factor (`gated_t2d_up_rows_norm`): no normalised copy of `s` is
-/// written or read. Prefill row kernels only ([`folds_into_down_rows`]).
+/// written or read. The row kernels only ([`norm_add_norm_folds`]).
 pub fn twell_mlp_norm_add_norm(
     (s, sl): (&CudaStorage, &Layout),
     (wg, wl): (&CudaStorage, &Layout),
@@ -265,10 +323,14 @@ pub fn twell_mlp_norm_add_norm(
     eps: f32,
 ) -> Result<CudaStorage> {
     let (m, d) = sl.shape().dims2()?;
-    if d % 8 != 0 || !folds_into_down_rows(m, d) {
+    let f = wl.shape().dims2()?.0;
+    if !norm_add_norm_folds(m, d, f, config) {
         return err(TwellError::Invalid(format!(
-            "twell_mlp_norm_add_norm takes more than {DECODE_MAX_TOKENS} rows of hidden up \
-             to 4096 (a multiple of 8), got [{m}, {d}]"
+            "twell_mlp_norm_add_norm takes the rows the row kernels take (hidden up to \
+             4096, a multiple of 8; {:?}) and the few-row kernel does not ({:?}), got [{m}, \
+             {d}] and d_ff {f}",
+            config.paths().staged_rows,
+            config.paths().few_rows
         )));
     }
     let fold = RowFold {
@@ -317,7 +379,7 @@ struct RowFold<'a> {
     pre_norm_eps: Option<f32>,
 }
 
-/// [`twell_mlp_forward`]; with `fold` (prefill row kernels only) the result is `[2 · m ·
+/// [`twell_mlp_forward`]; with `fold` (the row kernels only) the result is `[2 · m ·
 /// d]`, the sums and their norms as [`twell_mlp_add_norm`] returns them.
 ///
 /// One row of inference, or 2 to 16 rows of hidden up to 2048, runs a one-launch decode
@@ -374,19 +436,18 @@ fn mlp_forward(
         config.paths().gate,
     )?;
     stages.mark()?;
-    // Prefill rows that fit a warp's registers take the row kernels: a warp per row
-    // computes h (x in registers), then a warp per row accumulates the down projection
-    // (the output row in registers). Decode (or rows too wide for registers) spreads h
-    // over a warp per slot (decode) or per tile, then the down projection, whose partial
-    // sums meet in f32 atomics when rows are few.
-    let row_kernels = match m <= DECODE_MAX_TOKENS {
-        true => None,
-        false => row_vectors(d),
-    };
+    // Rows that fit a warp's registers take the row kernels (`row_kernels_for`): a warp
+    // (or a few) per row computes h (x in registers), then accumulates the down
+    // projection (the output row in registers). Rows too wide for registers, and the
+    // slot kernels where asked for, spread h over a warp per slot (few rows) or per tile,
+    // then the down projection, whose partial sums meet in f32 atomics when rows are few.
+    let row_kernels = row_kernels_for(m, d, f, config, keep_for_backward);
     if fold.is_some() && row_kernels.is_none() {
         return err(TwellError::Invalid(format!(
-            "the residual add and norm fold into the prefill row kernels only: more than \
-             {DECODE_MAX_TOKENS} rows of hidden up to 4096, got [{m}, {d}]"
+            "the residual add and norm fold into the row kernels only: hidden up to 4096, \
+             and at most {DECODE_MAX_TOKENS} rows only with StagedRows::RowKernels or Auto; \
+             got [{m}, {d}] ({:?})",
+            config.paths().staged_rows
         )));
     }
     let split = match row_kernels {
@@ -748,8 +809,20 @@ fn down_slot_rows(
     if let Some(fold) = fold {
         b.arg(&fold.residual).arg(&fold.alpha).arg(&fold.eps);
     }
+    let shared = down_split_bytes(split, d);
+    if shared > DEFAULT_SHARED_BYTES {
+        // Past the default a block's dynamic shared memory is opted in to (`row_split`
+        // checked the device's limit). Set at every launch: each `CudaDevice` loads its
+        // own copy of the module, so a value kept per context would miss a new one.
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute as F;
+        down.set_attribute(
+            F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared as i32,
+        )
+        .w()?;
+    }
     let mut cfg = warp_launch(m * split)?;
-    cfg.shared_mem_bytes = down_split_bytes(split, d) as u32;
+    cfg.shared_mem_bytes = shared as u32;
     // SAFETY: `split` warps per row (a divisor of the block's warps, its shared memory
     // sized above), bounds checked in the kernel.
     unsafe { b.launch(cfg) }.w()?;

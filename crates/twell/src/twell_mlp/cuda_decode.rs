@@ -35,12 +35,19 @@ pub fn use_fused_decode(m: usize, d: usize, keep_for_backward: bool) -> bool {
 /// The most rows the few-row kernel takes (`twell_mlp_decode_rows16_*`).
 pub const FEW_ROWS_MAX: usize = 16;
 
-/// The most gate multiply-adds (`m · d · f`) the few-row kernel takes. It computes the
-/// rows' gates on the CUDA cores, each gate row converted once a row; past this the
-/// staged kernels' cuBLAS gate wins (H100, 2026-12-07: at hidden 2048 / d_ff 5632 the
-/// kernel beat dense 1.45x at 4 rows and 0.5%, and lost at 8; at 576 / 1536 it won to
-/// 16 rows; docs/benchmarks.md).
-pub const FEW_ROWS_MAX_GATE_MACS: usize = 64 << 20;
+/// The most gate multiply-adds (`m · d · f`) the few-row kernel takes under
+/// `FewRows::Auto`. It computes the rows' gates on the CUDA cores, each gate row converted
+/// once a row, so its time grows with them where the staged kernels' cuBLAS gate stays
+/// flat. In replayed decode steps (H100, 2026-12-07, docs/benchmarks.md "H100: 2–64 rows
+/// on the row kernels") it won at 2–4 rows of 576 × 1536, 960 × 2560 and 896 × 4864 (up
+/// to 17M), tied at 8 rows of 576 × 1536 (7M) and lost at 8 rows of 960 × 2560 (20M) and
+/// 2 rows of 2048 × 5632 (23M).
+pub const FEW_ROWS_MAX_GATE_MACS: usize = 18 << 20;
+
+/// The most rows the few-row kernel takes under `FewRows::Auto`: its 16-row form (255
+/// registers, one block a multiprocessor) took 45 µs a layer at 576 × 1536 in a replayed
+/// decode step, where the staged kernels took about 20 (same measurement).
+pub const FEW_ROWS_AUTO_MAX: usize = 8;
 
 /// The widest hidden size the tensor-core few-row kernel takes (its last block finishes
 /// a row in four 16-byte vectors a thread).
@@ -58,8 +65,9 @@ pub enum FewRowsKernel {
 
 /// Which one-launch kernel a forward of `m` rows takes under `choice`, if any: 2 to
 /// [`FEW_ROWS_MAX`] rows (a batched decode step, a short prompt), inference only. `Auto`
-/// takes the CUDA-core kernel within [`FEW_ROWS_MAX_GATE_MACS`] (hidden up to 2048: 8
-/// vectors a lane, as the rows' gates and two gate rows in flight fill the registers).
+/// takes the CUDA-core kernel up to [`FEW_ROWS_AUTO_MAX`] rows within
+/// [`FEW_ROWS_MAX_GATE_MACS`] (hidden up to 2048: 8 vectors a lane, as the rows' gates and
+/// two gate rows in flight fill the registers).
 pub fn few_rows_kernel(
     m: usize,
     d: usize,
@@ -74,7 +82,8 @@ pub fn few_rows_kernel(
     let tensor_cores = d.is_multiple_of(32) && d <= FEW_ROWS_TC_MAX_HIDDEN;
     match choice {
         FewRows::Auto => {
-            (cuda_cores && m * d * f <= FEW_ROWS_MAX_GATE_MACS).then_some(FewRowsKernel::CudaCores)
+            (cuda_cores && m <= FEW_ROWS_AUTO_MAX && m * d * f <= FEW_ROWS_MAX_GATE_MACS)
+                .then_some(FewRowsKernel::CudaCores)
         }
         FewRows::CudaCores => cuda_cores.then_some(FewRowsKernel::CudaCores),
         FewRows::TensorCores => tensor_cores.then_some(FewRowsKernel::TensorCores),

@@ -14,7 +14,7 @@ use crate::cpu::screen::{GateScreen, SCREEN_MAX_ROWS};
 use crate::cpu::t2d::{self, GateGrad};
 use crate::cpu::warm;
 use crate::error::{err, TwellError};
-use crate::format::{check_size, TwellConfig, TwellPattern};
+use crate::format::{check_size, StagedRows, TwellConfig, TwellPattern};
 use crate::gate_pack::gate_and_pack;
 use crate::output::{cpu_storage, mlp_result_len, Activity, MlpOutput};
 
@@ -359,13 +359,45 @@ pub fn twell_mlp_screened(
     )
 }
 
+/// The density [`StagedRows::Auto`] assumes for a CUDA forward that is given none (a call
+/// of the op itself; [`crate::SparseMlp`] passes the density it measured).
+pub const STAGED_ROWS_ASSUMED_DENSITY: f64 = 0.01;
+
+/// Where the row kernels beat the slot kernels, in f32 atomic adds of the slot kernels
+/// per neuron a row part of the row kernels waits on (see [`staged_rows_for`]).
+pub const ROW_KERNELS_MIN_ADDS_PER_PAIR: f64 = 80_000.0;
+
+/// The fewest rows the row kernels take under [`StagedRows::Auto`]: at 8 rows the slot
+/// kernels won or tied in every measured cell.
+pub const ROW_KERNELS_MIN_ROWS: usize = 16;
+
+/// [`StagedRows::Auto`] settled for a staged CUDA forward of `m` rows (up to 64) of hidden
+/// `d` through `f` neurons in tiles of `tile` at `density`. The slot kernels' down launch
+/// adds `m · d · n_tiles` f32 atomics; each part of a row in the row kernels (a row split
+/// over up to eight warps) waits on about `density · tile · ceil(n_tiles / 8)` neurons'
+/// rows one after another. In replayed decode steps (H100, 2026-12-07: 576 × 1536 to
+/// 4096 × 14336 at 8–64 rows and 0.5–3%; docs/benchmarks.md, "H100: 2–64 rows on the row
+/// kernels") the row kernels won from [`ROW_KERNELS_MIN_ROWS`] rows where the first is at
+/// least [`ROW_KERNELS_MIN_ADDS_PER_PAIR`] times the second: many rows of wide shapes at
+/// low density.
+pub fn staged_rows_for(m: usize, d: usize, f: usize, tile: usize, density: f64) -> StagedRows {
+    let n_tiles = f.div_ceil(tile.max(1));
+    let pairs_per_part = (density.clamp(0.0, 1.0) * (tile * n_tiles.div_ceil(8)) as f64).max(0.5);
+    let adds = (m * d * n_tiles) as f64;
+    if m >= ROW_KERNELS_MIN_ROWS && adds >= ROW_KERNELS_MIN_ADDS_PER_PAIR * pairs_per_part {
+        StagedRows::RowKernels
+    } else {
+        StagedRows::SlotKernels
+    }
+}
+
 /// Whether [`twell_mlp_add_norm`] runs for `x` through `ffn` neurons: CUDA, bf16, and one
 /// token of a hidden size the one-launch decode kernel and its folded norm take, a few
 /// rows the few-row decode kernel takes, or prefill rows the down row kernel takes.
 pub fn add_norm_fuses(x: &Tensor, ffn: usize, config: TwellConfig) -> bool {
     cuda_bf16_rows(x).is_some_and(|(m, d)| {
         #[cfg(feature = "cuda")]
-        return cuda::add_norm_folds(m, d, ffn, config.paths().few_rows);
+        return cuda::add_norm_folds(m, d, ffn, config);
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (m, d, ffn, config);
@@ -462,16 +494,16 @@ pub fn twell_mlp_add_norm(
     }
 }
 
-/// Whether [`twell_mlp_norm_add_norm`] runs for the residual sums `s`: CUDA, bf16, and
-/// prefill rows the down row kernel takes (the few-row decode kernel folds only the norm
-/// after the MLP).
-pub fn norm_add_norm_runs(s: &Tensor) -> bool {
+/// Whether [`twell_mlp_norm_add_norm`] runs for the residual sums `s` through `ffn`
+/// neurons: CUDA, bf16, and rows the row kernels take (the one-launch decode kernels fold
+/// the norm before the MLP at run time, for one row only).
+pub fn norm_add_norm_runs(s: &Tensor, ffn: usize, config: TwellConfig) -> bool {
     cuda_bf16_rows(s).is_some_and(|(m, d)| {
         #[cfg(feature = "cuda")]
-        return cuda::norm_add_norm_folds(m, d);
+        return cuda::norm_add_norm_folds(m, d, ffn, config);
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (m, d);
+            let _ = (m, d, ffn, config);
             false
         }
     })
@@ -514,10 +546,11 @@ pub fn twell_mlp_norm_add_norm(
         same_dtype_and_device("twell_mlp_norm_add_norm", s, t)?;
     }
     check_size("twell_mlp_norm_add_norm", m, f, config)?;
-    if !norm_add_norm_runs(s) {
+    if !norm_add_norm_runs(s, f, config) {
         return err(TwellError::Invalid(format!(
-            "twell_mlp_norm_add_norm runs on CUDA in bf16 for prefill rows; got {:?} {:?} \
-             with {m} rows of hidden {d} (elsewhere: rms_norm, twell_mlp, then add_rms_norm)",
+            "twell_mlp_norm_add_norm runs on CUDA in bf16 for the rows the row kernels take \
+             (hidden up to 4096); got {:?} {:?} with {m} rows of hidden {d} (elsewhere: \
+             rms_norm, twell_mlp, then add_rms_norm)",
             s.device().location(),
             s.dtype()
         )));
@@ -809,7 +842,43 @@ impl candle_core::CustomOp1 for OutRows {
 
 #[cfg(test)]
 mod tests {
-    use super::BackwardPath;
+    use super::{staged_rows_for, BackwardPath};
+    use crate::format::StagedRows;
+
+    /// The rule against cells of its measurement (H100 decode steps): the row kernels at
+    /// many rows of wide shapes at low density, the slot kernels at few rows or high
+    /// density, and more rows or a lower density never turn it back to the slots.
+    #[test]
+    fn staged_rows_follow_rows_width_and_density() {
+        let (rows, slots) = (StagedRows::RowKernels, StagedRows::SlotKernels);
+        let rule = |m, d, f, density| staged_rows_for(m, d, f, 256, density);
+        assert_eq!(rule(64, 2048, 8192, 0.005), rows);
+        assert_eq!(rule(16, 1536, 8960, 0.005), rows);
+        assert_eq!(rule(64, 4096, 14336, 0.03), rows);
+        assert_eq!(rule(16, 896, 4864, 0.005), slots);
+        assert_eq!(rule(16, 896, 4864, 0.03), slots);
+        assert_eq!(rule(32, 576, 1536, 0.03), slots);
+        assert_eq!(rule(8, 2048, 8192, 0.03), slots);
+        assert_eq!(rule(8, 4096, 14336, 0.005), slots);
+        for (d, f) in [(576, 1536), (896, 4864), (2048, 5632), (4096, 14336)] {
+            for density in [0.001, 0.005, 0.01, 0.03, 0.1, 0.5] {
+                let mut seen_rows = false;
+                for m in 2..=64 {
+                    let kernels = rule(m, d, f, density);
+                    assert!(
+                        !(seen_rows && kernels == slots),
+                        "{m} rows of {d}x{f} at {density}"
+                    );
+                    seen_rows |= kernels == rows;
+                    if density < 0.5 && kernels == rows {
+                        assert_eq!(rule(m, d, f, density / 2.0), rows, "{m} rows of {d}x{f}");
+                    }
+                }
+            }
+        }
+        // No neurons fire: the rule still answers.
+        assert_eq!(rule(64, 2048, 5632, 0.0), rows);
+    }
 
     /// Below the break-even (or unmeasured) the pairs are cheaper than three GEMMs.
     #[test]
