@@ -559,8 +559,8 @@ const WALKS: [KernelPaths; 2] = [
 ];
 
 /// 2 to 64 rows with each form of the staged kernels forced (and the few-row kernel off),
-/// against f32: a row over eight, four and two warps (its parts' sums in shared memory
-/// past the default 48 KB at hidden 3072 and 4096), hidden 64 to 8192 (past 4096 the slot
+/// against f32: a row over eight warps (its parts' sums in shared memory past the default
+/// 48 KB from hidden 2048), hidden 64 to 8192 (past 4096 the slot
 /// kernels either way), rows not a power of two, a d_ff of one tile and one that ends
 /// inside a tile, overflowing tiles.
 #[test]
@@ -678,7 +678,7 @@ fn the_add_and_norm_folded_into_the_mlp_match_the_separate_launches() {
 
 #[test]
 fn the_norm_before_the_mlp_folded_into_its_weights_matches_the_separate_launches() {
-    // (m, d, d_ff, density): 2-64 rows (a row over eight, four and two warps; the few-row
+    // (m, d, d_ff, density): 2-64 rows (a row over eight warps; the few-row
     // kernel's sizes past its bound), four warps a row and one, past 65,536 rows, d 4096,
     // overflowing tiles.
     #[rustfmt::skip]
