@@ -483,12 +483,29 @@ const FORWARD_CASES: &[Case] = &[
 
 /// Every forward case on `path` with `paths`; fails with the cases that missed.
 fn assert_forward_cases(path: ForwardPath, paths: KernelPaths) {
+    assert_cases(FORWARD_CASES, path, [paths], 100);
+}
+
+/// `cases` on `path` with each of `paths` (case `k` seeded `seed + k`); fails with the
+/// cases that missed.
+fn assert_cases(
+    cases: &[Case],
+    path: ForwardPath,
+    paths: impl IntoIterator<Item = KernelPaths>,
+    seed: u64,
+) {
     let dev = gpu();
-    eprintln!("{path:?} {paths:?}");
-    assert_all_pass!(FORWARD_CASES
-        .iter()
-        .enumerate()
-        .map(|(k, &case)| check_case(&dev, case, path, paths, 100 + k as u64).unwrap()));
+    for paths in paths {
+        eprintln!("{path:?} {paths:?}");
+        assert_all_pass!(cases.iter().enumerate().map(|(k, &case)| check_case(
+            &dev,
+            case,
+            path,
+            paths,
+            seed + k as u64
+        )
+        .unwrap()));
+    }
 }
 
 #[test]
@@ -580,18 +597,12 @@ fn forward_matches_f32_on_each_form_of_the_staged_kernels_at_decode_sizes() {
         (50, 5120, 13824, 0.01, 256, 8),
         (8, 8192, 28672, 0.005, 256, 8),
     ];
-    let dev = gpu();
-    for staged_rows in [StagedRows::RowKernels, StagedRows::SlotKernels] {
-        let paths = KernelPaths {
-            few_rows: FewRows::Staged,
-            staged_rows,
-            ..Default::default()
-        };
-        eprintln!("{paths:?}");
-        assert_all_pass!(cases.iter().enumerate().map(|(k, &case)| {
-            check_case(&dev, case, ForwardPath::Pairs, paths, 1900 + k as u64).unwrap()
-        }));
-    }
+    let forms = [StagedRows::RowKernels, StagedRows::SlotKernels].map(|staged_rows| KernelPaths {
+        few_rows: FewRows::Staged,
+        staged_rows,
+        ..Default::default()
+    });
+    assert_cases(cases, ForwardPath::Pairs, forms, 1900);
 }
 
 /// Each kernel of 2 to 16 rows forced: the tensor-core gates, the CUDA-core gates, the
@@ -619,17 +630,11 @@ fn forward_matches_f32_on_each_few_row_kernel() {
         (16, 5120, 13824, 0.3, 256, 8),
         (12, 8192, 28672, 0.005, 256, 8),
     ];
-    let dev = gpu();
-    for few_rows in FEW_ROW_KERNELS {
-        let paths = KernelPaths {
-            few_rows,
-            ..Default::default()
-        };
-        eprintln!("{paths:?}");
-        assert_all_pass!(cases.iter().enumerate().map(|(k, &case)| {
-            check_case(&dev, case, ForwardPath::Pairs, paths, 1700 + k as u64).unwrap()
-        }));
-    }
+    let kernels = FEW_ROW_KERNELS.map(|few_rows| KernelPaths {
+        few_rows,
+        ..Default::default()
+    });
+    assert_cases(cases, ForwardPath::Pairs, kernels, 1700);
 }
 
 #[test]

@@ -798,10 +798,8 @@ impl SparseMlp {
         let (side, timer) = self.pick(s, Entry::SublayerFromSum, false, measure)?;
         let measure = measure || self.measures_free(s.device(), side);
         self.timed(s.device(), timer, || {
-            let config = self.kernel_config(s);
-            if crate::norm_add_norm_runs(s, self.ffn(), config)
-                && self.folds_add_norm(side, s, s, &[alpha], measure)
-            {
+            let fold = self.add_norm_fold(side, s, s, &[alpha], measure);
+            if let Some(config) = fold.filter(|&c| crate::norm_add_norm_runs(s, self.ffn(), c)) {
                 let d = self.hidden();
                 let rows = fused_ops::checks::reshaped(s, &[s.elem_count() / d, d])?;
                 let (sum, normed) = crate::twell_mlp_norm_add_norm(
@@ -840,10 +838,13 @@ impl SparseMlp {
         let (side, timer) = self.pick(y, Entry::Sublayer, false, measure)?;
         let measure = measure || self.measures_free(y.device(), side);
         self.timed(y.device(), timer, || {
-            if y.elem_count() == self.hidden()
-                && self.folds_add_norm(side, y, residual, &[pre_alpha, alpha], measure)
-            {
-                return self.folded_add_norm(y, residual, (alpha, eps), Some((pre_alpha, pre_eps)));
+            let fold = match y.elem_count() == self.hidden() {
+                true => self.add_norm_fold(side, y, residual, &[pre_alpha, alpha], measure),
+                false => None,
+            };
+            if let Some(config) = fold {
+                let pre = Some((pre_alpha, pre_eps));
+                return self.folded_add_norm(y, residual, config, (alpha, eps), pre);
             }
             let (h, normed) = fused_ops::add_rms_norm(residual, y, pre_alpha, pre_eps)?;
             self.add_norm_on(side, &normed, &h, (alpha, eps), measure)
@@ -860,36 +861,39 @@ impl SparseMlp {
         (alpha, eps): (&Tensor, f64),
         measure: bool,
     ) -> Result<(Tensor, Tensor)> {
-        if self.folds_add_norm(side, x, residual, &[alpha], measure) {
-            return self.folded_add_norm(x, residual, (alpha, eps), None);
+        if let Some(config) = self.add_norm_fold(side, x, residual, &[alpha], measure) {
+            return self.folded_add_norm(x, residual, config, (alpha, eps), None);
         }
         let (out, _) = self.run_on(side, x, false, measure)?;
         fused_ops::add_rms_norm(residual, &out, alpha, eps)
     }
 
-    /// Whether a call on `x` (and `residual`, and the norm weights) on `side` runs as the
-    /// one launch: not while measuring or recording (those read the packed activations),
-    /// not under autograd (the launch has no backward), on the sparse path.
-    fn folds_add_norm(
+    /// Where a call on `x` (and `residual`, and the norm weights) on `side` runs as the one
+    /// launch, the configuration it runs with ([`Self::kernel_config`]): not while
+    /// measuring or recording (those read the packed activations), not under autograd (the
+    /// launch has no backward), on the sparse path.
+    fn add_norm_fold(
         &self,
         side: Side,
         x: &Tensor,
         residual: &Tensor,
         alphas: &[&Tensor],
         measure: bool,
-    ) -> bool {
+    ) -> Option<TwellConfig> {
         let d = x.dims().last().copied().unwrap_or(0);
-        !measure
+        let config = self.kernel_config(x);
+        let folds = !measure
             && !self.record_stats
             && self.kept_inputs.is_none()
-            && crate::add_norm_fuses(x, self.ffn(), self.kernel_config(x))
+            && crate::add_norm_fuses(x, self.ffn(), config)
             && d == self.hidden()
             && residual.dims() == x.dims()
             && [x, residual, &self.gate, &self.up, &self.down]
                 .into_iter()
                 .chain(alphas.iter().copied())
                 .all(|t| !t.track_op())
-            && side == Side::Sparse
+            && side == Side::Sparse;
+        folds.then_some(config)
     }
 
     /// The TwELL configuration of a call on `x`: `StagedRows::Auto` settled by the density
@@ -909,11 +913,12 @@ impl SparseMlp {
         })
     }
 
-    /// The folded launch of [`Self::folds_add_norm`], in `x`'s shape.
+    /// The folded launch of [`Self::add_norm_fold`] with its `config`, in `x`'s shape.
     fn folded_add_norm(
         &self,
         x: &Tensor,
         residual: &Tensor,
+        config: TwellConfig,
         post: (&Tensor, f64),
         pre: Option<(&Tensor, f64)>,
     ) -> Result<(Tensor, Tensor)> {
@@ -923,7 +928,7 @@ impl SparseMlp {
             &rows(x)?,
             &self.gate,
             &self.up_down()?,
-            self.kernel_config(x),
+            config,
             (&rows(residual)?, post.0, post.1),
             pre,
         )?;
