@@ -313,6 +313,90 @@ fn graph_replayed_decode_steps_match_op_by_op_steps() {
     }
 }
 
+/// Graph-replayed decode steps whose kernels launch as programmatic dependents (each
+/// starts while the one before finishes, and waits for its inputs) give the same logits,
+/// bit for bit, as the same steps op by op with every kernel launched after the one
+/// before has finished: one row (the one-row MLP kernel, `linear_rows` at one row) and
+/// three (the few-row kernels), sparse and dense, 40 steps each.
+#[test]
+fn dependent_launches_give_the_same_logits_as_plain_launches() {
+    use fused_ops::cuda::{dependent_launches, set_dependent_launches};
+    use sparse_llama::{DecodeOptions, DecodeRow, Llama, SlotDecoder};
+    use twell::FfnMode;
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!("gpu() is a CUDA device")
+    };
+    if !dependent_launches(cuda).unwrap() {
+        eprintln!("skipping: this card takes no programmatic dependent launches");
+        return;
+    }
+    let (weights, cfg) = check_weights(&dev).unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(weights, DType::BF16, &dev);
+    let mut model = Llama::load(vb, &cfg).unwrap();
+    model.fuse_qkv().unwrap();
+    model.fold_mlp_norms().unwrap();
+    let prompts: [&[u32]; 3] = [&[5, 17, 99], &[3], &[250, 42, 7, 7, 1, 200, 11, 9, 900]];
+    for (rows, mode) in [
+        (1, FfnMode::Sparse),
+        (3, FfnMode::Sparse),
+        (1, FfnMode::Dense),
+        (3, FfnMode::Dense),
+    ] {
+        model.set_ffn_mode(mode).unwrap();
+        let options = |graphs| DecodeOptions {
+            slots: rows,
+            context: 64,
+            graphs,
+        };
+        set_dependent_launches(true);
+        let mut dependent = SlotDecoder::new(&model, options(true)).unwrap();
+        set_dependent_launches(false);
+        let mut plain = SlotDecoder::new(&model, options(false)).unwrap();
+        let mut next = Vec::new();
+        for (slot, p) in prompts.iter().take(rows).enumerate() {
+            set_dependent_launches(true);
+            let logits = dependent.prefill(&model, slot, p).unwrap();
+            set_dependent_launches(false);
+            plain.prefill(&model, slot, p).unwrap();
+            next.push(logits.argmax(0).unwrap().to_scalar::<u32>().unwrap());
+        }
+        for step in 0..40 {
+            let batch: Vec<DecodeRow> = (0..rows)
+                .map(|i| DecodeRow {
+                    slot: i,
+                    token: next[i],
+                    position: prompts[i].len() + step,
+                })
+                .collect();
+            set_dependent_launches(true);
+            dependent.step(&mut model, &batch).unwrap();
+            set_dependent_launches(false);
+            plain.step(&mut model, &batch).unwrap();
+            let (d, p) = (dependent.logits().unwrap(), plain.logits().unwrap());
+            let diff = (&d - &p).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(
+                diff.to_scalar::<f32>().unwrap(),
+                0.0,
+                "{rows} rows, {mode:?}, step {step}: dependent launches != plain launches"
+            );
+            next = dependent.greedy_tokens().unwrap();
+            assert_eq!(
+                next,
+                plain.greedy_tokens().unwrap(),
+                "{rows} rows, {mode:?}"
+            );
+        }
+        assert!(
+            dependent.graph_failure().is_none(),
+            "{:?}",
+            dependent.graph_failure()
+        );
+        eprintln!("{rows} rows, {mode:?}: 40 steps, dependent = plain launches, bit for bit");
+    }
+    set_dependent_launches(true);
+}
+
 /// The slot decoder refuses what its preallocated buffers cannot hold, with an error.
 #[test]
 fn the_slot_decoder_refuses_steps_past_its_buffers() {
