@@ -1,22 +1,15 @@
 //! Compiles every `src/*.cu` to PTX with nvcc (`NVCC`, else `nvcc` on the path).
 //!
 //! The PTX targets compute_80, so one build runs on Ampere and Hopper (the driver compiles
-//! it for the card at load). The attention is built once more for sm_90a, whose wgmma
-//! kernel the launcher picks on a Hopper card, and the other decode-step kernels for
-//! compute_90, where they run as programmatic dependent launches. nvcc must be CUDA 13.0
-//! or older than the GPU's driver: newer PTX does not load.
+//! it for the card at load); the attention is built once more for sm_90a, whose wgmma
+//! kernel the launcher picks on a Hopper card. nvcc must be CUDA 13.0 or older than the
+//! GPU's driver: newer PTX does not load.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernels built a second time for one architecture, as `<name>_<suffix>.ptx`.
-/// The decode step's kernels are built for compute_90 too: there they wait for their inputs
-/// as programmatic dependents (`griddepcontrol`, `common.cuh`), which compute_80 lacks.
-const ARCH_SPECIFIC: &[(&str, &str, &str)] = &[
-    ("causal_attention", "sm90a", "compute_90a"),
-    ("linear_rows", "sm90", "compute_90"),
-    ("twell_mlp_decode", "sm90", "compute_90"),
-];
+const ARCH_SPECIFIC: &[(&str, &str, &str)] = &[("causal_attention", "sm90a", "compute_90a")];
 
 /// The portable target of every kernel.
 const PORTABLE_ARCH: &str = "compute_80";

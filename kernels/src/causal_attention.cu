@@ -808,11 +808,6 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
     const int tid = threadIdx.x;
     constexpr int HALF = HD / 2;
     const long long w = static_cast<long long>(kv_heads) * HD;
-    // Every read below (the step's q, k, v, the positions and slots, the cache) may be
-    // another kernel's output: in a dependent launch (`common.cuh`) only the launch
-    // overlaps the kernel before.
-    let_dependents_launch();
-    wait_for_inputs();
     // With `positions`, each row has its own length and its angles are row `len` of the
     // whole table; with `slots`, its cache is row `slots[b]` of the buffer. The cache
     // pointers are moved to that row, so the reads below address it as batch 0.

@@ -226,25 +226,6 @@ __device__ __forceinline__ void block_max_sum(float& m, float& l) {
     l = ll;
 }
 
-// Programmatic dependent launch (sm_90 and later; no-ops in the portable build). A decode
-// step is a chain of short kernels, each bound by a memory round trip and its launch: a
-// kernel launched as a programmatic dependent of the one before starts while that one
-// finishes, streams the weights it owns (which no kernel of the step writes), and only
-// then waits. `wait_for_inputs` returns once the kernel before has finished and its
-// writes are visible; everything a kernel reads that another kernel wrote, and every
-// write, comes after it. `let_dependents_launch` lets the next kernel start early: its
-// blocks wait in `wait_for_inputs` (all of this kernel's blocks are resident by then).
-__device__ __forceinline__ void wait_for_inputs() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void let_dependents_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-
 __device__ __forceinline__ long long global_warp() {
     return (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
 }

@@ -20,13 +20,8 @@ pub const GATE_PACK: &str = include_str!(concat!(env!("OUT_DIR"), "/gate_pack.pt
 pub const GATED_T2D: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_t2d.ptx"));
 pub const KL_DIVERGENCE: &str = include_str!(concat!(env!("OUT_DIR"), "/kl_divergence.ptx"));
 pub const LINEAR_ROWS: &str = include_str!(concat!(env!("OUT_DIR"), "/linear_rows.ptx"));
-/// `linear_rows.cu` built for compute_90: a programmatic dependent launch's wait is real.
-pub const LINEAR_ROWS_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/linear_rows_sm90.ptx"));
 pub const ROPE: &str = include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"));
 pub const TWELL_MLP_BWD: &str = include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_bwd.ptx"));
 pub const TWELL_MLP_DECODE: &str = include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_decode.ptx"));
-/// `twell_mlp_decode.cu` built for compute_90, as [`LINEAR_ROWS_SM90`].
-pub const TWELL_MLP_DECODE_SM90: &str =
-    include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_decode_sm90.ptx"));
 pub const TWELL_MLP_PRODUCTS: &str =
     include_str!(concat!(env!("OUT_DIR"), "/twell_mlp_products.ptx"));

@@ -37,14 +37,10 @@ __device__ void linear_rows(const __nv_bfloat16* __restrict__ x,  // [m, k]
     const int chunks = (vecs + 32 * U - 1) / (32 * U);
     const long long warps = static_cast<long long>(gridDim.x) * LINEAR_ROWS_WARPS;
     long long r = global_warp();
+    if (r >= n) return;
     int c = 0;
     uint4 cur[U], next[U];
-    // The first chunk of W is on its way before the kernel waits for x (a dependent
-    // launch, `wait_for_inputs`): only x and y are another kernel's.
-    if (r < n) load_chunk<U>(w, r, 0, n, k, cur);
-    let_dependents_launch();
-    wait_for_inputs();
-    if (r >= n) return;
+    load_chunk<U>(w, r, 0, n, k, cur);
     float acc[M];
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[i] = 0.f;

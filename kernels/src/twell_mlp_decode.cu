@@ -170,11 +170,6 @@ __device__ void decode_row(const __nv_bfloat16* __restrict__ x,     // [1, d]: t
         const long long j = global_warp(), j2 = j + warps;
         if (j < f) load2<MAXV>(wg + j * d, j2 < f ? wg + j2 * d : nullptr, d, wa, wb);
     }
-    // Everything below reads or writes what other kernels of the step wrote (the rows,
-    // the scratch): in a dependent launch, only the gate rows above go out before the
-    // kernel before it has finished.
-    let_dependents_launch();
-    wait_for_inputs();
     if constexpr (PRE) {
         // The MLP's input, rms_norm(residual + y) · pre_alpha, through shared memory
         // into every warp's registers.
@@ -520,8 +515,6 @@ __device__ void decode_rows(const __nv_bfloat16* __restrict__ x,     // [m, d]
         const long long j = global_warp(), j2 = j + warps;
         if (j < f) load2<MAXV>(wg + j * d, j2 < f ? wg + j2 * d : nullptr, d, wa, wb);
     }
-    let_dependents_launch();
-    wait_for_inputs();  // as in `decode_row`: only the gate rows go out before it
     for (int v = threadIdx.x; v < m * vecs; v += blockDim.x)
         reinterpret_cast<uint4*>(xs)[v] = reinterpret_cast<const uint4*>(x)[v];
     __syncthreads();  // xs, n_listed
@@ -694,8 +687,6 @@ __device__ void decode_rows_tc(const __nv_bfloat16* __restrict__ x,     // [m, d
     const int chunks = d / TC_CHUNK;
     const int groups = (f + TC_NEURONS - 1) / TC_NEURONS;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    let_dependents_launch();
-    wait_for_inputs();  // x, the scratch and the outputs are other kernels' (`decode_row`)
 
     for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
         __syncthreads();  // n_listed, and the last group's partial sums read

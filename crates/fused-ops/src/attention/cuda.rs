@@ -3,15 +3,13 @@
 //! a token's key and value to the cache as it attends.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, Layout, Result};
 use half::bf16;
 
 use super::step_scratch;
-use crate::cuda::{
-    bf16_view, dependent_launches, is_sm90, multiprocessors, strided_bf16_view, DependentLaunch,
-};
+use crate::cuda::{bf16_view, is_sm90, multiprocessors, strided_bf16_view};
 use crate::error::{err, OpError};
 
 const CAUSAL_ATTENTION_PTX: &str = twell_kernels::CAUSAL_ATTENTION;
@@ -81,20 +79,6 @@ pub fn prefill_attention_kernel(
     })
 }
 
-/// A decode-step kernel (`name`) and whether it launches as a programmatic dependent:
-/// its sm_90a build on a compute capability 9.0 card (which waits for its inputs, see
-/// [`crate::cuda::DependentLaunch`]), else its portable build with a plain launch.
-fn step_kernel(dev: &CudaDevice, name: &str) -> Result<(CudaFunction, bool)> {
-    let dependent = dependent_launches(dev)? && is_sm90(dev)?;
-    let func = match dependent {
-        true => {
-            dev.get_or_load_custom_func(name, "causal_attention_sm90a", CAUSAL_ATTENTION_SM90A_PTX)?
-        }
-        false => dev.get_or_load_custom_func(name, "causal_attention", CAUSAL_ATTENTION_PTX)?,
-    };
-    Ok((func.into_cuda_function(), dependent))
-}
-
 /// The launch of a decode-step kernel: a block per (head, row, split), the scores of a
 /// split's `chunk` positions and the new key in dynamic shared memory.
 fn step_launch(heads: usize, rows: usize, splits: usize, chunk: usize) -> LaunchConfig {
@@ -149,7 +133,7 @@ pub fn causal_attention_step(
     let mut out = unsafe { dev.alloc::<bf16>(b * heads * hd)? };
     let cfg = step_launch(heads, b, split.splits, split.chunk);
     let name = format!("causal_attention_step_bf16_hd{hd}");
-    let (func, dependent) = step_kernel(&dev, &name)?;
+    let func = dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?;
     let (heads_i, kv_i, len_i, chunk_i) = (
         heads as i32,
         kv_heads as i32,
@@ -157,9 +141,8 @@ pub fn causal_attention_step(
         split.chunk as i32,
     );
     let part_len = b * heads * split.splits * (2 + hd);
-    let stream = dev.cuda_stream();
     step_scratch::with_scratch(&dev, part_len, b * heads, |scratch| {
-        let mut builder = DependentLaunch::new(&func, &stream, dependent);
+        let mut builder = func.builder();
         builder
             .arg(&qv)
             .arg(&cv)
@@ -179,7 +162,7 @@ pub fn causal_attention_step(
         // op checked (position `len` < capacity); the dynamic shared memory holds `chunk
         // + 1` scores; the scratch holds every split's partial sums and a ticket per
         // (head, batch).
-        unsafe { builder.launch(cfg) }?;
+        unsafe { builder.launch(cfg) }.w()?;
         Ok(())
     })?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
@@ -370,11 +353,10 @@ pub fn causal_attention_slots(
     let mut out = unsafe { dev.alloc::<bf16>(n * heads * hd)? };
     let cfg = step_launch(heads, n, splits, chunk);
     let name = format!("causal_attention_slots_bf16_hd{hd}");
-    let (func, dependent) = step_kernel(&dev, &name)?;
+    let func = dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?;
     let (heads_i, kv_i, chunk_i) = (heads as i32, kv_heads as i32, chunk as i32);
     let scale = 1.0 / (hd as f32).sqrt();
-    let stream = dev.cuda_stream();
-    let mut builder = DependentLaunch::new(&func, &stream, dependent);
+    let mut builder = func.builder();
     builder
         .arg(&qv)
         .arg(&cv)
@@ -394,8 +376,7 @@ pub fn causal_attention_slots(
     // SAFETY: a block per (head, row, split); each row's position is below the capacity
     // and its slot below the cache's slots (the caller's contract, checked on its host);
     // the dynamic shared memory holds `chunk + 1` scores; the scratch holds every split's
-    // partial sums and a ticket per (row, head), zero between launches; the kernel waits
-    // for its inputs before any read or write.
-    unsafe { builder.launch(cfg) }?;
+    // partial sums and a ticket per (row, head), zero between launches.
+    unsafe { builder.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }

@@ -14,12 +14,10 @@ use half::bf16;
 use crate::error::{err, OpError};
 
 mod device;
-mod launch;
 
 pub use crate::add_rms_norm::cuda::MAX_HIDDEN as ADD_RMS_NORM_MAX_HIDDEN;
 pub use crate::attention::cuda::set_portable_attention;
 pub use device::{configure, cublas_workspace, pool_usage, reset_pool_peak};
-pub use launch::{dependent_launches, set_dependent_launches, DependentLaunch};
 
 pub use crate::per_key::PerKey;
 

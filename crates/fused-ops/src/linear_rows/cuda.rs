@@ -5,14 +5,10 @@ use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Layout, Result, Shape};
 
-use crate::cuda::{
-    bf16_view, context_key, dependent_launches, grid_1d, multiprocessors, output_buffer,
-    DependentLaunch, PerContext,
-};
+use crate::cuda::{bf16_view, context_key, grid_1d, multiprocessors, output_buffer, PerContext};
 use crate::error::{err, OpError};
 
 const LINEAR_ROWS_PTX: &str = twell_kernels::LINEAR_ROWS;
-const LINEAR_ROWS_SM90_PTX: &str = twell_kernels::LINEAR_ROWS_SM90;
 
 const THREADS: u32 = 256;
 /// Warps a block: a warp streams rows of the weight.
@@ -48,31 +44,24 @@ pub fn linear_rows(
         _ => 8,
     };
     let name = format!("linear_rows_bf16_m{rows}_u{vectors}");
-    let dependent = dependent_launches(&dev)?;
-    let func = match dependent {
-        true => dev.get_or_load_custom_func(&name, "linear_rows_sm90", LINEAR_ROWS_SM90_PTX)?,
-        false => dev.get_or_load_custom_func(&name, "linear_rows", LINEAR_ROWS_PTX)?,
-    };
+    let func = dev.get_or_load_custom_func(&name, "linear_rows", LINEAR_ROWS_PTX)?;
     // SAFETY: the kernel writes every element of y ([m, n]).
     let mut y = unsafe { output_buffer(&dev, m * n)? };
     let (m_i, n_i, k_i) = (m as i32, n as i32, k as i32);
     // A warp a row up to one wave of blocks (as many as the multiprocessors hold at once);
     // past that the warps walk the rest, so no block waits in a second wave.
     static BLOCKS_PER_SM: PerContext = PerContext::new();
-    // Keyed by the build too: the two may differ in registers.
-    let key = rows * 16 + vectors + 256 * usize::from(dependent);
-    let per_sm = BLOCKS_PER_SM.once((context_key(&dev), key), || {
+    let per_sm = BLOCKS_PER_SM.once((context_key(&dev), rows * 16 + vectors), || {
         let blocks = func
             .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
             .w()? as usize;
         Ok(blocks.max(1))
     })?;
     let blocks = n.div_ceil(WARPS).min(per_sm * multiprocessors(&dev)?);
-    let stream = dev.cuda_stream();
-    let mut b = DependentLaunch::new(&func, &stream, dependent);
+    let mut b = func.builder();
     b.arg(&x).arg(&w).arg(&mut y).arg(&m_i).arg(&n_i).arg(&k_i);
     // SAFETY: x holds m·k and w n·k bf16 (checked views); the kernel's warps take rows
-    // below n and vectors below k only, and read only W before `wait_for_inputs`.
-    unsafe { b.launch(grid_1d(blocks, THREADS)) }?;
+    // below n and vectors below k only.
+    unsafe { b.launch(grid_1d(blocks, THREADS)) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(y, dev), Shape::from((m, n))))
 }

@@ -73,11 +73,6 @@ pub struct ModelBenchArgs {
     /// decode (`decode`) runs either way.
     #[arg(long)]
     pub no_graph: bool,
-    /// Launch the decode kernels only once the kernel before has finished (their
-    /// portable build), to measure programmatic dependent launches (compute capability 9.0
-    /// and later) against it.
-    #[arg(long)]
-    pub no_dependent_launches: bool,
     /// The CUDA kernel of the sparse MLP at 2 to 16 rows (`twell::FewRows`).
     #[arg(long, value_enum, default_value_t = FewRowsArg::Auto)]
     pub few_rows: FewRowsArg,
@@ -139,9 +134,6 @@ pub struct ModelReport {
     /// Whether the inference phases ran one q, k, v product per layer (`--split-qkv`
     /// off).
     pub fused_qkv: bool,
-    /// Whether the decode kernels launched as programmatic dependents (CUDA, compute
-    /// capability 9.0 and later, `--no-dependent-launches` off).
-    pub dependent_launches: bool,
     pub measurements: Vec<Measurement>,
 }
 
@@ -190,14 +182,6 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
     }
     let device = args.model.device()?;
     let dtype = args.model.dtype(&device);
-    let dependent_launches = match &device {
-        #[cfg(feature = "cuda")]
-        Device::Cuda(c) => {
-            fused_ops::cuda::set_dependent_launches(!args.no_dependent_launches);
-            fused_ops::cuda::dependent_launches(c)?
-        }
-        _ => false,
-    };
     let (mut cfg, weights, name) = model_source(args, dtype, &device)?;
     cfg.twell = cfg.twell.with_paths(twell::KernelPaths {
         few_rows: args.few_rows.paths(),
@@ -282,7 +266,6 @@ pub fn run(args: &ModelBenchArgs) -> Result<ModelReport> {
         parameters: cfg.num_parameters(),
         density_per_layer,
         fused_qkv: !args.split_qkv,
-        dependent_launches,
         measurements,
     })
 }
@@ -764,9 +747,6 @@ pub fn print(report: &ModelReport) {
         "model {} | {} parameters | {} {}",
         report.model, report.parameters, report.device, report.dtype
     );
-    if report.dependent_launches {
-        println!("decode kernels launch as programmatic dependents");
-    }
     let d = &report.density_per_layer;
     if !d.is_empty() {
         println!(

@@ -19,7 +19,6 @@ use crate::format::FewRows;
 use crate::output::mlp_result_len;
 
 const TWELL_MLP_DECODE_PTX: &str = twell_kernels::TWELL_MLP_DECODE;
-const TWELL_MLP_DECODE_SM90_PTX: &str = twell_kernels::TWELL_MLP_DECODE_SM90;
 
 /// `DECODE_THREADS` in the kernel: one block is one norm block of `rms_norm_row.cuh`, for
 /// the folded norms.
@@ -110,9 +109,9 @@ struct Scratch {
     l1: CudaSlice<f32>,
     tile_counts: CudaSlice<u32>,
     ticket: CudaSlice<u32>,
-    /// Blocks of one wave, per kernel (its name), hidden size (the few-row kernels'
-    /// shared memory grows with it) and build (dependent launches or not).
-    grids: HashMap<(&'static str, usize, bool), u32>,
+    /// Blocks of one wave, per kernel (its name) and hidden size (the few-row kernels'
+    /// shared memory grows with it).
+    grids: HashMap<(&'static str, usize), u32>,
 }
 
 impl Scratch {
@@ -357,19 +356,9 @@ pub fn twell_mlp_decode(
                 }
                 Some(FewRowsKernel::TensorCores) => (tc_kernel_name(m, d), 0, TC_NEURONS),
             };
-            // The compute_90 build waits for its inputs as a programmatic dependent.
-            let dependent = fused_ops::cuda::dependent_launches(dev)?;
-            let func = match dependent {
-                true => dev.get_or_load_custom_func(
-                    name,
-                    "twell_mlp_decode_sm90",
-                    TWELL_MLP_DECODE_SM90_PTX,
-                )?,
-                false => {
-                    dev.get_or_load_custom_func(name, "twell_mlp_decode", TWELL_MLP_DECODE_PTX)?
-                }
-            };
-            let wave = match s.grids.get(&(name, d, dependent)) {
+            let func =
+                dev.get_or_load_custom_func(name, "twell_mlp_decode", TWELL_MLP_DECODE_PTX)?;
+            let wave = match s.grids.get(&(name, d)) {
                 Some(&g) => g,
                 None => {
                     if shared_bytes > 0 {
@@ -380,15 +369,14 @@ pub fn twell_mlp_decode(
                         .w()?;
                     }
                     let g = one_wave(dev, &func, shared_bytes)?;
-                    s.grids.insert((name, d, dependent), g);
+                    s.grids.insert((name, d), g);
                     g
                 }
             };
             // Null pointers tell the kernel there is no row, counts or add + norm to write.
             let null: u64 = 0;
             let no_eps = 0f32;
-            let stream = dev.cuda_stream();
-            let mut b = fused_ops::cuda::DependentLaunch::new(&func, &stream, dependent);
+            let mut b = func.builder();
             b.arg(x)
                 .arg(wg)
                 .arg(w_ud)
@@ -440,9 +428,8 @@ pub fn twell_mlp_decode(
             // neurons (grid-stride), every index bounded by m, d, f and n_tiles; the scratch
             // holds FEW_ROWS_MAX rows of the largest d and n_tiles; x's rows fit the dynamic
             // shared memory given; a block's neuron list is bounded by DECODE_LIST in the
-            // kernel; the tensor-core kernel reads whole 32-column chunks (d % 32 == 0);
-            // every kernel reads only gate rows before `wait_for_inputs`.
-            unsafe { b.launch(cfg) }?;
+            // kernel; the tensor-core kernel reads whole 32-column chunks (d % 32 == 0).
+            unsafe { b.launch(cfg) }.w()?;
             Ok(())
         },
     )?;
