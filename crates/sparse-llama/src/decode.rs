@@ -284,6 +284,16 @@ impl SlotDecoder {
         self.greedy.narrow(0, 0, self.rows)?.to_vec1::<u32>()
     }
 
+    /// The nodes of the graph a step of `rows` rows replays, counted by kind (kernel,
+    /// memset, memcpy, ...), once its bucket has been captured: what a replay asks of
+    /// the driver.
+    pub fn graph_nodes(&self, rows: usize) -> Result<Option<Vec<(String, usize)>>> {
+        match self.buckets.get(&self.bucket_of(rows)) {
+            Some(Bucket { graph: Some(g), .. }) => graph_census(g).map(Some),
+            _ => Ok(None),
+        }
+    }
+
     /// Batch sizes round up to a power of two, up to the slot count.
     fn bucket_of(&self, rows: usize) -> usize {
         rows.next_power_of_two().min(self.options.slots)
@@ -393,6 +403,45 @@ fn launch(graph: &Graph) -> Result<()> {
 
 #[cfg(not(feature = "cuda"))]
 fn launch(graph: &Graph) -> Result<()> {
+    match *graph {}
+}
+
+/// `graph`'s nodes counted by kind, in the driver's order of kinds.
+#[cfg(feature = "cuda")]
+fn graph_census(graph: &Graph) -> Result<Vec<(String, usize)>> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::cuda_backend::WrapErr;
+    let g = graph.cu_graph();
+    let mut n = 0usize;
+    // SAFETY: a null node array asks for the count only.
+    unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n) }
+        .result()
+        .w()?;
+    let mut nodes = vec![std::ptr::null_mut(); n];
+    // SAFETY: `nodes` holds `n` entries, the count the driver gave.
+    unsafe { sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut n) }
+        .result()
+        .w()?;
+    let mut counts: Vec<(String, usize)> = Vec::new();
+    for &node in &nodes[..n] {
+        let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` is a node of the live graph.
+        unsafe { sys::cuGraphNodeGetType(node, &mut kind) }
+            .result()
+            .w()?;
+        let name = format!("{kind:?}")
+            .trim_start_matches("CU_GRAPH_NODE_TYPE_")
+            .to_lowercase();
+        match counts.iter_mut().find(|(k, _)| *k == name) {
+            Some((_, c)) => *c += 1,
+            None => counts.push((name, 1)),
+        }
+    }
+    Ok(counts)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn graph_census(graph: &Graph) -> Result<Vec<(String, usize)>> {
     match *graph {}
 }
 

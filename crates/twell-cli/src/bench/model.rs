@@ -121,6 +121,9 @@ pub struct Measurement {
     /// well under it, the GPU does.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_ms: Option<f64>,
+    /// Decode graphs: the replayed graph's nodes by kind (kernel, memset, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graph_nodes: Option<Vec<(String, usize)>>,
 }
 
 #[derive(Serialize, Debug)]
@@ -474,6 +477,10 @@ fn graph_decode_phase(bench: &mut Bench, b: usize) -> Result<Vec<Measurement>> {
             }
         }
     }
+    let graph_nodes = decoders
+        .iter()
+        .map(|d| d.graph_nodes(b))
+        .collect::<candle_core::Result<Vec<_>>>()?;
     Ok(bench
         .modes
         .iter()
@@ -499,6 +506,7 @@ fn graph_decode_phase(bench: &mut Bench, b: usize) -> Result<Vec<Measurement>> {
                 device_backward_passes: None,
                 train_density: None,
                 host_ms: Some(1e3 * median(host[k].clone()) / steps as f64),
+                graph_nodes: graph_nodes[k].clone(),
             }
         })
         .collect())
@@ -588,6 +596,7 @@ fn train_phase(
             device_backward_passes,
             train_density: Some(train_density),
             host_ms: None,
+            graph_nodes: None,
         });
     }
     Ok(measurements)
@@ -722,6 +731,7 @@ fn measure(
                 device_backward_passes: None,
                 train_density: None,
                 host_ms: None,
+                graph_nodes: None,
             }
         })
         .collect())
@@ -802,6 +812,10 @@ pub fn print(report: &ModelReport) {
                 host,
                 100.0 * host / m.ms
             );
+        }
+        if let Some(nodes) = &m.graph_nodes {
+            let kinds: Vec<String> = nodes.iter().map(|(k, n)| format!("{n} {k}")).collect();
+            println!("{:>15} graph nodes: {}", "", kinds.join(", "));
         }
         if let Some(density) = m.train_density {
             println!(
