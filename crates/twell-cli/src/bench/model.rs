@@ -69,8 +69,9 @@ pub struct ModelBenchArgs {
     /// one form against the other.
     #[arg(long)]
     pub split_qkv: bool,
-    /// Skip the decode steps replayed as CUDA graphs (`decode-graph`); the op-by-op
-    /// decode (`decode`) runs either way.
+    /// Skip the decode steps replayed as CUDA graphs (`decode-graph`: launched back to
+    /// back; `graph-synced`: each step's tokens read back before the next, as `generate`
+    /// and `serve` run them); the op-by-op decode (`decode`) runs either way.
     #[arg(long)]
     pub no_graph: bool,
     /// The CUDA kernel of the sparse MLP at 2 to 16 rows (`twell::FewRows`).
@@ -461,6 +462,7 @@ fn graph_decode_phase(bench: &mut Bench, b: usize) -> Result<Vec<Measurement>> {
     }
     let mut times = vec![Vec::new(); decoders.len()];
     let mut host = vec![Vec::new(); decoders.len()];
+    let mut synced = vec![Vec::new(); decoders.len()];
     for round in 0..args.warmup + args.reps {
         for (k, decoder) in decoders.iter_mut().enumerate() {
             bench.model.set_ffn_mode(bench.modes[k].0)?;
@@ -471,9 +473,19 @@ fn graph_decode_phase(bench: &mut Bench, b: usize) -> Result<Vec<Measurement>> {
             }
             let enqueued = t0.elapsed().as_secs_f64();
             bench.device.synchronize()?;
+            let back_to_back = t0.elapsed().as_secs_f64();
+            // The same steps as `generate` and `serve` run them: each step's tokens read
+            // back before the next is launched, so the host's launch time adds to the
+            // step's.
+            let t0 = Instant::now();
+            for s in 0..steps {
+                decoder.step(&mut bench.model, &rows_at(s))?;
+                decoder.greedy_tokens()?;
+            }
             if round >= args.warmup {
-                times[k].push(t0.elapsed().as_secs_f64());
+                times[k].push(back_to_back);
                 host[k].push(enqueued);
+                synced[k].push(t0.elapsed().as_secs_f64());
             }
         }
     }
@@ -481,23 +493,25 @@ fn graph_decode_phase(bench: &mut Bench, b: usize) -> Result<Vec<Measurement>> {
         .iter()
         .map(|d| d.graph_nodes(b))
         .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(bench
-        .modes
-        .iter()
-        .enumerate()
-        .map(|(k, &(_, label))| {
-            let secs = median(times[k].clone());
-            if let Some(why) = decoders[k].graph_failure() {
-                eprintln!("warning: decode-graph batch {b} ({label}): {why}");
-            }
-            Measurement {
-                phase: "decode-graph".into(),
+    let mut rows = Vec::new();
+    for (k, &(_, label)) in bench.modes.iter().enumerate() {
+        if let Some(why) = decoders[k].graph_failure() {
+            eprintln!("warning: decode-graph batch {b} ({label}): {why}");
+        }
+        let ffn = match decoders[k].side(b) {
+            Some(side) if label == "auto" => format!("auto:{}", side.name()),
+            _ => label.into(),
+        };
+        for (phase, secs) in [
+            ("decode-graph", median(times[k].clone())),
+            ("graph-synced", median(synced[k].clone())),
+        ] {
+            let back_to_back = phase == "decode-graph";
+            rows.push(Measurement {
+                phase: phase.into(),
                 batch: b,
                 seq: ctx_len,
-                ffn: match decoders[k].side(b) {
-                    Some(side) if label == "auto" => format!("auto:{}", side.name()),
-                    _ => label.into(),
-                },
+                ffn: ffn.clone(),
                 tokens_per_sec: (b * steps) as f64 / secs,
                 ms: 1e3 * secs / steps as f64,
                 peak_extra_bytes: None,
@@ -505,11 +519,16 @@ fn graph_decode_phase(bench: &mut Bench, b: usize) -> Result<Vec<Measurement>> {
                 phase_ms: None,
                 device_backward_passes: None,
                 train_density: None,
-                host_ms: Some(1e3 * median(host[k].clone()) / steps as f64),
-                graph_nodes: graph_nodes[k].clone(),
-            }
-        })
-        .collect())
+                host_ms: back_to_back.then(|| 1e3 * median(host[k].clone()) / steps as f64),
+                graph_nodes: if back_to_back {
+                    graph_nodes[k].clone()
+                } else {
+                    None
+                },
+            });
+        }
+    }
+    Ok(rows)
 }
 
 /// A training step on batches of `b × t` tokens (forward, backward and AdamW at a zero

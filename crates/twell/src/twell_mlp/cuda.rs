@@ -747,7 +747,7 @@ fn up_slots(
     let mut l1 = match row_kernels {
         // SAFETY: up_rows writes every row's L1 term.
         Some(_) => unsafe { dev.alloc::<f32>(m)? },
-        None => dev.alloc_zeros::<f32>(m)?,
+        None => fused_ops::cuda::zeroed::<f32>(dev, m)?,
     };
     // A null pointer tells `up` not to keep u.
     let no_u: u64 = 0;
@@ -847,7 +847,7 @@ fn down_slot_chunks(
     let tile_groups = if m <= DECODE_MAX_TOKENS { n_tiles } else { 1 };
     let decode = tile_groups > 1;
     let mut acc = if decode {
-        dev.alloc_zeros::<f32>(m * d)?
+        fused_ops::cuda::zeroed::<f32>(dev, m * d)?
     } else {
         // SAFETY: a placeholder; with one tile group the kernel never reads it.
         unsafe { dev.alloc::<f32>(1)? }
