@@ -488,3 +488,318 @@ DOWN_MASK_ROW_KERNEL(2)
 DOWN_MASK_ROW_KERNEL(4)
 DOWN_MASK_ROW_KERNEL(8)
 DOWN_MASK_ROW_KERNEL(16)
+
+// ---------------------------------------------------------------------------------------
+// 2 to 64 rows at inference, spread over the card (`StagedRows::SpreadKernels`).
+//
+// A block a row (the row kernels at decode sizes) keeps 16 of an H100's 132
+// multiprocessors busy at 16 rows, and each of its warps waits on its neurons one after
+// another. Here up gives a warp each chunk of 32 · NPL neurons of a row, and down a block
+// each 256-column slice of a row, its eight warps splitting the row's neurons: at 16 rows
+// of hidden 2048 / d_ff 5632, thousands of warps in the first and 128 blocks in the second.
+//
+// up: h[r, j] = bf16(g_rj · (x_r · Wu_j)) for every positive g_rj, and 0 elsewhere: every
+//     element of h [M, f] is written, so nothing is zeroed first. An active h that rounds
+//     to zero is stored as -0 (bits 0x8000), so down tells active neurons by nonzero bits.
+// down: out_r[slice] = Σ_j h_rj · Wd_j[slice] over the active neurons, each warp adding its
+//     neurons in column order and the warps meeting in shared memory in warp order, so
+//     the sums do not depend on timing. The blocks of slice 0 also write each row's L1 term
+//     Σ|h_rj| (same fixed order) and its tile counts.
+
+#define SPREAD_WARPS 8
+// Neurons a down warp lists before it reads their Wd slices: one 256-neuron chunk at most.
+#define SPREAD_LIST WARP_CHUNK
+// Wd slices a down lane has in flight at once.
+#define SPREAD_LOADS 8
+
+// bf16 k (0-7, the same in every lane) of a 16-byte vector, and the same with value v.
+__device__ __forceinline__ uint32_t bf16_bits_at(const uint4& v, int k) {
+    const uint32_t w = k < 4 ? (k < 2 ? v.x : v.y) : (k < 6 ? v.z : v.w);
+    return (k & 1) ? (w >> 16) : (w & 0xffffu);
+}
+__device__ __forceinline__ void set_bf16_bits_at(uint4& v, int k, uint32_t bits) {
+    // By selects, not a reference to the word: a word picked at run time goes to local memory.
+    const int word = k >> 1, shift = (k & 1) * 16;
+    const uint32_t keep = ~(0xffffu << shift), put = bits << shift;
+    v.x = word == 0 ? (v.x & keep) | put : v.x;
+    v.y = word == 1 ? (v.y & keep) | put : v.y;
+    v.z = word == 2 ? (v.z & keep) | put : v.z;
+    v.w = word == 3 ? (v.w & keep) | put : v.w;
+}
+__device__ __forceinline__ float bf16_bits_float(uint32_t bits) {
+    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(bits)));
+}
+
+// NPL (1, 2, 4 or 8) consecutive bf16 of lane `lane` at p (NPL-aligned), as the low NPL
+// values of a 16-byte vector (zeros above), and back.
+template <int NPL>
+__device__ __forceinline__ uint4 load_npl(const __nv_bfloat16* p) {
+    if constexpr (NPL == 8) return __ldg(reinterpret_cast<const uint4*>(p));
+    if constexpr (NPL == 4) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+        return make_uint4(v.x, v.y, 0u, 0u);
+    }
+    if constexpr (NPL == 2) return make_uint4(__ldg(reinterpret_cast<const unsigned int*>(p)), 0u, 0u, 0u);
+    return make_uint4(__ldg(reinterpret_cast<const unsigned short*>(p)), 0u, 0u, 0u);
+}
+template <int NPL>
+__device__ __forceinline__ void store_npl(__nv_bfloat16* p, const uint4& v) {
+    if constexpr (NPL == 8) *reinterpret_cast<uint4*>(p) = v;
+    if constexpr (NPL == 4) *reinterpret_cast<uint2*>(p) = make_uint2(v.x, v.y);
+    if constexpr (NPL == 2) *reinterpret_cast<unsigned int*>(p) = v.x;
+    if constexpr (NPL == 1) *reinterpret_cast<unsigned short*>(p) = static_cast<unsigned short>(v.x);
+}
+
+// Grid (ceil(f / (32 · NPL · SPREAD_WARPS)), M), SPREAD_WARPS warps a block. NORM: x is
+// the residual sum and the row is normalised in registers, as in `up_row`.
+template <int MAXV, int NPL, bool NORM>
+__device__ void up_spread(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,
+                          const __nv_bfloat16* __restrict__ gate, __nv_bfloat16* __restrict__ h, int d, int f,
+                          float eps) {
+    const int lane = threadIdx.x & 31;
+    const long long row = blockIdx.y;
+    const int c0 = (blockIdx.x * SPREAD_WARPS + (threadIdx.x >> 5)) * 32 * NPL;
+    if (c0 >= f) return;
+    const int j0 = c0 + lane * NPL;  // f % 8 == 0: a lane's NPL neurons lie all below f or all past it
+    const uint4 g = j0 < f ? load_npl<NPL>(gate + row * f + j0) : make_uint4(0u, 0u, 0u, 0u);
+    // The row's loads go out with the gate's: most warps find a positive at the sizes
+    // this form is picked for, and then need the row at once.
+    uint4 xr[MAXV];
+    row_to_registers<MAXV>(x + row * d, d, xr);
+    const float g_scale = NORM ? normalize_registers<MAXV>(xr, d, eps) : 1.f;
+    uint32_t positive = 0;
+#pragma unroll
+    for (int k = 0; k < NPL; ++k) {
+        const uint32_t b = bf16_bits_at(g, k);
+        // Positive: sign clear and not zero (NaN gates are never positive, as `g > 0`).
+        if (bf16_bits_float(b) > 0.f) positive |= 1u << k;
+    }
+    uint4 out = make_uint4(0u, 0u, 0u, 0u);
+    const long long two_d = 2LL * d;
+    uint32_t lanes = __ballot_sync(FULL_MASK, positive != 0);
+    while (lanes) {
+        const int q = __ffs(lanes) - 1;
+        lanes &= lanes - 1;
+        uint32_t bits = __shfl_sync(FULL_MASK, positive, q);
+        while (bits) {
+            const int k = __ffs(bits) - 1;
+            bits &= bits - 1;
+            const int j = c0 + q * NPL + k;
+            const float u = registers_dot<MAXV>(xr, w_ud + j * two_d, d);
+            const float gk = bf16_bits_float(__shfl_sync(FULL_MASK, bf16_bits_at(g, k), q));
+            uint32_t hb = __bfloat16_as_ushort(__float2bfloat16(g_scale * gk * u));
+            if ((hb & 0x7fffu) == 0u) hb = 0x8000u;  // active, and zero: -0
+            if (lane == q) set_bf16_bits_at(out, k, hb);
+        }
+    }
+    if (j0 < f) store_npl<NPL>(h + row * f + j0, out);
+}
+
+#define UP_SPREAD_KERNEL(MAXV, NPL)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) gated_t2d_up_spread_bf16_v##MAXV##_n##NPL(      \
+        const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                 \
+        const __nv_bfloat16* __restrict__ gate, __nv_bfloat16* __restrict__ h, int d, int f) {       \
+        up_spread<MAXV, NPL, false>(x, w_ud, gate, h, d, f, 0.f);                                    \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) gated_t2d_up_spread_norm_bf16_v##MAXV##_n##NPL( \
+        const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_ud,                 \
+        const __nv_bfloat16* __restrict__ gate, __nv_bfloat16* __restrict__ h, int d, int f,         \
+        float eps) {                                                                                 \
+        up_spread<MAXV, NPL, true>(x, w_ud, gate, h, d, f, eps);                                     \
+    }
+#define UP_SPREAD_KERNELS(MAXV) \
+    UP_SPREAD_KERNEL(MAXV, 1) UP_SPREAD_KERNEL(MAXV, 2) UP_SPREAD_KERNEL(MAXV, 4) UP_SPREAD_KERNEL(MAXV, 8)
+UP_SPREAD_KERNELS(1)
+UP_SPREAD_KERNELS(2)
+UP_SPREAD_KERNELS(4)
+UP_SPREAD_KERNELS(8)
+UP_SPREAD_KERNELS(16)
+
+// Most 16-byte vectors a thread holds in the folded epilogue: hidden up to 4096 over 256
+// threads.
+#define SPREAD_NORM_VECS 2
+
+// Grid (ceil(d / 256), M), SPREAD_WARPS warps a block; `out` is [M, d] rows then M L1
+// terms, `counts` [M, n_tiles] (tiles of 32-256 neurons, so a tile's lanes share a warp).
+// FOLD (hidden up to 4096): the residual add and RMS norm after the MLP, as `down_row`'s
+// FOLD does them, and `out` is [2M, d], the sums then the normalised rows, with no L1
+// term. The slices of a row leave their bf16 output in `staging` [M, d]; the last of them
+// to finish (a ticket per row after a fence; it zeroes the ticket again) adds the
+// residual and normalises the whole row.
+template <bool FOLD>
+__device__ void down_spread(const __nv_bfloat16* __restrict__ w_ud, const __nv_bfloat16* __restrict__ h,
+                            uint32_t* __restrict__ counts, __nv_bfloat16* __restrict__ out, int M, int d, int f,
+                            int tile, int n_tiles, const __nv_bfloat16* __restrict__ residual,
+                            const __nv_bfloat16* __restrict__ alpha, float eps, __nv_bfloat16* staging,
+                            uint32_t* tickets) {
+    __shared__ int list_j[SPREAD_WARPS][SPREAD_LIST];
+    __shared__ float list_h[SPREAD_WARPS][SPREAD_LIST];
+    __shared__ __align__(16) float sums[SPREAD_WARPS][WARP_CHUNK];
+    __shared__ float l1s[SPREAD_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long row = blockIdx.y;
+    const bool first_slice = blockIdx.x == 0;
+    const int e = blockIdx.x * WARP_CHUNK + lane * VEC;  // this lane's 8 columns
+    const long long two_d = 2LL * d;
+    const __nv_bfloat16* wd = w_ud + d + (e < d ? e : 0);
+    const __nv_bfloat16* hr = h + row * f;
+    float acc[VEC] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float l1 = 0.f;
+    int listed = 0;
+    // Reads the listed neurons' Wd slices, SPREAD_LOADS at a time, into the sums.
+    auto flush = [&]() {
+        for (int p = 0; p < listed; p += SPREAD_LOADS) {
+            uint4 w[SPREAD_LOADS];
+            float hv[SPREAD_LOADS];
+#pragma unroll
+            for (int q = 0; q < SPREAD_LOADS; ++q) {
+                const bool in = p + q < listed;
+                hv[q] = in ? list_h[warp][p + q] : 0.f;
+                w[q] = in && e < d ? __ldg(reinterpret_cast<const uint4*>(wd + list_j[warp][p + q] * two_d))
+                                   : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int q = 0; q < SPREAD_LOADS; ++q) {
+                const __nv_bfloat162* wh = reinterpret_cast<const __nv_bfloat162*>(&w[q]);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float2 wf = __bfloat1622float2(wh[k]);
+                    acc[2 * k] = fmaf(hv[q], wf.x, acc[2 * k]);
+                    acc[2 * k + 1] = fmaf(hv[q], wf.y, acc[2 * k + 1]);
+                }
+            }
+        }
+        __syncwarp();
+        listed = 0;
+    };
+    // The warp's chunks of 256 neurons: warp, warp + 8, ...; the next chunk's load is on its
+    // way while this one is listed.
+    const int stride = SPREAD_WARPS * WARP_CHUNK;
+    int c0 = warp * WARP_CHUNK;
+    uint4 next = c0 + lane * VEC < f ? __ldg(reinterpret_cast<const uint4*>(hr + c0 + lane * VEC))
+                                     : make_uint4(0u, 0u, 0u, 0u);
+    for (; c0 < f; c0 += stride) {
+        const uint4 cur = next;
+        const int jn = c0 + stride + lane * VEC;
+        next = jn < f ? __ldg(reinterpret_cast<const uint4*>(hr + jn)) : make_uint4(0u, 0u, 0u, 0u);
+        uint32_t active = 0;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+            if (bf16_bits_at(cur, k) != 0u) active |= 1u << k;
+        const int n = __popc(active);
+        if (first_slice && counts != nullptr) {
+            // A tile's tile / 8 lanes add their counts; its first lane writes them.
+            const int tile_lanes = tile / VEC;
+            int c = n;
+            for (int o = 1; o < tile_lanes; o <<= 1) c += __shfl_xor_sync(FULL_MASK, c, o);
+            const int j0 = c0 + lane * VEC;
+            if (lane % tile_lanes == 0 && j0 < f) counts[row * n_tiles + j0 / tile] = c;
+        }
+        const int incl = warp_inclusive_sum(n);
+        const int total = __shfl_sync(FULL_MASK, incl, 31);
+        if (listed + total > SPREAD_LIST) flush();
+        int at = listed + incl - n;
+        for (int k = 0; k < VEC; ++k) {
+            if (!(active >> k & 1u)) continue;
+            const float v = bf16_bits_float(bf16_bits_at(cur, k));
+            l1 += fabsf(v);
+            list_j[warp][at] = c0 + lane * VEC + k;
+            list_h[warp][at] = v;
+            ++at;
+        }
+        listed += total;
+        __syncwarp();
+    }
+    flush();
+    l1 = warp_sum(l1);
+    if (e < d) {
+        float4* mine = reinterpret_cast<float4*>(&sums[warp][lane * VEC]);
+        mine[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        mine[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+    if (lane == 0) l1s[warp] = l1;
+    __syncthreads();
+    if (warp == 0 && e < d) {
+        float total[VEC] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int w = 0; w < SPREAD_WARPS; ++w) {
+            const float4* theirs = reinterpret_cast<const float4*>(&sums[w][lane * VEC]);
+            const float4 lo = theirs[0], hi = theirs[1];
+            total[0] += lo.x, total[1] += lo.y, total[2] += lo.z, total[3] += lo.w;
+            total[4] += hi.x, total[5] += hi.y, total[6] += hi.z, total[7] += hi.w;
+        }
+        store8((FOLD ? staging : out) + row * d + e, total);
+    }
+    if constexpr (!FOLD) {
+        if (warp == 0 && first_slice && lane == 0) {
+            float sum = 0.f;
+            for (int w = 0; w < SPREAD_WARPS; ++w) sum += l1s[w];
+            out[l1_at(M, d, row)] = __float2bfloat16(sum);
+        }
+        return;
+    }
+    __shared__ bool last;
+    __shared__ float squares[SPREAD_WARPS];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(tickets + row, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // The whole row, SPREAD_NORM_VECS vectors a thread: s = bf16(residual + mlp), then
+    // s · rsqrt(mean(s²) + eps) · alpha.
+    float sum[SPREAD_NORM_VECS][VEC];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < SPREAD_NORM_VECS; ++i) {
+        const int c = (threadIdx.x + i * SPREAD_WARPS * 32) * VEC;
+        if (c < d) {
+            const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(staging + row * d + c));
+            const __nv_bfloat162* mh = reinterpret_cast<const __nv_bfloat162*>(&raw);
+            float r[VEC];
+            load8(residual + row * d + c, r);
+#pragma unroll
+            for (int q = 0; q < VEC / 2; ++q) {
+                const float2 mf = __bfloat1622float2(mh[q]);
+                sum[i][2 * q] = round_bf16(r[2 * q] + mf.x);
+                sum[i][2 * q + 1] = round_bf16(r[2 * q + 1] + mf.y);
+            }
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) ss = fmaf(sum[i][k], sum[i][k], ss);
+        }
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) squares[warp] = ss;
+    __syncthreads();
+    float total_ss = 0.f;
+    for (int w = 0; w < SPREAD_WARPS; ++w) total_ss += squares[w];
+    const float scale = rsqrtf(total_ss / d + eps);
+#pragma unroll
+    for (int i = 0; i < SPREAD_NORM_VECS; ++i) {
+        const int c = (threadIdx.x + i * SPREAD_WARPS * 32) * VEC;
+        if (c < d) {
+            store8(out + row * d + c, sum[i]);
+            float a[VEC], o[VEC];
+            load8(alpha + c, a);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) o[k] = scale * sum[i][k] * a[k];
+            store8(out + (M + row) * d + c, o);
+        }
+    }
+    if (threadIdx.x == 0) tickets[row] = 0u;
+}
+
+extern "C" __global__ void __launch_bounds__(256) gated_t2d_down_spread_bf16(
+    const __nv_bfloat16* __restrict__ w_ud, const __nv_bfloat16* __restrict__ h, uint32_t* __restrict__ counts,
+    __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int n_tiles) {
+    down_spread<false>(w_ud, h, counts, out, M, d, f, tile, n_tiles, nullptr, nullptr, 0.f, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256) gated_t2d_down_spread_norm_bf16(
+    const __nv_bfloat16* __restrict__ w_ud, const __nv_bfloat16* __restrict__ h, uint32_t* __restrict__ counts,
+    __nv_bfloat16* __restrict__ out, int M, int d, int f, int tile, int n_tiles,
+    const __nv_bfloat16* __restrict__ residual, const __nv_bfloat16* __restrict__ alpha, float eps,
+    __nv_bfloat16* staging, uint32_t* tickets) {
+    down_spread<true>(w_ud, h, counts, out, M, d, f, tile, n_tiles, residual, alpha, eps, staging, tickets);
+}

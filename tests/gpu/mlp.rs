@@ -559,8 +559,8 @@ fn auto_at_thirty_percent_density_settles_on_a_dense_side() {
 }
 
 /// Both row walks, with the row kernels at 2 to 64 rows (where `StagedRows::Auto` may take
-/// the slot kernels, which fold no norm).
-const WALKS: [KernelPaths; 2] = [
+/// the slot kernels, which fold no norm), and the spread kernels at 2 to 64 rows.
+const WALKS: [KernelPaths; 3] = [
     KernelPaths {
         gate: GateGemm::Auto,
         walk: RowWalk::Mask,
@@ -573,13 +573,20 @@ const WALKS: [KernelPaths; 2] = [
         few_rows: FewRows::Auto,
         staged_rows: StagedRows::RowKernels,
     },
+    KernelPaths {
+        gate: GateGemm::Auto,
+        walk: RowWalk::Mask,
+        few_rows: FewRows::Staged,
+        staged_rows: StagedRows::SpreadKernels,
+    },
 ];
 
 /// 2 to 64 rows with each form of the staged kernels forced (and the few-row kernel off),
 /// against f32: a row over eight warps (its parts' sums in shared memory past the default
-/// 48 KB from hidden 2048), hidden 64 to 8192 (past 4096 the slot
-/// kernels either way), rows not a power of two, a d_ff of one tile and one that ends
-/// inside a tile, overflowing tiles.
+/// 48 KB from hidden 2048), the spread kernels' chunks of 32-256 neurons a warp, hidden 64
+/// to 8192 (past 4096 the slot kernels either way), rows not a power of two, a d_ff of one
+/// tile, one that ends inside a tile and one that is not a multiple of 8 (the slot
+/// kernels then), tiles of 128 neurons, overflowing tiles.
 #[test]
 fn forward_matches_f32_on_each_form_of_the_staged_kernels_at_decode_sizes() {
     #[rustfmt::skip]
@@ -596,8 +603,16 @@ fn forward_matches_f32_on_each_form_of_the_staged_kernels_at_decode_sizes() {
         (64, 4096, 11008, 0.01, 256, 8),
         (50, 5120, 13824, 0.01, 256, 8),
         (8, 8192, 28672, 0.005, 256, 8),
+        (32, 2048, 5632, 0.01, 256, 8),
+        (20, 1024, 4096, 0.05, 64, 4),
+        (6, 512, 2048, 0.1, 32, 2),
     ];
-    let forms = [StagedRows::RowKernels, StagedRows::SlotKernels].map(|staged_rows| KernelPaths {
+    let forms = [
+        StagedRows::RowKernels,
+        StagedRows::SlotKernels,
+        StagedRows::SpreadKernels,
+    ]
+    .map(|staged_rows| KernelPaths {
         few_rows: FewRows::Staged,
         staged_rows,
         ..Default::default()

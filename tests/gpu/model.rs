@@ -236,16 +236,41 @@ fn a_batched_decode_step_matches_each_sequences_own() {
 /// fixed FFN paths, and `Auto` (which times one against the other per batch size).
 #[test]
 fn graph_replayed_decode_steps_match_op_by_op_steps() {
+    use twell::FfnMode;
+    check_slot_decoder(None, &[FfnMode::Sparse, FfnMode::Dense, FfnMode::Auto]);
+}
+
+/// The same with the spread kernels forced at 3 rows, both norms around the MLP folded
+/// into them.
+#[test]
+fn graph_replayed_decode_steps_on_the_spread_kernels_match_op_by_op_steps() {
+    let paths = twell::KernelPaths {
+        few_rows: twell::FewRows::Staged,
+        staged_rows: twell::StagedRows::SpreadKernels,
+        ..Default::default()
+    };
+    check_slot_decoder(Some(paths), &[twell::FfnMode::Sparse]);
+}
+
+/// Three sequences in slots out of order, 40 greedy steps, graph replay against op by op
+/// (see above), with `paths` (and the MLP norms folded into the weights) where given.
+fn check_slot_decoder(paths: Option<twell::KernelPaths>, modes: &[twell::FfnMode]) {
     use sparse_llama::{Cache, DecodeOptions, DecodeRow, Llama, SlotDecoder};
     use twell::FfnMode;
     let dev = gpu();
-    let (weights, cfg) = check_weights(&dev).unwrap();
+    let (weights, mut cfg) = check_weights(&dev).unwrap();
+    if let Some(paths) = paths {
+        cfg.twell = cfg.twell.with_paths(paths);
+    }
     let vb = candle_nn::VarBuilder::from_tensors(weights, DType::BF16, &dev);
     let mut model = Llama::load(vb, &cfg).unwrap();
     model.fuse_qkv().unwrap();
+    if paths.is_some() {
+        model.fold_mlp_norms().unwrap();
+    }
     let prompts: [&[u32]; 3] = [&[5, 17, 99], &[3], &[250, 42, 7, 7, 1, 200, 11, 9, 900]];
     let slots = [2usize, 0, 3];
-    for mode in [FfnMode::Sparse, FfnMode::Dense, FfnMode::Auto] {
+    for &mode in modes {
         model.set_ffn_mode(mode).unwrap();
         let options = |graphs| DecodeOptions {
             slots: 4,

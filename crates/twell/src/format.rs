@@ -75,6 +75,11 @@ pub enum StagedRows {
     /// A warp per slot (up) and per tile of a 256-column chunk (down), whose partial sums
     /// meet in f32 atomics before a finish kernel writes the rows.
     SlotKernels,
+    /// Spread over the card: up a warp per chunk of a row's neurons, down a block per
+    /// 256-column slice of a row, its warps splitting the row's neurons and meeting in
+    /// shared memory in a fixed order; no norm folded in. For hidden sizes up to 4096 and
+    /// a d_ff that is a multiple of 8 (the slot kernels otherwise).
+    SpreadKernels,
 }
 
 /// Which kernel runs a CUDA forward of 2 to 16 token rows at inference (a batched decode

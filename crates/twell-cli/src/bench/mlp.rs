@@ -119,6 +119,8 @@ pub enum StagedRowsArg {
     RowKernels,
     /// A warp per slot and per tile, sums meeting in atomics.
     SlotKernels,
+    /// Up a warp per chunk of a row's neurons, down a block per column slice of a row.
+    SpreadKernels,
 }
 
 impl StagedRowsArg {
@@ -127,6 +129,7 @@ impl StagedRowsArg {
             Self::Auto => twell::StagedRows::Auto,
             Self::RowKernels => twell::StagedRows::RowKernels,
             Self::SlotKernels => twell::StagedRows::SlotKernels,
+            Self::SpreadKernels => twell::StagedRows::SpreadKernels,
         }
     }
 }

@@ -8,7 +8,7 @@
 //! the gate buffer (`RowWalk::Mask`).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape};
 use half::bf16;
@@ -62,9 +62,12 @@ pub fn norm_add_norm_folds(m: usize, d: usize, f: usize, config: TwellConfig) ->
 }
 
 /// Whether an inference forward of `m` rows of hidden `d`, past the one-launch decode
-/// kernels, runs the row kernels (whose down kernel can fold the add and norm after it).
+/// kernels, runs the row kernels or the spread kernels (whose down kernels can fold the
+/// add and norm after them, and whose up kernels the norm before).
 fn folds_into_down_rows(m: usize, d: usize, f: usize, config: TwellConfig) -> bool {
-    m > 1 && row_kernels_for(m, d, f, config, false).is_some()
+    m > 1
+        && (row_kernels_for(m, d, f, config, false).is_some()
+            || spread_kernels_for(m, d, f, config, false).is_some())
 }
 
 /// The row kernels' vectors a lane (`row_vectors`) where they take a staged forward of
@@ -81,19 +84,55 @@ fn row_kernels_for(
     config: TwellConfig,
     keep_for_backward: bool,
 ) -> Option<usize> {
-    let slots = keep_for_backward
-        || match config.paths().staged_rows {
-            StagedRows::SlotKernels => true,
-            StagedRows::RowKernels => false,
-            StagedRows::Auto => {
-                let density = crate::STAGED_ROWS_ASSUMED_DENSITY;
-                crate::staged_rows_for(m, d, f, config.tile(), density) == StagedRows::SlotKernels
-            }
-        };
+    let slots = keep_for_backward || staged_form(m, d, f, config) != StagedRows::RowKernels;
     if m <= DECODE_MAX_TOKENS && slots {
         return None;
     }
     row_vectors(d)
+}
+
+/// The staged kernels' form a forward of `m` rows at decode sizes asks for: `config`'s,
+/// with `Auto` settled at [`crate::STAGED_ROWS_ASSUMED_DENSITY`] (a [`crate::SparseMlp`]
+/// settles it with the density it measured before it gets here).
+fn staged_form(m: usize, d: usize, f: usize, config: TwellConfig) -> StagedRows {
+    match config.paths().staged_rows {
+        StagedRows::Auto => {
+            let density = crate::STAGED_ROWS_ASSUMED_DENSITY;
+            crate::staged_rows_for(m, d, f, config.tile(), density)
+        }
+        form => form,
+    }
+}
+
+/// The row vectors a lane (`row_vectors`) of the spread kernels where they take an
+/// inference forward of `m` rows (2 to [`DECODE_MAX_TOKENS`]) of hidden `d` through `f`
+/// neurons: where `config` asks for them, the row fits the up kernel's registers (hidden
+/// up to 4096), and `f` is a multiple of 8 (16-byte rows of `h`).
+fn spread_kernels_for(
+    m: usize,
+    d: usize,
+    f: usize,
+    config: TwellConfig,
+    keep_for_backward: bool,
+) -> Option<usize> {
+    let asked = (2..=DECODE_MAX_TOKENS).contains(&m)
+        && !keep_for_backward
+        && f.is_multiple_of(8)
+        && staged_form(m, d, f, config) == StagedRows::SpreadKernels;
+    asked.then(|| row_vectors(d)).flatten()
+}
+
+/// The most warps the spread up kernel launches: it takes chunks of 32, 64, 128 or 256
+/// neurons a warp, the smallest whose warps stay within this. Fewer neurons a warp means
+/// fewer positives it waits on one after another; more warps, more that find none.
+const SPREAD_UP_MAX_WARPS: usize = 4096;
+
+/// Neurons a lane of the spread up kernel takes (its `NPL`) for `m` rows of `f` neurons.
+fn spread_neurons_per_lane(m: usize, f: usize) -> usize {
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|npl| m * f.div_ceil(32 * npl) <= SPREAD_UP_MAX_WARPS)
+        .unwrap_or(8)
 }
 
 /// How many consecutive warps share a token row in the prefill row kernels: the most of
@@ -436,6 +475,21 @@ fn mlp_forward(
         config.paths().gate,
     )?;
     stages.mark()?;
+    if let Some(v) = spread_kernels_for(m, d, f, config, keep_for_backward) {
+        let forward = Forward {
+            dev: &dev,
+            ops: &ops,
+            fold: fold.as_ref(),
+            out,
+        };
+        let (out, activity) = forward_spread(forward, gate, v, &mut stages)?;
+        stages.finish()?;
+        return Ok((
+            CudaStorage::wrap_cuda_slice(out, dev),
+            Shape::from(len),
+            activity,
+        ));
+    }
     // Rows that fit a warp's registers take the row kernels (`row_kernels_for`): a warp
     // (or a few) per row computes h (x in registers), then accumulates the down
     // projection (the output row in registers). Rows too wide for registers, and the
@@ -578,6 +632,141 @@ fn forward_mask_rows(
         backward: None,
     };
     Ok((out, activity))
+}
+
+/// The spread kernels (2 to 64 rows at inference, `v` vectors a lane): up, a warp per
+/// chunk of a row's neurons, writes `h [m, f]` (zeros where the gate is not positive);
+/// down, a block per 256-column slice of a row, adds the active neurons' `Wd` slices and
+/// writes the rows, and from the first slice each row's L1 term and tile counts. With
+/// `fold`, the norm before the MLP runs in up (where `fold` says) and the residual add
+/// and norm after it in the last slice of each row to finish.
+fn forward_spread(
+    forward: Forward,
+    gate: gate_gemm::Gate,
+    v: usize,
+    stages: &mut StageMarks,
+) -> Result<(CudaSlice<bf16>, Activity)> {
+    let Forward {
+        dev,
+        ops,
+        fold,
+        mut out,
+    } = forward;
+    let dims = &ops.dims;
+    let (m, d, f) = (dims.m as usize, dims.d as usize, dims.f as usize);
+    if fold.is_some() && d > SPREAD_FOLD_MAX_HIDDEN {
+        return err(TwellError::Invalid(format!(
+            "the spread kernels fold the norms for hidden sizes up to \
+             {SPREAD_FOLD_MAX_HIDDEN}, got {d}"
+        )));
+    }
+    stages.mark()?; // no pack
+    let npl = spread_neurons_per_lane(m, f);
+    let pre_norm_eps = fold.and_then(|fold| fold.pre_norm_eps);
+    let kind = if pre_norm_eps.is_some() { "_norm" } else { "" };
+    let up = dev.get_or_load_custom_func(
+        &format!("gated_t2d_up_spread{kind}_bf16_v{v}_n{npl}"),
+        "gated_t2d",
+        GATED_T2D_PTX,
+    )?;
+    // SAFETY: up writes every element of h.
+    let mut h = unsafe { dev.alloc::<bf16>(m * f)? };
+    let mut b = up.builder();
+    b.arg(&ops.x)
+        .arg(&ops.w_ud)
+        .arg(&gate.values)
+        .arg(&mut h)
+        .arg(&dims.d)
+        .arg(&dims.f);
+    if let Some(eps) = &pre_norm_eps {
+        b.arg(eps);
+    }
+    let warps_a_row = f.div_ceil(32 * npl);
+    let up_grid = LaunchConfig {
+        grid_dim: (warps_a_row.div_ceil(SPREAD_WARPS) as u32, m as u32, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: SPREAD_WARPS warps a block, one per chunk (those past f return), a block
+    // row per token row.
+    unsafe { b.launch(up_grid) }.w()?;
+    stages.mark()?;
+    // SAFETY: the first slice's blocks write every count.
+    let mut counts = unsafe { dev.alloc::<u32>(m * ops.config.n_tiles(f))? };
+    let name = match fold {
+        Some(_) => "gated_t2d_down_spread_norm_bf16",
+        None => "gated_t2d_down_spread_bf16",
+    };
+    let down = dev.get_or_load_custom_func(name, "gated_t2d", GATED_T2D_PTX)?;
+    let down_grid = LaunchConfig {
+        grid_dim: (d.div_ceil(WARP_CHUNK) as u32, m as u32, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // The folded form's staging rows and this stream's zeroed tickets, a row each.
+    let mut launch = |fold_buffers: Option<(&mut CudaSlice<bf16>, &mut CudaSlice<u32>)>| {
+        let mut b = down.builder();
+        b.arg(&ops.w_ud)
+            .arg(&h)
+            .arg(&mut counts)
+            .arg(&mut out)
+            .arg(&dims.m)
+            .arg(&dims.d)
+            .arg(&dims.f)
+            .arg(&dims.tile)
+            .arg(&dims.n_tiles);
+        if let (Some(fold), Some((staging, tickets))) = (fold, fold_buffers) {
+            b.arg(&fold.residual)
+                .arg(&fold.alpha)
+                .arg(&fold.eps)
+                .arg(staging)
+                .arg(tickets);
+        }
+        // SAFETY: a block per (256-column slice, row), bounds checked in the kernel; the
+        // last slice of a row to finish zeroes its ticket again.
+        unsafe { b.launch(down_grid) }.w().map(|_| ())
+    };
+    match fold {
+        Some(_) => {
+            // SAFETY: every slice writes its part of each row before the last reads it.
+            let mut staging = unsafe { dev.alloc::<bf16>(m * d)? };
+            with_fold_tickets(dev, m, |tickets| launch(Some((&mut staging, tickets))))?;
+        }
+        None => launch(None)?,
+    }
+    stages.mark()?;
+    Ok((
+        out,
+        Activity {
+            counts,
+            backward: None,
+        },
+    ))
+}
+
+/// Warps a block of the spread kernels (`SPREAD_WARPS` in the .cu).
+const SPREAD_WARPS: usize = 8;
+
+/// The widest row the spread down kernel's folded norm takes (`SPREAD_NORM_VECS` 16-byte
+/// vectors a thread of 256).
+const SPREAD_FOLD_MAX_HIDDEN: usize = 4096;
+
+/// The zeroed tickets of one stream's folded spread down launches, a row each (the
+/// kernel leaves them zero), so that a decode step allocates and zeroes nothing.
+static FOLD_TICKETS: fused_ops::cuda::PerStream<CudaSlice<u32>> = fused_ops::cuda::PerStream::new();
+
+/// Runs `launch` with this stream's zeroed tickets, at least `rows` of them.
+fn with_fold_tickets(
+    dev: &CudaDevice,
+    rows: usize,
+    launch: impl FnOnce(&mut CudaSlice<u32>) -> Result<()>,
+) -> Result<()> {
+    FOLD_TICKETS.with(
+        fused_ops::cuda::stream_key(dev),
+        |t| t.len() >= rows,
+        || dev.alloc_zeros::<u32>(DECODE_MAX_TOKENS.max(rows)),
+        launch,
+    )
 }
 
 /// The pack into TwELL slots, then the up and down kernels over them: the row kernels
