@@ -616,7 +616,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WGMMA_WARPS * 32, 2)
 ATTEND_KERNEL(64)
 
 // Decode: one query row per (batch, head), attending all T keys. A block of
-// DECODE_THREADS per (batch, head): a thread per key scores into shared memory, the block
+// DECODE_THREADS per (batch, head): eight lanes a key score into shared memory, the block
 // reduces the maximum and the sum, then each thread sums p · v for a pair of dims over
 // its share of the keys, and the shares meet in shared memory.
 #define DECODE_THREADS 256
@@ -640,21 +640,44 @@ __device__ __forceinline__ void attend_range(const float* qs, const __nv_bfloat1
     const int b = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
+    // Scores: OCTS lanes a key, each dotting one 16-byte piece of it, so that a warp's
+    // load covers whole rows (4 keys of 128 bytes at HD 64): with a thread a key, each
+    // load took half of 32 sectors and the next load the other halves, and at 64
+    // sequences the keys were read from memory about twice. KEYS_IN_FLIGHT keys a lane.
+    constexpr int KEYS_IN_FLIGHT = 8;
+    const int oct = tid % OCTS, group = tid / OCTS;
+    float qv[VEC];
+#pragma unroll
+    for (int c = 0; c < VEC; ++c) qv[c] = qs[VEC * oct + c];
     float m = -INFINITY;
-    for (int j = tid; j < T; j += DECODE_THREADS) {
-        const __nv_bfloat16* kr = k + kst.row(b, kvh, j0 + j);
-        // The value row is read after the softmax's reductions: on its way to L2 meanwhile.
-        for (int e = 0; e < HD; e += 64) prefetch_l2(v + vst.row(b, kvh, j0 + j) + e);
-        float s = 0.f;
+    for (int base = 0; base < T; base += ROWS * KEYS_IN_FLIGHT) {
+        uint4 kp[KEYS_IN_FLIGHT];
 #pragma unroll
-        for (int e = 0; e < HD; e += VEC) {
-            float kf[VEC];
-            load8(kr + e, kf);
-#pragma unroll
-            for (int c = 0; c < VEC; ++c) s = fmaf(qs[e + c], kf[c], s);
+        for (int u = 0; u < KEYS_IN_FLIGHT; ++u) {
+            const int j = base + group + ROWS * u;
+            kp[u] = j < T ? *reinterpret_cast<const uint4*>(k + kst.row(b, kvh, j0 + j) + VEC * oct)
+                          : make_uint4(0u, 0u, 0u, 0u);
+            // The value row is read after the softmax's reductions: on its way to L2 meanwhile.
+            if (j < T && oct == 0) prefetch_l2(v + vst.row(b, kvh, j0 + j));
         }
-        scores[j] = s;
-        m = fmaxf(m, s);
+#pragma unroll
+        for (int u = 0; u < KEYS_IN_FLIGHT; ++u) {
+            const int j = base + group + ROWS * u;
+            const __nv_bfloat162* kh = reinterpret_cast<const __nv_bfloat162*>(&kp[u]);
+            float s = 0.f;
+#pragma unroll
+            for (int q = 0; q < VEC / 2; ++q) {
+                const float2 kf = __bfloat1622float2(kh[q]);
+                s = fmaf(qv[2 * q], kf.x, s);
+                s = fmaf(qv[2 * q + 1], kf.y, s);
+            }
+#pragma unroll
+            for (int o = 1; o < OCTS; o <<= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+            if (j < T && oct == 0) {
+                scores[j] = s;
+                m = fmaxf(m, s);
+            }
+        }
     }
     const int n = xk != nullptr ? T + 1 : T;
     if (xk != nullptr && tid == 0) {
@@ -689,7 +712,6 @@ __device__ __forceinline__ void attend_range(const float* qs, const __nv_bfloat1
     // p · v: a thread takes 8 dims of a row (one 16-byte load), so a pass of the block
     // covers ROWS rows and the unrolled loop keeps 8 loads in flight per thread: the
     // value rows arrive in one or two memory round trips instead of one per 4 bytes.
-    const int oct = tid % OCTS, group = tid / OCTS;
     const __nv_bfloat16* vp = v + vst.row(b, kvh, j0) + VEC * oct;
     float acc[VEC] = {};
 #pragma unroll 8
