@@ -44,10 +44,12 @@ pub const FEW_ROWS_MAX: usize = 16;
 /// 2 rows of 2048 × 5632 (23M).
 pub const FEW_ROWS_MAX_GATE_MACS: usize = 18 << 20;
 
-/// The most rows the few-row kernel takes under `FewRows::Auto`: its 16-row form (255
-/// registers, one block a multiprocessor) took 45 µs a layer at 576 × 1536 in a replayed
-/// decode step, where the staged kernels took about 20 (same measurement).
-pub const FEW_ROWS_AUTO_MAX: usize = 8;
+/// The most rows the few-row kernel takes under `FewRows::Auto`. In replayed decode steps
+/// of the SmolLM2 shape (576 × 1536 × 30, H100, 2026-12-07, docs/benchmarks.md "H100:
+/// 2–64 rows spread over the card") it took 1.25x of dense at 2 rows against the spread
+/// kernels' 1.20x / 1.11x (0.5% / 3%), 1.16x / 1.14x at 4 against 1.19x / 1.09x, and
+/// 0.91x / 0.89x at 8 against 1.18x / 1.08x.
+pub const FEW_ROWS_AUTO_MAX: usize = 4;
 
 /// The widest hidden size the tensor-core few-row kernel takes (its last block finishes
 /// a row in four 16-byte vectors a thread).

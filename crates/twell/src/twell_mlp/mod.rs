@@ -371,8 +371,34 @@ pub const ROW_KERNELS_MIN_ADDS_PER_PAIR: f64 = 80_000.0;
 /// kernels won or tied in every measured cell.
 pub const ROW_KERNELS_MIN_ROWS: usize = 16;
 
+/// The widest hidden size the spread kernels take (the up kernel holds a row of x in a
+/// warp's registers).
+pub const SPREAD_KERNELS_MAX_HIDDEN: usize = 4096;
+
+/// The most gate values the spread down kernel's blocks read, `m · f · ceil(d / 256)`
+/// (each 256-column slice of a row scans the row's whole `h`), where
+/// [`StagedRows::Auto`] takes the spread kernels. In replayed decode steps (H100,
+/// 2026-12-07; docs/benchmarks.md, "H100: 2–64 rows spread over the card") they were the
+/// fastest form in every measured cell of hidden 576 to 4096 at 2–64 rows, 0.5% and 3%,
+/// up to 7.3M (32 rows of 4096 × 14336), and lost at 14.7M (64 rows of 4096 × 14336:
+/// 0.96x / 0.53x of dense against the row kernels' 1.09x / 0.78x).
+pub const SPREAD_KERNELS_MAX_GATE_READS: usize = 10_000_000;
+
 /// [`StagedRows::Auto`] settled for a staged CUDA forward of `m` rows (up to 64) of hidden
-/// `d` through `f` neurons in tiles of `tile` at `density`. The slot kernels' down launch
+/// `d` through `f` neurons in tiles of `tile` at `density`: the spread kernels where they
+/// run (hidden up to [`SPREAD_KERNELS_MAX_HIDDEN`], `f` a multiple of 8) within
+/// [`SPREAD_KERNELS_MAX_GATE_READS`], else [`row_or_slot_kernels`].
+pub fn staged_rows_for(m: usize, d: usize, f: usize, tile: usize, density: f64) -> StagedRows {
+    let spread_runs = d <= SPREAD_KERNELS_MAX_HIDDEN && f.is_multiple_of(8);
+    if spread_runs && m * f * d.div_ceil(256) <= SPREAD_KERNELS_MAX_GATE_READS {
+        StagedRows::SpreadKernels
+    } else {
+        row_or_slot_kernels(m, d, f, tile, density)
+    }
+}
+
+/// The row kernels or the slot kernels for `m` rows of hidden `d` through `f` neurons in
+/// tiles of `tile` at `density`, where the spread kernels do not run. The slot kernels' down launch
 /// adds `m · d · n_tiles` f32 atomics; each part of a row in the row kernels (a row split
 /// over up to eight warps) waits on about `density · tile · ceil(n_tiles / 8)` neurons'
 /// rows one after another. In replayed decode steps (H100, 2026-12-07: 576 × 1536 to
@@ -380,7 +406,7 @@ pub const ROW_KERNELS_MIN_ROWS: usize = 16;
 /// kernels") the row kernels won from [`ROW_KERNELS_MIN_ROWS`] rows where the first is at
 /// least [`ROW_KERNELS_MIN_ADDS_PER_PAIR`] times the second: many rows of wide shapes at
 /// low density.
-pub fn staged_rows_for(m: usize, d: usize, f: usize, tile: usize, density: f64) -> StagedRows {
+fn row_or_slot_kernels(m: usize, d: usize, f: usize, tile: usize, density: f64) -> StagedRows {
     let n_tiles = f.div_ceil(tile.max(1));
     let pairs_per_part = (density.clamp(0.0, 1.0) * (tile * n_tiles.div_ceil(8)) as f64).max(0.5);
     let adds = (m * d * n_tiles) as f64;
@@ -842,16 +868,43 @@ impl candle_core::CustomOp1 for OutRows {
 
 #[cfg(test)]
 mod tests {
-    use super::{staged_rows_for, BackwardPath};
+    use super::{row_or_slot_kernels, staged_rows_for, BackwardPath};
     use crate::format::StagedRows;
 
-    /// The rule against cells of its measurement (H100 decode steps): the row kernels at
-    /// many rows of wide shapes at low density, the slot kernels at few rows or high
-    /// density, and more rows or a lower density never turn it back to the slots.
+    /// The spread kernels in every cell of their measurement (H100 decode steps) but 64
+    /// rows of 4096 × 14336, where the row kernels won; past hidden 4096, or with a d_ff
+    /// that is not a multiple of 8, the rule between the row and slot kernels.
     #[test]
-    fn staged_rows_follow_rows_width_and_density() {
-        let (rows, slots) = (StagedRows::RowKernels, StagedRows::SlotKernels);
+    fn staged_rows_take_the_spread_kernels_where_they_won() {
         let rule = |m, d, f, density| staged_rows_for(m, d, f, 256, density);
+        for (d, f) in [(576, 1536), (1536, 8960), (2048, 8192), (4096, 14336)] {
+            for m in [2, 4, 8, 16, 32, 64] {
+                for density in [0.005, 0.03] {
+                    let want = if d == 4096 && m == 64 {
+                        StagedRows::RowKernels
+                    } else {
+                        StagedRows::SpreadKernels
+                    };
+                    assert_eq!(rule(m, d, f, density), want, "{m} rows of {d}x{f}");
+                }
+            }
+        }
+        assert_eq!(rule(64, 2048, 5632, 0.005), StagedRows::SpreadKernels);
+        assert_eq!(
+            rule(16, 5120, 13824, 0.005),
+            row_or_slot_kernels(16, 5120, 13824, 256, 0.005)
+        );
+        assert_eq!(rule(16, 2048, 5636, 0.03), StagedRows::SlotKernels);
+    }
+
+    /// The rule between the row and slot kernels against cells of its measurement (H100
+    /// decode steps): the row kernels at many rows of wide shapes at low density, the slot
+    /// kernels at few rows or high density, and more rows or a lower density never turn it
+    /// back to the slots.
+    #[test]
+    fn row_or_slot_kernels_follow_rows_width_and_density() {
+        let (rows, slots) = (StagedRows::RowKernels, StagedRows::SlotKernels);
+        let rule = |m, d, f, density| row_or_slot_kernels(m, d, f, 256, density);
         assert_eq!(rule(64, 2048, 8192, 0.005), rows);
         assert_eq!(rule(16, 1536, 8960, 0.005), rows);
         assert_eq!(rule(64, 4096, 14336, 0.03), rows);
