@@ -126,6 +126,10 @@ fn bad_bench_flags_are_rejected() {
             "slot-kernels",
         );
     }
+    fails_with(
+        &["bench", "model", "--staged-rows", "sideways"],
+        "spread-kernels",
+    );
     // The sweep checks every shape before it measures the first.
     fails_with(
         &["bench", "sweep", "--shape", "64x128,2048by5632"],

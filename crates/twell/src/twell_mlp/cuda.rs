@@ -639,7 +639,9 @@ fn forward_mask_rows(
 /// down, a block per 256-column slice of a row, adds the active neurons' `Wd` slices and
 /// writes the rows, and from the first slice each row's L1 term and tile counts. With
 /// `fold`, the norm before the MLP runs in up (where `fold` says) and the residual add
-/// and norm after it in the last slice of each row to finish.
+/// and norm after it in the last slice of each row to finish. `v` (from
+/// [`spread_kernels_for`]) bounds the hidden size at 4096, the widest row the folded
+/// norm's `SPREAD_NORM_VECS` vectors a thread cover.
 fn forward_spread(
     forward: Forward,
     gate: gate_gemm::Gate,
@@ -654,12 +656,6 @@ fn forward_spread(
     } = forward;
     let dims = &ops.dims;
     let (m, d, f) = (dims.m as usize, dims.d as usize, dims.f as usize);
-    if fold.is_some() && d > SPREAD_FOLD_MAX_HIDDEN {
-        return err(TwellError::Invalid(format!(
-            "the spread kernels fold the norms for hidden sizes up to \
-             {SPREAD_FOLD_MAX_HIDDEN}, got {d}"
-        )));
-    }
     stages.mark()?; // no pack
     let npl = spread_neurons_per_lane(m, f);
     let pre_norm_eps = fold.and_then(|fold| fold.pre_norm_eps);
@@ -746,10 +742,6 @@ fn forward_spread(
 
 /// Warps a block of the spread kernels (`SPREAD_WARPS` in the .cu).
 const SPREAD_WARPS: usize = 8;
-
-/// The widest row the spread down kernel's folded norm takes (`SPREAD_NORM_VECS` 16-byte
-/// vectors a thread of 256).
-const SPREAD_FOLD_MAX_HIDDEN: usize = 4096;
 
 /// The zeroed tickets of one stream's folded spread down launches, a row each (the
 /// kernel leaves them zero), so that a decode step allocates and zeroes nothing.
