@@ -811,12 +811,7 @@ ATTEND_ONE_KERNEL(64)
 // Each leaves its maximum, sum and unnormalised p · v in `part` ([b, heads, splits] of
 // (m, l, HD sums)); the last block of a (head, batch) to finish (a ticket counter after a
 // fence, as in the one-token MLP) merges them into the output row and zeroes its ticket.
-//
-// HEAD_MAJOR: the cache row holds each KV head's positions together, `[K | V][kv head]
-// [position][HD]` (the slot decoder's), so a block's keys and values are one contiguous
-// run. Otherwise `[position][K heads | V heads][HD]` (the model's growing cache), where a
-// block reads 128 bytes every 2 · kv_heads · HD elements.
-template <int HD, bool HEAD_MAJOR>
+template <int HD>
 __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, (heads + 2 kv_heads) HD]
                             const __nv_bfloat16* __restrict__ cs,        // [HD]: cos, then sin
                             const __nv_bfloat16* __restrict__ cache_in,  // [b, cap, 2 kv_heads HD]
@@ -846,22 +841,7 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
     cache_in += cache_row * cache_b;
     cache_out += cache_row * cache_b;
     const __nv_bfloat16* row = qkv + static_cast<long long>(b) * (heads * HD + 2 * w);
-    // Where the step's key and value go, how the cached keys are strided, and how far
-    // the values start after the keys.
-    Strides kst;
-    long long v_off;
-    __nv_bfloat16* k_new;
-    if constexpr (HEAD_MAJOR) {
-        const long long cap = cache_b / (2 * w);
-        kst = Strides{0, cap * HD, HD};
-        v_off = w * cap;
-        k_new = cache_out + (kvh * cap + len) * HD;
-    } else {
-        kst = Strides{0, HD, 2 * w};
-        v_off = w;
-        k_new = cache_out + static_cast<long long>(len) * 2 * w + kvh * HD;
-    }
-    __nv_bfloat16* v_new = k_new + v_off;
+    __nv_bfloat16* slot = cache_out + static_cast<long long>(len) * 2 * w;
     // The split whose positions the new key follows: the last one when the splits were
     // planned for this length, the one holding `len` when they cover a fixed capacity.
     const bool last_split = split == min(len / max(chunk, 1), splits - 1);
@@ -879,27 +859,28 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
             rope_turn(k1, k2, co, sn, t1, t2);
             const __nv_bfloat16 o1 = __float2bfloat16(t1);
             const __nv_bfloat16 o2 = __float2bfloat16(t2);
-            k_new[tid] = o1;
-            k_new[HALF + tid] = o2;
+            slot[kvh * HD + tid] = o1;
+            slot[kvh * HD + HALF + tid] = o2;
             ks[tid] = __bfloat162float(o1);
             ks[HALF + tid] = __bfloat162float(o2);
         }
     } else if (tid < HALF + HD && last_split) {
         const int e = tid - HALF;
         const __nv_bfloat16 x = row[heads * HD + w + kvh * HD + e];
-        v_new[e] = x;
+        slot[w + kvh * HD + e] = x;
         vs[e] = __bfloat162float(x);
     }
     __syncthreads();
+    const Strides kst{0, HD, 2 * w};
     if (splits == 1) {
-        attend_one_from<HD>(qs, cache_in, cache_in + v_off, out, heads, kvh, len, kst, kst, scores, ks, vs);
+        attend_one_from<HD>(qs, cache_in, cache_in + w, out, heads, kvh, len, kst, kst, scores, ks, vs);
         return;
     }
     const int j0 = split * chunk;
     const int n = max(0, min(chunk, len - j0));
     float m, l;
     float2 o;
-    attend_range<HD>(qs, cache_in, cache_in + v_off, kvh, j0, n, kst, kst, scores, last_split ? ks : nullptr,
+    attend_range<HD>(qs, cache_in, cache_in + w, kvh, j0, n, kst, kst, scores, last_split ? ks : nullptr,
                      last_split ? vs : nullptr, m, l, o);
     const long long pair_of = static_cast<long long>(b) * heads + h;
     float* mine = part + (pair_of * splits + split) * (2 + HD);
@@ -946,8 +927,8 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
         const __nv_bfloat16* __restrict__ cache_in, __nv_bfloat16* cache_out,                     \
         __nv_bfloat16* __restrict__ out, int heads, int kv_heads, int len, long long cache_b,     \
         float scale, int chunk, float* part, uint32_t* tickets) {                                 \
-        attend_step<HD, false>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, len, cache_b,  \
-                               scale, chunk, part, tickets, nullptr, nullptr);                    \
+        attend_step<HD>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, len, cache_b, scale,  \
+                        chunk, part, tickets, nullptr, nullptr);                                  \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) causal_attention_slots_bf16_hd##HD( \
         const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ cs,              \
@@ -955,7 +936,7 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
         __nv_bfloat16* __restrict__ out, int heads, int kv_heads, long long cache_b, float scale, \
         int chunk, float* part, uint32_t* tickets, const uint32_t* __restrict__ positions,        \
         const uint32_t* __restrict__ slots) {                                                     \
-        attend_step<HD, true>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, 0, cache_b,     \
-                              scale, chunk, part, tickets, positions, slots);                     \
+        attend_step<HD>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, 0, cache_b, scale,    \
+                        chunk, part, tickets, positions, slots);                                  \
     }
 ATTEND_STEP_KERNEL(64)

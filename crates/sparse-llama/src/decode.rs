@@ -64,9 +64,8 @@ struct Bucket {
 /// captured CUDA graph per batch size ([module docs](self)).
 pub struct SlotDecoder {
     options: DecodeOptions,
-    /// Per layer, `[slots + 1, 2 · kv_heads, context, hd]`: each slot holds the keys
-    /// then the values of each KV head, a head's positions together, so the step's
-    /// attention reads one contiguous run a head (the last slot takes the padding rows).
+    /// Per layer, `[slots + 1, context, 2 · kv_heads · hd]` (the last slot takes the
+    /// padding rows).
     kv: Vec<Tensor>,
     rope: RopeTable,
     /// `[3, slots]` u32: the step's tokens, positions and slots, row by row.
@@ -131,11 +130,11 @@ impl SlotDecoder {
                 cfg.max_position_embeddings
             );
         }
-        let (groups, hd) = (2 * cfg.num_key_value_heads, cfg.head_dim());
+        let width = 2 * cfg.num_key_value_heads * cfg.head_dim();
         let kv = (0..cfg.num_hidden_layers)
             .map(|_| {
                 Tensor::zeros(
-                    (options.slots + 1, groups, options.context, hd),
+                    (options.slots + 1, options.context, width),
                     DType::BF16,
                     &device,
                 )
@@ -209,22 +208,18 @@ impl SlotDecoder {
             let Some(rows) = cache.layer_kv(l)? else {
                 candle_core::bail!("the cache holds nothing for layer {l}");
             };
-            let (_, groups, _, hd) = kv.dims4()?;
             let (b, _, width) = rows.dims3()?;
-            if b != 1 || width != groups * hd || rows.dtype() != DType::BF16 {
+            if b != 1 || width != kv.dim(2)? || rows.dtype() != DType::BF16 {
                 candle_core::bail!(
                     "a cache of batch {b}, width {width}, {:?}: the slot takes one bf16 sequence of width {}",
                     rows.dtype(),
-                    groups * hd
+                    kv.dim(2)?
                 );
             }
-            // The sequence's positions `[t, K heads | V heads, hd]` turned head-major,
-            // into the first `t` positions of each of the slot's heads.
-            let heads = rows
-                .reshape((1, t, groups, hd))?
-                .transpose(1, 2)?
-                .contiguous()?;
-            kv.narrow(0, slot, 1)?.slice_set(&heads, 2, 0)?;
+            // The buffer as rows of positions: the slot's first `t` positions start at
+            // row `slot · context`.
+            let flat = kv.reshape((kv.dim(0)? * context, width))?;
+            flat.slice_set(&rows.reshape((t, width))?.contiguous()?, 0, slot * context)?;
         }
         Ok(())
     }

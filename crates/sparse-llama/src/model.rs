@@ -1282,8 +1282,8 @@ impl Llama {
 
     /// One decode step over slotted caches ([`crate::decode::SlotDecoder`]): `ids`,
     /// `positions` and `slots` (`[n]` u32 on the device) give each row's token, its
-    /// position and its cache slot in every layer's `kv[l]` (`[slots, 2 · kv_heads,
-    /// capacity, hd]`). Every shape is fixed by `n` and no value is read on the host,
+    /// position and its cache slot in every layer's `kv[l]` (`[slots, capacity, 2 ·
+    /// kv_heads · hd]`). Every shape is fixed by `n` and no value is read on the host,
     /// so the step can be captured as a CUDA graph. Returns logits `[n, vocab]` in f32.
     pub(crate) fn forward_decode_slots(
         &self,

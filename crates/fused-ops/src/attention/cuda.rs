@@ -346,8 +346,8 @@ pub fn causal_attention_slots(
         candle_core::DType::F32,
     )?;
     let tickets = u32_view("tickets", args.tickets)?;
-    // Elements a slot: [2 · kv_heads, capacity, hd].
-    let cache_b = args.cache.1.dims()[1..].iter().product::<usize>() as i64;
+    let kl = args.cache.1;
+    let cache_b = (kl.dims()[1] * kl.dims()[2]) as i64;
     let dev = args.qkv.0.device().clone();
     // SAFETY: the kernel writes every output row.
     let mut out = unsafe { dev.alloc::<bf16>(n * heads * hd)? };

@@ -14,8 +14,7 @@ use crate::error::{err, OpError};
 const MAX_CHUNK: usize = 8192;
 
 /// One decode step's attention for up to `rows` sequences, each in its own slot of a
-/// `[slots, 2·kv_heads, capacity, hd]` cache (keys then values of each KV head, a head's
-/// positions together), at its own position. Holds the scratch
+/// `[slots, capacity, 2·kv_heads·hd]` cache, at its own position. Holds the scratch
 /// of the split (partial sums and tickets), so a captured step allocates nothing and
 /// its buffers live as long as the graph that uses them.
 #[derive(Debug, Clone)]
@@ -88,8 +87,8 @@ impl SlotAttention {
     }
 
     /// `qkv [n, (heads + 2·kv_heads)·hd]` (one token per row, not yet turned), the whole
-    /// angle table `angles` (`cos_sin [positions, hd]`), the cache `[slots, 2·kv_heads,
-    /// capacity, hd]` (written in place), and `positions`, `slots` (`[n]` u32 on the
+    /// angle table `angles` (`cos_sin [positions, hd]`), the cache `[slots, capacity,
+    /// 2·kv_heads·hd]` (written in place), and `positions`, `slots` (`[n]` u32 on the
     /// device): row `i` turns its query and key at `positions[i]`, writes its key and
     /// value into slot `slots[i]` at that position and attends positions `0 ..=
     /// positions[i]` of the slot. Returns `[n, heads·hd]`.
@@ -166,19 +165,19 @@ impl SlotStep {
         let width = (a.heads + 2 * a.kv_heads) * hd;
         let ok = matches!(*qkv.dims(), [n, w] if w == width && n > 0)
             && matches!(*cs.dims(), [p, d] if d == hd && p >= a.capacity)
-            && matches!(*cache.dims(), [s, g, cap, d] if s > 0 && g == 2 * a.kv_heads && cap == a.capacity && d == hd);
+            && matches!(*cache.dims(), [s, cap, w] if s > 0 && cap == a.capacity && w == 2 * a.kv_heads * hd);
         if !ok {
             return err(OpError::ShapeMismatch {
                 what: "SlotAttention::forward",
                 detail: format!(
                     "qkv {:?}, cos_sin {:?}, cache {:?}: want qkv [n, {width}], cos_sin \
-                     [positions >= {}, {hd}] and cache [slots, {}, {}, {hd}]",
+                     [positions >= {}, {hd}] and cache [slots, {}, {}]",
                     qkv.dims(),
                     cs.dims(),
                     cache.dims(),
                     a.capacity,
-                    2 * a.kv_heads,
-                    a.capacity
+                    a.capacity,
+                    2 * a.kv_heads * hd
                 ),
             });
         }
