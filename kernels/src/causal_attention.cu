@@ -621,26 +621,22 @@ ATTEND_KERNEL(64)
 // its share of the keys, and the shares meet in shared memory.
 #define DECODE_THREADS 256
 
-// The decode attention of block (head, batch) once its queries sit scaled in `qs`, over
-// the T keys j0 .. j0 + T - 1 of KV head `kvh` and, with `xk, xv` (shared memory, or
-// null), one more key and value after them. The block serves the G ≤ GM query heads that
-// share the KV head (`qs` [G][HD], scores [G][score_stride]): each key and value row is
-// read once for all of them, where a block a query head read it G times (through L2).
-// Leaves each head's running maximum m[g] and sum l[g] of exp(s - m) in every thread, and
-// in thread t < G · HD / 2 the unnormalised sums Σ p · v of head t / (HD / 2)'s pair of
-// dims t % (HD / 2).
-template <int HD, int GM>
-__device__ __forceinline__ void attend_group_range(const float* qs, int G, const __nv_bfloat16* __restrict__ k,
-                                                   const __nv_bfloat16* __restrict__ v, int kvh, int j0, int T,
-                                                   Strides kst, Strides vst, float* scores, int score_stride,
-                                                   const float* xk, const float* xv, float (&m_out)[GM],
-                                                   float (&l_out)[GM], float2& o_out) {
-    __shared__ float reduce[GM][DECODE_THREADS / 32];
+// The decode attention of block (head, batch) once its query sits scaled in `qs`, over
+// the T keys j0 .. j0 + T - 1 of KV head `kvh` (scores in `scores`) and, with `xk, xv`
+// (shared memory, or null), one more key and value after them. Leaves the block's running
+// maximum m and sum l of exp(s - m) in every thread, and in threads tid < HD / 2 the
+// unnormalised sums Σ p · v of their pair of dims.
+template <int HD>
+__device__ __forceinline__ void attend_range(const float* qs, const __nv_bfloat16* __restrict__ k,
+                                             const __nv_bfloat16* __restrict__ v, int kvh, int j0, int T,
+                                             Strides kst, Strides vst, float* scores, const float* xk,
+                                             const float* xv, float& m_out, float& l_out, float2& o_out) {
+    __shared__ float reduce[DECODE_THREADS / 32];
     constexpr int PAIRS = HD / 2;
     constexpr int OCTS = HD / VEC;                // 16-byte pieces of a row
     constexpr int ROWS = DECODE_THREADS / OCTS;   // value rows one pass of the block reads
     static_assert(32 % OCTS == 0, "a warp holds whole rows");
-    __shared__ float part[DECODE_THREADS / 32][GM][HD];
+    __shared__ float part[DECODE_THREADS / 32][HD];
     const int b = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
@@ -650,15 +646,10 @@ __device__ __forceinline__ void attend_group_range(const float* qs, int G, const
     // sequences the keys were read from memory about twice. KEYS_IN_FLIGHT keys a lane.
     constexpr int KEYS_IN_FLIGHT = 8;
     const int oct = tid % OCTS, group = tid / OCTS;
-    float qv[GM][VEC];
+    float qv[VEC];
 #pragma unroll
-    for (int g = 0; g < GM; ++g) {
-#pragma unroll
-        for (int c = 0; c < VEC; ++c) qv[g][c] = g < G ? qs[g * HD + VEC * oct + c] : 0.f;
-    }
-    float m[GM];
-#pragma unroll
-    for (int g = 0; g < GM; ++g) m[g] = -INFINITY;
+    for (int c = 0; c < VEC; ++c) qv[c] = qs[VEC * oct + c];
+    float m = -INFINITY;
     for (int base = 0; base < T; base += ROWS * KEYS_IN_FLIGHT) {
         uint4 kp[KEYS_IN_FLIGHT];
 #pragma unroll
@@ -673,142 +664,91 @@ __device__ __forceinline__ void attend_group_range(const float* qs, int G, const
         for (int u = 0; u < KEYS_IN_FLIGHT; ++u) {
             const int j = base + group + ROWS * u;
             const __nv_bfloat162* kh = reinterpret_cast<const __nv_bfloat162*>(&kp[u]);
+            float s = 0.f;
 #pragma unroll
-            for (int g = 0; g < GM; ++g) {
-                if (g >= G) break;
-                float s = 0.f;
+            for (int q = 0; q < VEC / 2; ++q) {
+                const float2 kf = __bfloat1622float2(kh[q]);
+                s = fmaf(qv[2 * q], kf.x, s);
+                s = fmaf(qv[2 * q + 1], kf.y, s);
+            }
 #pragma unroll
-                for (int q = 0; q < VEC / 2; ++q) {
-                    const float2 kf = __bfloat1622float2(kh[q]);
-                    s = fmaf(qv[g][2 * q], kf.x, s);
-                    s = fmaf(qv[g][2 * q + 1], kf.y, s);
-                }
-#pragma unroll
-                for (int o = 1; o < OCTS; o <<= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
-                if (j < T && oct == 0) {
-                    scores[g * score_stride + j] = s;
-                    m[g] = fmaxf(m[g], s);
-                }
+            for (int o = 1; o < OCTS; o <<= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+            if (j < T && oct == 0) {
+                scores[j] = s;
+                m = fmaxf(m, s);
             }
         }
     }
     const int n = xk != nullptr ? T + 1 : T;
     if (xk != nullptr && tid == 0) {
+        float s = 0.f;
 #pragma unroll
-        for (int g = 0; g < GM; ++g) {
-            if (g >= G) break;
-            float s = 0.f;
-#pragma unroll
-            for (int e = 0; e < HD; ++e) s = fmaf(qs[g * HD + e], xk[e], s);
-            scores[g * score_stride + T] = s;
-            m[g] = fmaxf(m[g], s);
-        }
+        for (int e = 0; e < HD; ++e) s = fmaf(qs[e], xk[e], s);
+        scores[T] = s;
+        m = fmaxf(m, s);
     }
 #pragma unroll
-    for (int g = 0; g < GM; ++g) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m[g] = fmaxf(m[g], __shfl_xor_sync(FULL_MASK, m[g], o));
-        if (lane == 0) reduce[g][warp] = m[g];
-    }
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+    if (lane == 0) reduce[warp] = m;
     __syncthreads();
+    m = reduce[0];
 #pragma unroll
-    for (int g = 0; g < GM; ++g) {
-        m[g] = reduce[g][0];
-#pragma unroll
-        for (int w = 1; w < DECODE_THREADS / 32; ++w) m[g] = fmaxf(m[g], reduce[g][w]);
-    }
+    for (int w = 1; w < DECODE_THREADS / 32; ++w) m = fmaxf(m, reduce[w]);
     __syncthreads();  // every thread has read `reduce` before it is reused
 
-    float l[GM];
-#pragma unroll
-    for (int g = 0; g < GM; ++g) {
-        l[g] = 0.f;
-        if (g >= G) continue;
-        for (int j = tid; j < n; j += DECODE_THREADS) {
-            const float p = __expf(scores[g * score_stride + j] - m[g]);
-            scores[g * score_stride + j] = p;
-            l[g] += p;
-        }
-        l[g] = warp_sum(l[g]);
-        if (lane == 0) reduce[g][warp] = l[g];
+    float l = 0.f;
+    for (int j = tid; j < n; j += DECODE_THREADS) {
+        const float p = __expf(scores[j] - m);
+        scores[j] = p;
+        l += p;
     }
+    l = warp_sum(l);
+    if (lane == 0) reduce[warp] = l;
     __syncthreads();  // also publishes every p in `scores`
+    l = 0.f;
 #pragma unroll
-    for (int g = 0; g < GM; ++g) {
-        l[g] = 0.f;
-#pragma unroll
-        for (int w = 0; w < DECODE_THREADS / 32; ++w) l[g] += g < G ? reduce[g][w] : 0.f;
-    }
+    for (int w = 0; w < DECODE_THREADS / 32; ++w) l += reduce[w];
 
     // p · v: a thread takes 8 dims of a row (one 16-byte load), so a pass of the block
     // covers ROWS rows and the unrolled loop keeps 8 loads in flight per thread: the
     // value rows arrive in one or two memory round trips instead of one per 4 bytes.
     const __nv_bfloat16* vp = v + vst.row(b, kvh, j0) + VEC * oct;
-    float acc[GM][VEC] = {};
+    float acc[VEC] = {};
 #pragma unroll 8
     for (int j = group; j < T; j += ROWS) {
         float vf[VEC];
         load8(vp + static_cast<long long>(j) * vst.t, vf);
+        const float p = scores[j];
 #pragma unroll
-        for (int g = 0; g < GM; ++g) {
-            if (g >= G) break;
-            const float p = scores[g * score_stride + j];
-#pragma unroll
-            for (int c = 0; c < VEC; ++c) acc[g][c] = fmaf(p, vf[c], acc[g][c]);
-        }
+        for (int c = 0; c < VEC; ++c) acc[c] = fmaf(p, vf[c], acc[c]);
     }
     if (xv != nullptr && group == 0) {
+        const float p = scores[T];
 #pragma unroll
-        for (int g = 0; g < GM; ++g) {
-            if (g >= G) break;
-            const float p = scores[g * score_stride + T];
-#pragma unroll
-            for (int c = 0; c < VEC; ++c) acc[g][c] = fmaf(p, xv[VEC * oct + c], acc[g][c]);
-        }
+        for (int c = 0; c < VEC; ++c) acc[c] = fmaf(p, xv[VEC * oct + c], acc[c]);
     }
     // The lanes of a warp holding the same dims meet by shuffles, the warps in shared memory.
 #pragma unroll
-    for (int g = 0; g < GM; ++g) {
-        if (g >= G) break;
+    for (int c = 0; c < VEC; ++c) {
 #pragma unroll
-        for (int c = 0; c < VEC; ++c) {
+        for (int o = OCTS; o < 32; o <<= 1) acc[c] += __shfl_xor_sync(FULL_MASK, acc[c], o);
+    }
+    if (lane < OCTS) {
 #pragma unroll
-            for (int o = OCTS; o < 32; o <<= 1) acc[g][c] += __shfl_xor_sync(FULL_MASK, acc[g][c], o);
-        }
-        if (lane < OCTS) {
-#pragma unroll
-            for (int c = 0; c < VEC; ++c) part[warp][g][VEC * lane + c] = acc[g][c];
-        }
+        for (int c = 0; c < VEC; ++c) part[warp][VEC * lane + c] = acc[c];
     }
     __syncthreads();
     float2 o = make_float2(0.f, 0.f);
-    const int og = tid / PAIRS, op = tid % PAIRS;
-    if (og < G) {
+    if (tid < PAIRS) {
 #pragma unroll
         for (int w = 0; w < DECODE_THREADS / 32; ++w) {
-            o.x += part[w][og][2 * op];
-            o.y += part[w][og][2 * op + 1];
+            o.x += part[w][2 * tid];
+            o.y += part[w][2 * tid + 1];
         }
     }
-#pragma unroll
-    for (int g = 0; g < GM; ++g) {
-        m_out[g] = m[g];
-        l_out[g] = l[g];
-    }
+    m_out = m;
+    l_out = l;
     o_out = o;
-}
-
-// `attend_group_range` for one query head (`qs` [HD], `scores` [T + 1]): m, l and, in
-// threads tid < HD / 2, the sums of their pair of dims.
-template <int HD>
-__device__ __forceinline__ void attend_range(const float* qs, const __nv_bfloat16* __restrict__ k,
-                                             const __nv_bfloat16* __restrict__ v, int kvh, int j0, int T,
-                                             Strides kst, Strides vst, float* scores, const float* xk,
-                                             const float* xv, float& m_out, float& l_out, float2& o_out) {
-    float m[1], l[1];
-    attend_group_range<HD, 1>(qs, 1, k, v, kvh, j0, T, kst, vst, scores, 0, xk, xv, m, l, o_out);
-    m_out = m[0];
-    l_out = l[0];
 }
 
 // The decode attention of block (head, batch) over all T keys (and the extra one), into
@@ -871,9 +811,7 @@ ATTEND_ONE_KERNEL(64)
 // Each leaves its maximum, sum and unnormalised p · v in `part` ([b, heads, splits] of
 // (m, l, HD sums)); the last block of a (head, batch) to finish (a ticket counter after a
 // fence, as in the one-token MLP) merges them into the output row and zeroes its ticket.
-// GM > 1: block (KV head, batch, split) serves the heads / kv_heads ≤ GM query heads that
-// share its KV head, so the keys and values are read once for all of them.
-template <int HD, int GM>
+template <int HD>
 __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, (heads + 2 kv_heads) HD]
                             const __nv_bfloat16* __restrict__ cs,        // [HD]: cos, then sin
                             const __nv_bfloat16* __restrict__ cache_in,  // [b, cap, 2 kv_heads HD]
@@ -882,19 +820,15 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
                             int heads, int kv_heads, int len, long long cache_b, float scale,
                             int chunk,        // cached positions per split (len with one split)
                             float* part,      // [b, heads, splits, 2 + HD], with splits > 1
-                            uint32_t* tickets,  // [b, gridDim.x], zero, with splits > 1
+                            uint32_t* tickets,  // [b, heads], zero, with splits > 1
                             const uint32_t* __restrict__ positions,  // [b] or null: len per row
                             const uint32_t* __restrict__ slots) {    // [b] or null: cache row
-    extern __shared__ float scores[];  // [G][chunk + 1]
-    __shared__ float qs[GM * HD], ks[HD], vs[HD];
-    const int b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-    // The block's query heads: h0 .. h0 + G - 1, all on KV head kvh.
-    const int G = GM == 1 ? 1 : heads / kv_heads;
-    const int kvh = GM == 1 ? blockIdx.x / (heads / kv_heads) : blockIdx.x;
-    const int h0 = GM == 1 ? blockIdx.x : kvh * G;
+    extern __shared__ float scores[];  // [chunk + 1]
+    __shared__ float qs[HD], ks[HD], vs[HD];
+    const int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int kvh = h / (heads / kv_heads);
     const int tid = threadIdx.x;
     constexpr int HALF = HD / 2;
-    constexpr int PAIRS = HD / 2;
     const long long w = static_cast<long long>(kv_heads) * HD;
     // With `positions`, each row has its own length and its angles are row `len` of the
     // whole table; with `slots`, its cache is row `slots[b]` of the buffer. The cache
@@ -911,29 +845,26 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
     // The split whose positions the new key follows: the last one when the splits were
     // planned for this length, the one holding `len` when they cover a fixed capacity.
     const bool last_split = split == min(len / max(chunk, 1), splits - 1);
-    for (int t = tid; t < G * HALF; t += DECODE_THREADS) {
-        const int g = t / HALF, i = t % HALF;
-        const float co = __bfloat162float(cs[i]), sn = __bfloat162float(cs[HALF + i]);
-        const __nv_bfloat16* qr = row + (h0 + g) * HD;
-        const float q1 = __bfloat162float(qr[i]), q2 = __bfloat162float(qr[HALF + i]);
+    if (tid < HALF) {
+        const float co = __bfloat162float(cs[tid]), sn = __bfloat162float(cs[HALF + tid]);
+        const __nv_bfloat16* qr = row + h * HD;
+        const float q1 = __bfloat162float(qr[tid]), q2 = __bfloat162float(qr[HALF + tid]);
         float t1, t2;
         rope_turn(q1, q2, co, sn, t1, t2);
-        qs[g * HD + i] = round_bf16(t1) * scale;
-        qs[g * HD + HALF + i] = round_bf16(t2) * scale;
-    }
-    if (last_split && tid < HALF) {
-        const float co = __bfloat162float(cs[tid]), sn = __bfloat162float(cs[HALF + tid]);
-        const __nv_bfloat16* kr = row + heads * HD + kvh * HD;
-        const float k1 = __bfloat162float(kr[tid]), k2 = __bfloat162float(kr[HALF + tid]);
-        float t1, t2;
-        rope_turn(k1, k2, co, sn, t1, t2);
-        const __nv_bfloat16 o1 = __float2bfloat16(t1);
-        const __nv_bfloat16 o2 = __float2bfloat16(t2);
-        slot[kvh * HD + tid] = o1;
-        slot[kvh * HD + HALF + tid] = o2;
-        ks[tid] = __bfloat162float(o1);
-        ks[HALF + tid] = __bfloat162float(o2);
-    } else if (last_split && tid < HALF + HD) {
+        qs[tid] = round_bf16(t1) * scale;
+        qs[HALF + tid] = round_bf16(t2) * scale;
+        if (last_split) {
+            const __nv_bfloat16* kr = row + heads * HD + kvh * HD;
+            const float k1 = __bfloat162float(kr[tid]), k2 = __bfloat162float(kr[HALF + tid]);
+            rope_turn(k1, k2, co, sn, t1, t2);
+            const __nv_bfloat16 o1 = __float2bfloat16(t1);
+            const __nv_bfloat16 o2 = __float2bfloat16(t2);
+            slot[kvh * HD + tid] = o1;
+            slot[kvh * HD + HALF + tid] = o2;
+            ks[tid] = __bfloat162float(o1);
+            ks[HALF + tid] = __bfloat162float(o2);
+        }
+    } else if (tid < HALF + HD && last_split) {
         const int e = tid - HALF;
         const __nv_bfloat16 x = row[heads * HD + w + kvh * HD + e];
         slot[w + kvh * HD + e] = x;
@@ -941,54 +872,37 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
     }
     __syncthreads();
     const Strides kst{0, HD, 2 * w};
-    const int j0 = split * chunk;
-    const int n = splits == 1 ? len : max(0, min(chunk, len - j0));
-    float m[GM], l[GM];
-    float2 o;
-    attend_group_range<HD, GM>(qs, G, cache_in, cache_in + w, kvh, j0, n, kst, kst, scores, chunk + 1,
-                               last_split ? ks : nullptr, last_split ? vs : nullptr, m, l, o);
-    // Thread t < G · PAIRS holds pair t % PAIRS of head h0 + t / PAIRS.
-    const int og = tid / PAIRS, op = tid % PAIRS;
     if (splits == 1) {
-        if (og < G) {
-            float lg = l[0];
-#pragma unroll
-            for (int g = 1; g < GM; ++g) lg = og == g ? l[g] : lg;
-            const float inv = 1.f / lg;
-            *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h0 + og, 0, heads, 1, HD) + 2 * op) =
-                __floats2bfloat162_rn(o.x * inv, o.y * inv);
-        }
+        attend_one_from<HD>(qs, cache_in, cache_in + w, out, heads, kvh, len, kst, kst, scores, ks, vs);
         return;
     }
-    // Each head's (m, l, sums) of this split into `part`; the last split of the block's
-    // heads to finish merges them.
-    const long long first_pair = static_cast<long long>(b) * heads + h0;
+    const int j0 = split * chunk;
+    const int n = max(0, min(chunk, len - j0));
+    float m, l;
+    float2 o;
+    attend_range<HD>(qs, cache_in, cache_in + w, kvh, j0, n, kst, kst, scores, last_split ? ks : nullptr,
+                     last_split ? vs : nullptr, m, l, o);
+    const long long pair_of = static_cast<long long>(b) * heads + h;
+    float* mine = part + (pair_of * splits + split) * (2 + HD);
     if (tid == 0) {
-#pragma unroll
-        for (int g = 0; g < GM; ++g) {
-            if (g >= G) break;
-            float* mine = part + ((first_pair + g) * splits + split) * (2 + HD);
-            mine[0] = m[g];
-            mine[1] = l[g];
-        }
+        mine[0] = m;
+        mine[1] = l;
     }
-    if (og < G) {
-        float* mine = part + ((first_pair + og) * splits + split) * (2 + HD);
-        mine[2 + 2 * op] = o.x;
-        mine[3 + 2 * op] = o.y;
+    if (tid < HALF) {
+        mine[2 + 2 * tid] = o.x;
+        mine[3 + 2 * tid] = o.y;
     }
-    const long long ticket = static_cast<long long>(b) * gridDim.x + blockIdx.x;
     __shared__ bool merges;
     __syncthreads();
     if (tid == 0) {
         __threadfence();
-        merges = atomicAdd(tickets + ticket, 1u) == static_cast<uint32_t>(splits - 1);
+        merges = atomicAdd(tickets + pair_of, 1u) == static_cast<uint32_t>(splits - 1);
     }
     __syncthreads();
     if (!merges) return;
     __threadfence();
-    if (og < G) {
-        const float* first = part + (first_pair + og) * splits * (2 + HD);
+    if (tid < HALF) {
+        const float* first = part + pair_of * splits * (2 + HD);
         float top = -INFINITY;
         for (int s = 0; s < splits; ++s) top = fmaxf(top, __ldcg(first + s * (2 + HD)));
         float sum = 0.f;
@@ -997,14 +911,14 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
             const float* p = first + s * (2 + HD);
             const float f = __expf(__ldcg(p) - top);
             sum = fmaf(f, __ldcg(p + 1), sum);
-            acc.x = fmaf(f, __ldcg(p + 2 + 2 * op), acc.x);
-            acc.y = fmaf(f, __ldcg(p + 3 + 2 * op), acc.y);
+            acc.x = fmaf(f, __ldcg(p + 2 + 2 * tid), acc.x);
+            acc.y = fmaf(f, __ldcg(p + 3 + 2 * tid), acc.y);
         }
         const float inv = 1.f / sum;
-        *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h0 + og, 0, heads, 1, HD) + 2 * op) =
+        *reinterpret_cast<__nv_bfloat162*>(out + out_row(b, h, 0, heads, 1, HD) + 2 * tid) =
             __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
     }
-    if (tid == 0) tickets[ticket] = 0u;
+    if (tid == 0) tickets[pair_of] = 0u;
 }
 
 #define ATTEND_STEP_KERNEL(HD)                                                                    \
@@ -1013,23 +927,16 @@ __device__ void attend_step(const __nv_bfloat16* __restrict__ qkv,       // [b, 
         const __nv_bfloat16* __restrict__ cache_in, __nv_bfloat16* cache_out,                     \
         __nv_bfloat16* __restrict__ out, int heads, int kv_heads, int len, long long cache_b,     \
         float scale, int chunk, float* part, uint32_t* tickets) {                                 \
-        attend_step<HD, 1>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, len, cache_b,      \
-                           scale, chunk, part, tickets, nullptr, nullptr);                        \
-    }
-// The slot decoder's step, GM: 1 (a block a query head) or the most query heads a block
-// serves together (2, 4, 8).
-#define ATTEND_SLOTS_KERNEL(HD, GM)                                                                      \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) causal_attention_slots_bf16_hd##HD##_g##GM( \
-        const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ cs,                     \
-        const __nv_bfloat16* __restrict__ cache_in, __nv_bfloat16* cache_out,                            \
-        __nv_bfloat16* __restrict__ out, int heads, int kv_heads, long long cache_b, float scale,        \
-        int chunk, float* part, uint32_t* tickets, const uint32_t* __restrict__ positions,               \
-        const uint32_t* __restrict__ slots) {                                                            \
-        attend_step<HD, GM>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, 0, cache_b, scale,       \
-                            chunk, part, tickets, positions, slots);                                     \
+        attend_step<HD>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, len, cache_b, scale,  \
+                        chunk, part, tickets, nullptr, nullptr);                                  \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) causal_attention_slots_bf16_hd##HD( \
+        const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ cs,              \
+        const __nv_bfloat16* __restrict__ cache_in, __nv_bfloat16* cache_out,                     \
+        __nv_bfloat16* __restrict__ out, int heads, int kv_heads, long long cache_b, float scale, \
+        int chunk, float* part, uint32_t* tickets, const uint32_t* __restrict__ positions,        \
+        const uint32_t* __restrict__ slots) {                                                     \
+        attend_step<HD>(qkv, cs, cache_in, cache_out, out, heads, kv_heads, 0, cache_b, scale,    \
+                        chunk, part, tickets, positions, slots);                                  \
     }
 ATTEND_STEP_KERNEL(64)
-ATTEND_SLOTS_KERNEL(64, 1)
-ATTEND_SLOTS_KERNEL(64, 2)
-ATTEND_SLOTS_KERNEL(64, 4)
-ATTEND_SLOTS_KERNEL(64, 8)

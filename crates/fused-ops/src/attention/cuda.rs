@@ -351,15 +351,8 @@ pub fn causal_attention_slots(
     let dev = args.qkv.0.device().clone();
     // SAFETY: the kernel writes every output row.
     let mut out = unsafe { dev.alloc::<bf16>(n * heads * hd)? };
-    // A block serves `served` query heads (the heads of one KV head, or one).
-    let served = super::slots::heads_per_block(heads, kv_heads);
-    let cfg = LaunchConfig {
-        grid_dim: ((heads / served) as u32, n as u32, splits as u32),
-        block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
-        shared_mem_bytes: (served * (chunk + 1) * std::mem::size_of::<f32>()) as u32,
-    };
-    let group = super::slots::kernel_group(heads, kv_heads);
-    let name = format!("causal_attention_slots_bf16_hd{hd}_g{group}");
+    let cfg = step_launch(heads, n, splits, chunk);
+    let name = format!("causal_attention_slots_bf16_hd{hd}");
     let func = dev.get_or_load_custom_func(&name, "causal_attention", CAUSAL_ATTENTION_PTX)?;
     let (heads_i, kv_i, chunk_i) = (heads as i32, kv_heads as i32, chunk as i32);
     let scale = 1.0 / (hd as f32).sqrt();
@@ -380,11 +373,10 @@ pub fn causal_attention_slots(
         .arg(&tickets)
         .arg(&pv)
         .arg(&sv);
-    // SAFETY: a block per (served heads, row, split); each row's position is below the
-    // capacity and its slot below the cache's slots (the caller's contract, checked on its
-    // host); the dynamic shared memory holds `chunk + 1` scores a served head (at most
-    // MAX_CHUNK floats, planned by the op); the scratch holds every split's partial sums
-    // a head and a ticket per (row, block of heads), zero between launches.
+    // SAFETY: a block per (head, row, split); each row's position is below the capacity
+    // and its slot below the cache's slots (the caller's contract, checked on its host);
+    // the dynamic shared memory holds `chunk + 1` scores; the scratch holds every split's
+    // partial sums and a ticket per (row, head), zero between launches.
     unsafe { builder.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }

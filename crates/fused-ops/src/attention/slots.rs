@@ -13,26 +13,6 @@ use crate::error::{err, OpError};
 /// cached positions.
 const MAX_CHUNK: usize = 8192;
 
-/// The most query heads one block of the step serves, as the kernels are built: 2, 4
-/// or 8 (the heads sharing a KV head, rounded up), or 1 where each KV head has one query
-/// head or more than 8.
-pub(crate) fn kernel_group(heads: usize, kv_heads: usize) -> usize {
-    match heads / kv_heads.max(1) {
-        g @ 2..=8 => g.next_power_of_two(),
-        _ => 1,
-    }
-}
-
-/// Query heads one block of the step serves: all the heads of its KV head, whose keys
-/// and values it then reads once for them all (a block a query head read them once a
-/// query head, through L2), or one.
-pub(crate) fn heads_per_block(heads: usize, kv_heads: usize) -> usize {
-    match kernel_group(heads, kv_heads) {
-        1 => 1,
-        _ => heads / kv_heads,
-    }
-}
-
 /// One decode step's attention for up to `rows` sequences, each in its own slot of a
 /// `[slots, capacity, 2·kv_heads·hd]` cache, at its own position. Holds the scratch
 /// of the split (partial sums and tickets), so a captured step allocates nothing and
@@ -82,11 +62,9 @@ impl SlotAttention {
             )));
         }
         let sms = multiprocessors(device)?;
-        let served = heads_per_block(heads, kv_heads);
-        let plan = super::split::plan(rows * heads / served, capacity, sms);
-        // A split's scores (of each head its block serves) sit in shared memory: cap its
-        // positions.
-        let splits = plan.splits.max(capacity.div_ceil(MAX_CHUNK / served));
+        let plan = super::split::plan(rows * heads, capacity, sms);
+        // A split's scores sit in shared memory: cap its positions.
+        let splits = plan.splits.max(capacity.div_ceil(MAX_CHUNK));
         let chunk = capacity.div_ceil(splits);
         let part = Tensor::zeros(rows * heads * splits * (2 + head_dim), DType::F32, device)?;
         let tickets = Tensor::zeros(rows * heads, DType::U32, device)?;
@@ -266,33 +244,5 @@ fn on_gpu<'a>(s: &'a candle_core::Storage, what: &str) -> Result<&'a candle_core
         _ => err(OpError::Invalid(format!(
             "SlotAttention: {what} must be on the GPU"
         ))),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{heads_per_block, kernel_group};
-
-    #[test]
-    fn a_block_serves_the_query_heads_of_its_kv_head_up_to_eight() {
-        // (heads, kv heads) → (kernel group, heads a block serves).
-        let cases = [
-            ((32, 32), (1, 1)), // multi-head: a block a head
-            ((9, 3), (4, 3)),   // SmolLM2-135M
-            ((32, 8), (4, 4)),  // Llama 3 8B, Mistral 7B
-            ((12, 2), (8, 6)),  // Qwen2.5-1.5B
-            ((28, 4), (8, 7)),  // Qwen2.5-7B
-            ((64, 8), (8, 8)),  // Llama 3 70B
-            ((2, 1), (2, 2)),
-            ((32, 2), (1, 1)), // 16 heads a KV head: past the kernels, a block a head
-        ];
-        for ((heads, kv_heads), want) in cases {
-            let got = (
-                kernel_group(heads, kv_heads),
-                heads_per_block(heads, kv_heads),
-            );
-            assert_eq!(got, want, "{heads} heads over {kv_heads} KV heads");
-            assert!(got.1 <= got.0, "a block serves at most its kernel's group");
-        }
     }
 }
