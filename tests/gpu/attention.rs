@@ -293,6 +293,120 @@ fn the_decode_step_matches_rope_the_cache_append_and_the_attention() {
         .map(|(k, dims)| check_attention_step(&dev, dims, 1300 + k as u64).unwrap()));
 }
 
+#[derive(Debug)]
+struct SlotStepResult {
+    /// (heads, kv_heads, rows, capacity)
+    dims: (usize, usize, usize, usize),
+    /// Each row's position and slot.
+    rows: Vec<(usize, usize)>,
+    /// Worst relative L2 error of a row's attention, and of the key and value row it wrote.
+    err: f64,
+    row_err: f64,
+    pass: bool,
+}
+
+/// The slot decoder's step (`SlotAttention`, hd 64) for rows at their own positions in
+/// slots out of order, each row against RoPE, its cache slot's positions with the new
+/// row appended, and the attention over them.
+fn check_slot_step(
+    dev: &Device,
+    dims: (usize, usize, usize, usize),
+    seed: u64,
+) -> Result<SlotStepResult> {
+    let (heads, kv, n, cap) = dims;
+    let hd = 64;
+    let w = kv * hd;
+    let slots_total = n + 2;
+    dev.set_seed(seed)?;
+    let bf = |shape: &[usize]| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(DType::BF16)?)
+    };
+    let qkv = bf(&[n, (heads + 2 * kv) * hd])?;
+    let (cos, sin) = ((bf(&[cap, hd / 2])? * 0.7)?, (bf(&[cap, hd / 2])? * 0.7)?);
+    let cache = bf(&[slots_total, cap, 2 * w])?;
+    let before = cache.force_contiguous()?;
+    // Row i at its own position (the first at 0, the last at the last free one) in slot
+    // slots_total - 1 - i.
+    let rows: Vec<(usize, usize)> = (0..n)
+        .map(|i| {
+            let pos = match i {
+                0 => 0,
+                i if i + 1 == n => cap - 1,
+                i => (cap * (2 * i + 1) / (2 * n)).min(cap - 1),
+            };
+            (pos, slots_total - 1 - i)
+        })
+        .collect();
+    let u32s = |v: Vec<u32>| Tensor::new(v, dev);
+    let positions = u32s(rows.iter().map(|r| r.0 as u32).collect())?;
+    let slots = u32s(rows.iter().map(|r| r.1 as u32).collect())?;
+    let step = fused_ops::SlotAttention::new(dev, n, (heads, kv, hd), cap)?;
+    let got = step.forward(
+        &qkv,
+        &fused_ops::RopeTable::new(&cos, &sin)?,
+        &cache,
+        &positions,
+        &slots,
+    )?;
+    let (mut err, mut row_err) = (0f64, 0f64);
+    for (i, &(pos, slot)) in rows.iter().enumerate() {
+        let angles = fused_ops::RopeTable::new(&cos.narrow(0, pos, 1)?, &sin.narrow(0, pos, 1)?)?;
+        let (q, kv_row) = fused_ops::rope_qkv(&qkv.narrow(0, i, 1)?, &angles, heads, kv)?;
+        let keys = Tensor::cat(
+            &[
+                before.narrow(0, slot, 1)?.narrow(1, 0, pos)?,
+                kv_row.reshape((1, 1, 2 * w))?,
+            ],
+            1,
+        )?;
+        let want = fused_ops::causal_attention_rows(
+            &q,
+            &keys.narrow(2, 0, w)?,
+            &keys.narrow(2, w, w)?,
+            1,
+            hd,
+        )?;
+        err = err.max(rel_l2(&got.narrow(0, i, 1)?, &want)?);
+        let written = cache
+            .narrow(0, slot, 1)?
+            .narrow(1, pos, 1)?
+            .reshape((1, 2 * w))?;
+        row_err = row_err.max(rel_l2(&written, &kv_row)?);
+    }
+    Ok(SlotStepResult {
+        dims,
+        rows,
+        err,
+        row_err,
+        pass: err < TOLERANCE && row_err < TOLERANCE,
+    })
+}
+
+#[test]
+fn the_slot_step_matches_rope_the_cache_append_and_the_attention() {
+    // (heads, kv_heads, rows, capacity): plain heads and 2-16 query heads a KV head
+    // (SmolLM2, Llama 3, Qwen2.5 and wider groups), one row and 64, the positions split
+    // over one block a head and over several.
+    let cases = [
+        (32, 32, 1, 768),
+        (32, 32, 5, 64),
+        (32, 2, 3, 512),
+        (2, 1, 1, 256),
+        (9, 3, 1, 512),
+        (9, 3, 4, 64),
+        (9, 3, 64, 512),
+        (32, 8, 2, 1024),
+        (12, 2, 3, 700),
+        (28, 4, 1, 2048),
+        (64, 8, 6, 300),
+    ];
+    let dev = gpu();
+    assert_all_pass!(cases
+        .into_iter()
+        .enumerate()
+        .map(|(k, dims)| check_slot_step(&dev, dims, 1400 + k as u64).unwrap()));
+}
+
 #[test]
 fn the_attention_turning_its_queries_matches_rope_then_the_attention_bit_for_bit() {
     // (batch, heads, kv_heads, queries, cached before them): prefill sizes on either
