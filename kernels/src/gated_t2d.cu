@@ -322,6 +322,19 @@ UP_MASK_ROW_KERNEL(16)
 // loads per lane (its whole Wd row), with no reduction between them. The parts of a
 // split row meet in dynamic shared memory (parts 1.. leave their f32 sums there, part 0
 // adds them in order: deterministic). Stores the bf16 row and the token's L1 term.
+// The folded norm's two outputs at columns e..e+7 of `row`: the sum s into out's first M
+// rows and its normalised s · scale · alpha into the next M.
+__device__ __forceinline__ void store_sum_and_normed8(__nv_bfloat16* __restrict__ out, int M, long long row, int d,
+                                                      int e, const float* s, float scale,
+                                                      const __nv_bfloat16* __restrict__ alpha) {
+    store8(out + row * d + e, s);
+    float a[VEC], o[VEC];
+    load8(alpha + e, a);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) o[k] = scale * s[k] * a[k];
+    store8(out + (M + row) * d + e, o);
+}
+
 // FOLD (inference): the residual add and RMS norm after the MLP run on the row while it is
 // in registers, as `add_rms_norm` does them (the output rounded to bf16, s = bf16(residual
 // + it), s · rsqrt(mean(s²) + eps) · alpha), and `out` is [2M, d]: the sums, then the
@@ -420,14 +433,7 @@ __device__ void down_row(const __nv_bfloat16* __restrict__ w_ud, const uint32_t*
 #pragma unroll
         for (int i = 0; i < MAXV; ++i) {
             const int e = (lane + 32 * i) * VEC;
-            if (e < d) {
-                store8(out + row * d + e, acc[i]);
-                float a[VEC], o[VEC];
-                load8(alpha + e, a);
-#pragma unroll
-                for (int k = 0; k < VEC; ++k) o[k] = scale * acc[i][k] * a[k];
-                store8(out + (M + row) * d + e, o);
-            }
+            if (e < d) store_sum_and_normed8(out, M, row, d, e, acc[i], scale, alpha);
         }
     } else {
 #pragma unroll
@@ -778,14 +784,7 @@ __device__ void down_spread(const __nv_bfloat16* __restrict__ w_ud, const __nv_b
 #pragma unroll
     for (int i = 0; i < SPREAD_NORM_VECS; ++i) {
         const int c = (threadIdx.x + i * SPREAD_WARPS * 32) * VEC;
-        if (c < d) {
-            store8(out + row * d + c, sum[i]);
-            float a[VEC], o[VEC];
-            load8(alpha + c, a);
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) o[k] = scale * sum[i][k] * a[k];
-            store8(out + (M + row) * d + c, o);
-        }
+        if (c < d) store_sum_and_normed8(out, M, row, d, c, sum[i], scale, alpha);
     }
     if (threadIdx.x == 0) tickets[row] = 0u;
 }
