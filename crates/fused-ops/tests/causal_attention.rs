@@ -386,3 +386,50 @@ fn one_step_attention_checks_its_input_and_runs_on_cuda_only() {
     ));
     assert!(m.contains("bf16"), "{m}");
 }
+
+#[test]
+fn an_f16_cache_under_f32_queries_equals_the_same_values_widened() {
+    use fused_ops::causal_attention_rows;
+    // A half-precision KV cache read in place: the same bits as the cache's values
+    // widened to f32 first. Decode steps (one query a sequence, its keys split over the
+    // threads) and a chunk of queries after a cache; views of a longer buffer of k | v
+    // rows, as the model's cache lends them; grouped and plain heads.
+    for (b, heads, kv, t, total, cap, hd) in [
+        (1, 9, 3, 1, 700, 768, 64),
+        (3, 4, 4, 1, 37, 64, 32),
+        (2, 8, 2, 5, 40, 48, 16),
+    ] {
+        let q = common::uniform(&[b * t, heads * hd], 31, 1.0);
+        let buffer = common::uniform(&[b, cap, 2 * kv * hd], 32, 1.0)
+            .to_dtype(DType::F16)
+            .unwrap();
+        let cached = buffer.narrow(1, 0, total).unwrap();
+        let (k, v) = (
+            cached.narrow(2, 0, kv * hd).unwrap(),
+            cached.narrow(2, kv * hd, kv * hd).unwrap(),
+        );
+        let out = causal_attention_rows(&q, &k, &v, b, hd).unwrap();
+        let wide = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+        let want = causal_attention_rows(&q, &wide(&k), &wide(&v), b, hd).unwrap();
+        assert_eq!(out.dtype(), DType::F32);
+        let diff = (&out - &want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(diff, 0.0, "b {b}, {heads}/{kv} heads, {t} over {total}");
+    }
+    // Other mixes stay refused: f16 queries over an f32 cache, bf16 under f32.
+    let q = common::uniform(&[1, 4 * 8], 33, 1.0);
+    let k = common::uniform(&[1, 5, 2 * 8], 34, 1.0);
+    let msg = |r: candle_core::Result<Tensor>| format!("{}", r.expect_err("an error"));
+    let q16 = q.to_dtype(DType::F16).unwrap();
+    assert!(msg(causal_attention_rows(&q16, &k, &k, 1, 8)).contains("dtype"));
+    let kb = k.to_dtype(DType::BF16).unwrap();
+    assert!(msg(causal_attention_rows(&q, &kb, &kb, 1, 8)).contains("dtype"));
+}
