@@ -15,41 +15,6 @@ pub fn has_avx2_fma() -> bool {
     *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
 }
 
-/// Whether the CPU converts f16 to f32 in hardware (F16C), checked once.
-#[cfg(target_arch = "x86_64")]
-pub fn has_f16c() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("f16c"))
-}
-
-/// `src` widened into `dst` (the same length): eight at a time by F16C where the CPU has
-/// it, inlined into the caller's loop (a call a 64-value row cost more than the row's
-/// arithmetic), else through `half`.
-#[inline(always)]
-pub fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if has_f16c() {
-        use std::arch::x86_64::{__m128i, _mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
-        let full = src.len().min(dst.len()) / 8 * 8;
-        let (head_dst, tail_dst) = dst.split_at_mut(full);
-        for (s, d) in src.chunks_exact(8).zip(head_dst.chunks_exact_mut(8)) {
-            // SAFETY: F16C is present (checked above); `s` holds 8 f16 (16 bytes) and `d`
-            // 8 f32, unaligned loads and stores.
-            unsafe {
-                let halves = _mm_loadu_si128(s.as_ptr() as *const __m128i);
-                _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(halves));
-            }
-        }
-        src[full..]
-            .iter()
-            .zip(tail_dst)
-            .for_each(|(s, d)| *d = s.to_f32());
-        return;
-    }
-    use half::slice::HalfFloatSliceExt;
-    src.convert_to_f32_slice(dst);
-}
-
 /// `Σ a[k]·b[k]` over the common length.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {

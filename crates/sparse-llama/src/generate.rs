@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use tokenizers::Tokenizer;
 
@@ -27,8 +27,6 @@ pub struct GenerationConfig {
     /// Where [`crate::SlotDecoder`] takes the model (CUDA, bf16), each decode step is
     /// one replayed CUDA graph; off, the same step's ops are launched one by one.
     pub graphs: bool,
-    /// The dtype the KV cache keeps ([`Cache::with_kv_dtype`]); `None`: the model's.
-    pub kv_dtype: Option<DType>,
 }
 
 impl Default for GenerationConfig {
@@ -42,7 +40,6 @@ impl Default for GenerationConfig {
             repeat_last_n: 64,
             seed: 299792458,
             graphs: true,
-            kv_dtype: None,
         }
     }
 }
@@ -194,10 +191,7 @@ pub fn generate(
                 graphs: cfg.graphs,
             },
         )?),
-        false => Decoding::Cache(
-            Cache::new(true, dtype, model.config(), device)?
-                .with_kv_dtype(cfg.kv_dtype.unwrap_or(dtype))?,
-        ),
+        false => Decoding::Cache(Cache::new(true, dtype, model.config(), device)?),
     };
     let mut sampler = LogitsProcessor::from_sampling(cfg.seed, cfg.sampling());
     let mut stream = TokenStream::new(tokenizer);

@@ -31,19 +31,8 @@ pub struct Cache {
     pub use_kv_cache: bool,
     /// Per layer, keys and values side by side, `[b, T, 2 · kv_heads · hd]`.
     kvs: Vec<Option<LayerKv>>,
-    /// The dtype the keys and values are kept in ([`Cache::with_kv_dtype`]).
-    kv_dtype: DType,
-    /// The model's dtype, which a pass computes in.
-    dtype: DType,
     rope: RopeTable,
     device: Device,
-}
-
-/// One layer's place in a [`Cache`] as a pass writes it: its keys and values, and the
-/// dtype they are kept in.
-struct KvSlot<'a> {
-    layer: &'a mut Option<LayerKv>,
-    dtype: DType,
 }
 
 /// Positions a layer's KV buffer grows by.
@@ -177,42 +166,9 @@ impl Cache {
             masks: HashMap::new(),
             use_kv_cache,
             kvs: vec![None; config.num_hidden_layers],
-            kv_dtype: dtype,
-            dtype,
             rope,
             device: device.clone(),
         })
-    }
-
-    /// Keeps the keys and values in `dtype`: the model's own, or f16 under an f32 model on
-    /// the CPU, which halves the cache's memory and what each decode step reads of it (the
-    /// default cache of llama.cpp). The attention then reads the f16 rows in place; a
-    /// prompt's own attention uses its f32 rows. Set it before the first pass.
-    pub fn with_kv_dtype(mut self, dtype: DType) -> Result<Self> {
-        let half_on_cpu = self.device.is_cpu() && self.dtype == DType::F32 && dtype == DType::F16;
-        if dtype != self.dtype && !half_on_cpu {
-            candle_core::bail!(
-                "a KV cache in {dtype:?} under a {:?} model on {:?}: the cache keeps the \
-                 model's dtype, or f16 under an f32 model on the CPU",
-                self.dtype,
-                self.device.location()
-            );
-        }
-        self.kv_dtype = dtype;
-        Ok(self)
-    }
-
-    /// The dtype the keys and values are kept in.
-    pub fn kv_dtype(&self) -> DType {
-        self.kv_dtype
-    }
-
-    /// Layer `l`'s place, as a pass writes it.
-    fn slot(&mut self, l: usize) -> KvSlot<'_> {
-        KvSlot {
-            layer: &mut self.kvs[l],
-            dtype: self.kv_dtype,
-        }
     }
 
     /// Forgets the cached keys and values (a new sequence).
@@ -350,7 +306,7 @@ impl CausalSelfAttention {
         batch: (usize, usize),
         rope: &RopeTable,
         mask: Option<&Tensor>,
-        mut kv_cache: Option<KvSlot<'_>>,
+        mut kv_cache: Option<&mut Option<LayerKv>>,
         pass: Pass,
         fused: bool,
     ) -> Result<Tensor> {
@@ -386,12 +342,9 @@ impl CausalSelfAttention {
         let w = nkv * hd;
         // A decode step with fused projections on the GPU: RoPE, the cache append and the
         // attention in one launch, which writes the new row into the layer's buffer.
-        if let (Some(qkv_proj), Some(Some(slot)), true, 1) = (
-            &self.qkv_proj,
-            kv_cache.as_mut().map(|c| &mut *c.layer),
-            fused,
-            t,
-        ) {
+        if let (Some(qkv_proj), Some(Some(slot)), true, 1) =
+            (&self.qkv_proj, kv_cache.as_deref_mut(), fused, t)
+        {
             if slot.kv.dim(0)? == b && fused_ops::step_on_device(x, hd, slot.len) {
                 slot.reserve(1)?;
                 let qkv = qkv_proj.forward(x)?;
@@ -436,23 +389,12 @@ impl CausalSelfAttention {
                 Some(kv) => kv,
                 None => Tensor::cat(&[&k, &v], 1)?,
             };
-            let first = slot.layer.is_none();
-            let kept = kv.reshape((b, t, 2 * w))?.to_dtype(slot.dtype)?;
             // `[b, T, 2w]`, each sequence's rows in place in the layer's buffer.
-            let cached = LayerKv::append(slot.layer, &kept)?;
-            // A cache kept in another dtype than the pass's (f16 under f32 on the CPU):
-            // the fused decode step reads it in place; the plain ops read the prompt's
-            // own rows when it is all the cache holds, else the cache widened.
-            let widen = slot.dtype != q.dtype() && !fused;
-            if !(widen && first) {
-                (k, v) = (cached.narrow(2, 0, w)?, cached.narrow(2, w, w)?);
-                if !fused {
-                    let rows = b * cached.dim(1)?;
-                    (k, v) = (k.reshape((rows, w))?, v.reshape((rows, w))?);
-                }
-                if widen {
-                    (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
-                }
+            let cached = LayerKv::append(slot, &kv.reshape((b, t, 2 * w))?)?;
+            (k, v) = (cached.narrow(2, 0, w)?, cached.narrow(2, w, w)?);
+            if !fused {
+                let rows = b * cached.dim(1)?;
+                (k, v) = (k.reshape((rows, w))?, v.reshape((rows, w))?);
             }
         }
         if fused {
@@ -1190,7 +1132,7 @@ impl Llama {
         };
         for (i, block) in self.blocks.iter().enumerate() {
             let kv = match cache.as_deref_mut() {
-                Some(c) if c.use_kv_cache => Some(c.slot(i)),
+                Some(c) if c.use_kv_cache => Some(&mut c.kvs[i]),
                 _ => None,
             };
             let y = block
@@ -1328,7 +1270,7 @@ impl Llama {
                         (1, 1),
                         rope,
                         None,
-                        Some(cache.slot(l)),
+                        Some(&mut cache.kvs[l]),
                         Pass::Inference,
                         fused,
                     )

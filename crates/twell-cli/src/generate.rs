@@ -32,11 +32,6 @@ pub struct GenerateArgs {
     /// captured as a CUDA graph (the same ops: for debugging and comparison).
     #[arg(long)]
     pub no_graph: bool,
-    /// The KV cache's dtype: `model` (the model's), or `f16` under an f32 model on the CPU
-    /// (half the memory, and half the bytes a decode step reads of the cache; llama.cpp's
-    /// default cache).
-    #[arg(long, value_enum, default_value_t = KvCache::Model)]
-    pub kv_cache: KvCache,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
@@ -53,24 +48,6 @@ pub struct GenerateArgs {
     /// Write the generation statistics as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
-}
-
-/// The KV cache's dtype, as `--kv-cache` names it.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvCache {
-    /// The model's dtype.
-    Model,
-    /// f16 (under an f32 model on the CPU).
-    F16,
-}
-
-impl KvCache {
-    fn dtype(self) -> Option<candle_core::DType> {
-        match self {
-            KvCache::Model => None,
-            KvCache::F16 => Some(candle_core::DType::F16),
-        }
-    }
 }
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
@@ -125,7 +102,6 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         repeat_last_n: args.repeat_last_n,
         seed: args.seed,
         graphs: !args.no_graph,
-        kv_dtype: args.kv_cache.dtype(),
     };
     if !args.chat {
         print!("{}", args.prompt);

@@ -196,11 +196,6 @@ impl CustomOp3 for CausalAttention {
             ));
         }
         let (b, heads, t, kv_heads, total, hd) = self.dims(ql, kl, vl)?;
-        if matches!(ks, CpuStorage::F16(_)) && hd > MAX_HEAD_DIM {
-            return err(OpError::Invalid(format!(
-                "causal_attention: an f16 KV cache takes heads of up to {MAX_HEAD_DIM}, got {hd}"
-            )));
-        }
         let q_rows = Rows::new("q", qs, ql)?;
         let dtype = q_rows.dtype();
         let q = q_rows.to_f32_vec();
@@ -370,16 +365,6 @@ fn same_dtype(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Whether `k` and `v` are a half-precision KV cache under f32 queries on the CPU, which
-/// the CPU forward reads in place (half the bytes of an f32 cache, each row widened in
-/// registers): inference only, so the op then has no backward.
-fn half_cache(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
-    q.device().is_cpu()
-        && q.dtype() == DType::F32
-        && k.dtype() == DType::F16
-        && v.dtype() == DType::F16
-}
-
 /// The scores' scale, `1 / √hd`.
 fn score_scale(head_dim: usize) -> f32 {
     1.0 / (head_dim.max(1) as f32).sqrt()
@@ -399,10 +384,7 @@ pub fn causal_attention_rows(
     batch: usize,
     head_dim: usize,
 ) -> Result<Tensor> {
-    let half = half_cache(q, k, v);
-    if !half {
-        same_dtype(q, k, v)?;
-    }
+    same_dtype(q, k, v)?;
     let op = CausalAttention {
         scale: score_scale(head_dim),
         batch,
@@ -410,10 +392,7 @@ pub fn causal_attention_rows(
         q_angles: None,
     };
     let (q, k, v) = (readable(q)?, readable_kv(k)?, readable_kv(v)?);
-    match half {
-        true => q.apply_op3_no_bwd(&k, &v, &op),
-        false => q.apply_op3(&k, &v, op),
-    }
+    q.apply_op3(&k, &v, op)
 }
 
 /// [`causal_attention_rows`] of queries that still need their RoPE turn: `q [b·t,
@@ -548,8 +527,8 @@ impl HeadGroup<'_> {
     /// returns each query's max score and the sum of its weights.
     fn attend_range(&self, keys: std::ops::Range<usize>, o: &mut [f32]) -> (Vec<f32>, Vec<f32>) {
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::has_avx2_fma() && crate::simd::has_f16c() {
-            // SAFETY: the CPU supports AVX2, FMA and F16C (checked above).
+        if crate::simd::has_avx2_fma() {
+            // SAFETY: the CPU supports AVX2 and FMA (checked above).
             return unsafe { self.attend_range_avx2(keys, o) };
         }
         self.attend_range_portable(keys, o)
@@ -559,7 +538,7 @@ impl HeadGroup<'_> {
     /// queries while it is in registers, and the loops over a head's 64 values are
     /// inlined and vectorised (a call per row and head cost more than the arithmetic).
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma")]
     unsafe fn attend_range_avx2(
         &self,
         keys: std::ops::Range<usize>,
@@ -581,10 +560,9 @@ impl HeadGroup<'_> {
             return (maxes, sums);
         }
         let mut scores = vec![0f32; group * n];
-        let mut buf = [0f32; MAX_HEAD_DIM];
         for (jj, j) in keys.clone().enumerate() {
             prefetch_row(self.k, self.batch, j + PREFETCH_AHEAD, keys.end, &self.head);
-            let kr = self.k.head_row(self.batch, j, &self.head, &mut buf);
+            let kr = &self.k.row(self.batch, j)[self.head.clone()];
             for (g, qr) in self.q.chunks_exact(hd).enumerate() {
                 scores[g * n + jj] = self.scale * lanes_dot(qr, kr);
             }
@@ -598,7 +576,7 @@ impl HeadGroup<'_> {
         }
         for (jj, j) in keys.clone().enumerate() {
             prefetch_row(self.v, self.batch, j + PREFETCH_AHEAD, keys.end, &self.head);
-            let vr = self.v.head_row(self.batch, j, &self.head, &mut buf);
+            let vr = &self.v.row(self.batch, j)[self.head.clone()];
             for (g, og) in o.chunks_exact_mut(hd).enumerate() {
                 let p = scores[g * n + jj];
                 og.iter_mut().zip(vr).for_each(|(acc, x)| *acc += p * x);
@@ -618,12 +596,12 @@ const PREFETCH_AHEAD: usize = 16;
 fn prefetch_row(rows: &KvRows, batch: usize, j: usize, end: usize, head: &std::ops::Range<usize>) {
     #[cfg(target_arch = "x86_64")]
     if j < end {
-        let (at, bytes) = rows.head_bytes(batch, j, head);
-        for line in (0..bytes).step_by(64) {
-            // SAFETY: a prefetch is a hint; the address is inside the row's head slice.
+        let slice = &rows.row(batch, j)[head.clone()];
+        for line in slice.chunks(16) {
+            // SAFETY: a prefetch is a hint; the address is inside `slice`.
             unsafe {
                 std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    at.add(line) as *const i8
+                    line.as_ptr() as *const i8
                 )
             };
         }
@@ -658,20 +636,11 @@ fn lanes_dot(a: &[f32], b: &[f32]) -> f32 {
 /// in place matters at decode: a copy of every cached row per layer and token costs
 /// more than the attention itself on long contexts.
 struct KvRows<'a> {
-    values: KvValues<'a>,
+    values: std::borrow::Cow<'a, [f32]>,
     batch_stride: usize,
     row_stride: usize,
+    width: usize,
 }
-
-/// The values behind [`KvRows`]: f32 (in place, or widened from bf16), or an f16 cache
-/// read in place and widened a head's row at a time.
-enum KvValues<'a> {
-    F32(std::borrow::Cow<'a, [f32]>),
-    F16(&'a [half::f16]),
-}
-
-/// Elements of a head's row that [`KvRows::head_row`] widens into a caller's buffer.
-const MAX_HEAD_DIM: usize = 256;
 
 impl<'a> KvRows<'a> {
     fn new(
@@ -696,11 +665,9 @@ impl<'a> KvRows<'a> {
         let start = l.start_offset();
         let end = start + (batch - 1) * batch_stride + (positions - 1) * row_stride + width;
         let values = match storage {
-            CpuStorage::F32(v) => KvValues::F32(std::borrow::Cow::Borrowed(&v[start..end])),
-            CpuStorage::BF16(v) => {
-                KvValues::F32(v[start..end].iter().map(|x| x.to_f32()).collect())
-            }
-            CpuStorage::F16(v) => KvValues::F16(&v[start..end]),
+            CpuStorage::F32(v) => std::borrow::Cow::Borrowed(&v[start..end]),
+            CpuStorage::BF16(v) => v[start..end].iter().map(|x| x.to_f32()).collect(),
+            CpuStorage::F16(v) => v[start..end].iter().map(|x| x.to_f32()).collect(),
             other => {
                 return err(OpError::BadDtype {
                     what,
@@ -712,44 +679,14 @@ impl<'a> KvRows<'a> {
             values,
             batch_stride,
             row_stride,
+            width,
         })
     }
 
-    /// The `head` columns of row `(batch, position)` as f32: in place, or widened from f16
-    /// into `buf`.
-    #[inline(always)]
-    fn head_row<'b>(
-        &'b self,
-        batch: usize,
-        position: usize,
-        head: &std::ops::Range<usize>,
-        buf: &'b mut [f32; MAX_HEAD_DIM],
-    ) -> &'b [f32] {
+    #[inline]
+    fn row(&self, batch: usize, position: usize) -> &[f32] {
         let at = batch * self.batch_stride + position * self.row_stride;
-        let cols = at + head.start..at + head.end;
-        match &self.values {
-            KvValues::F32(v) => &v[cols],
-            KvValues::F16(v) => {
-                let out = &mut buf[..head.len()];
-                crate::simd::widen_f16(&v[cols], out);
-                out
-            }
-        }
-    }
-
-    /// The address and byte length of the `head` columns of row `(batch, position)`.
-    #[inline(always)]
-    fn head_bytes(
-        &self,
-        batch: usize,
-        position: usize,
-        head: &std::ops::Range<usize>,
-    ) -> (*const u8, usize) {
-        let at = batch * self.batch_stride + position * self.row_stride + head.start;
-        match &self.values {
-            KvValues::F32(v) => (v[at..].as_ptr() as *const u8, head.len() * 4),
-            KvValues::F16(v) => (v[at..].as_ptr() as *const u8, head.len() * 2),
-        }
+        &self.values[at..at + self.width]
     }
 }
 
