@@ -106,6 +106,22 @@ struct AttentionStepResult {
     pass: bool,
 }
 
+/// The plain attention of rows `q` over their cached keys and values `cached`
+/// `[b, len, 2w]` with this step's rows `kv_rows` `[b, 2w]` appended: the reference the
+/// decode steps are checked against.
+fn attention_after_append(q: &Tensor, cached: &Tensor, kv_rows: &Tensor, hd: usize) -> Result<Tensor> {
+    let (b, _, two_w) = cached.dims3()?;
+    let w = two_w / 2;
+    let keys = Tensor::cat(&[cached, &kv_rows.reshape((b, 1, two_w))?], 1)?;
+    Ok(fused_ops::causal_attention_rows(
+        q,
+        &keys.narrow(2, 0, w)?,
+        &keys.narrow(2, w, w)?,
+        b,
+        hd,
+    )?)
+}
+
 /// The one-launch decode step (`causal_attention_step`, hd 64) against the three ops it
 /// replaces, on the same random projections and cache.
 fn check_attention_step(
@@ -126,17 +142,7 @@ fn check_attention_step(
     let cache = bf(&[b, cap, 2 * w])?;
     let before = cache.force_contiguous()?;
     let (q, kv_rows) = fused_ops::rope_qkv(&qkv, &angles, heads, kv)?;
-    let keys = Tensor::cat(
-        &[cache.narrow(1, 0, len)?, kv_rows.reshape((b, 1, 2 * w))?],
-        1,
-    )?;
-    let want = fused_ops::causal_attention_rows(
-        &q,
-        &keys.narrow(2, 0, w)?,
-        &keys.narrow(2, w, w)?,
-        b,
-        hd,
-    )?;
+    let want = attention_after_append(&q, &cache.narrow(1, 0, len)?, &kv_rows, hd)?;
     let got = fused_ops::causal_attention_step(&qkv, &angles, &cache, len, heads, kv)?;
     let err = rel_l2(&got, &want)?;
     let row_err = rel_l2(&cache.narrow(1, len, 1)?.reshape((b, 2 * w))?, &kv_rows)?;
@@ -352,20 +358,8 @@ fn check_slot_step(
     for (i, &(pos, slot)) in rows.iter().enumerate() {
         let angles = fused_ops::RopeTable::new(&cos.narrow(0, pos, 1)?, &sin.narrow(0, pos, 1)?)?;
         let (q, kv_row) = fused_ops::rope_qkv(&qkv.narrow(0, i, 1)?, &angles, heads, kv)?;
-        let keys = Tensor::cat(
-            &[
-                before.narrow(0, slot, 1)?.narrow(1, 0, pos)?,
-                kv_row.reshape((1, 1, 2 * w))?,
-            ],
-            1,
-        )?;
-        let want = fused_ops::causal_attention_rows(
-            &q,
-            &keys.narrow(2, 0, w)?,
-            &keys.narrow(2, w, w)?,
-            1,
-            hd,
-        )?;
+        let cached = before.narrow(0, slot, 1)?.narrow(1, 0, pos)?;
+        let want = attention_after_append(&q, &cached, &kv_row, hd)?;
         err = err.max(rel_l2(&got.narrow(0, i, 1)?, &want)?);
         let written = cache
             .narrow(0, slot, 1)?
