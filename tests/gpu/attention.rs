@@ -109,7 +109,12 @@ struct AttentionStepResult {
 /// The plain attention of rows `q` over their cached keys and values `cached`
 /// `[b, len, 2w]` with this step's rows `kv_rows` `[b, 2w]` appended: the reference the
 /// decode steps are checked against.
-fn attention_after_append(q: &Tensor, cached: &Tensor, kv_rows: &Tensor, hd: usize) -> Result<Tensor> {
+fn attention_after_append(
+    q: &Tensor,
+    cached: &Tensor,
+    kv_rows: &Tensor,
+    hd: usize,
+) -> Result<Tensor> {
     let (b, _, two_w) = cached.dims3()?;
     let w = two_w / 2;
     let keys = Tensor::cat(&[cached, &kv_rows.reshape((b, 1, two_w))?], 1)?;
