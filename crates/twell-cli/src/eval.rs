@@ -136,8 +136,7 @@ pub fn run(args: &EvalArgs) -> Result<()> {
             perplexity: ppl,
             layers,
         };
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        crate::output::write_json(path, &report)?;
     }
     Ok(())
 }

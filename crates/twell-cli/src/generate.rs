@@ -142,8 +142,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         model.dtype(),
     );
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&stats)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        crate::output::write_json(path, &stats)?;
     }
     Ok(())
 }

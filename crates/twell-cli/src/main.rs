@@ -12,6 +12,7 @@ mod generate;
 mod host_tuning;
 mod launch;
 mod model_args;
+mod output;
 mod sample;
 mod serve;
 
@@ -104,7 +105,41 @@ fn main() -> Result<()> {
     pool.install(|| run(cli))
 }
 
+impl Command {
+    /// The files the command writes once its work is done, with their flags: checked
+    /// before it starts ([`output`]).
+    fn outputs(&self) -> Vec<(&'static str, &std::path::Path)> {
+        fn json(p: &Option<std::path::PathBuf>) -> Option<(&'static str, &std::path::Path)> {
+            p.as_deref().map(|p| ("--json", p))
+        }
+        fn svg(p: &Option<std::path::PathBuf>) -> Option<(&'static str, &std::path::Path)> {
+            p.as_deref().map(|p| ("--svg", p))
+        }
+        let files = match self {
+            Command::Generate(a) => vec![json(&a.json)],
+            Command::Eval(a) => vec![json(&a.json), svg(&a.svg)],
+            Command::Curves(a) => vec![Some(("--svg", a.svg.as_path()))],
+            Command::Finetune(_) | Command::Sample(_) | Command::Serve(_) | Command::Convert(_) => {
+                vec![]
+            }
+            Command::Bench(b) => match b {
+                BenchCommand::Mlp(a) => vec![json(&a.json), svg(&a.svg)],
+                BenchCommand::Linear(a) => vec![json(&a.json)],
+                BenchCommand::MlpTrain(a) => vec![json(&a.json), svg(&a.svg)],
+                BenchCommand::Model(a) => vec![json(&a.json), svg(&a.svg)],
+                BenchCommand::Sweep(a) => vec![json(&a.json)],
+                BenchCommand::Layers(a) => vec![json(&a.json)],
+                BenchCommand::Shards(a) => vec![json(&a.json)],
+                BenchCommand::Loss(a) => vec![json(&a.json)],
+                BenchCommand::Serve(a) => vec![json(&a.json)],
+            },
+        };
+        files.into_iter().flatten().collect()
+    }
+}
+
 fn run(cli: Cli) -> Result<()> {
+    output::check_all(cli.command.outputs())?;
     match cli.command {
         Command::Generate(args) => generate::run(&args)?,
         Command::Finetune(args) => finetune::run(&args)?,
@@ -117,7 +152,7 @@ fn run(cli: Cli) -> Result<()> {
             let report = bench::model::run(&args)?;
             bench::model::print(&report);
             if let Some(path) = &args.json {
-                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+                output::write_json(path, &report)?;
             }
             if let Some(path) = &args.svg {
                 chart::model_speedups(path, &report)?;
@@ -131,14 +166,14 @@ fn run(cli: Cli) -> Result<()> {
             let report = bench::loss::run(&args)?;
             bench::loss::print(&report);
             if let Some(path) = &args.json {
-                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+                output::write_json(path, &report)?;
             }
         }
         Command::Bench(BenchCommand::Linear(args)) => {
             let rows = bench::linear::run(&args)?;
             bench::linear::print(&rows);
             if let Some(path) = &args.json {
-                std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
+                output::write_json(path, &rows)?;
             }
         }
         Command::Bench(BenchCommand::Sweep(args)) => {

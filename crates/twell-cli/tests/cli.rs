@@ -506,6 +506,74 @@ fn bad_eval_flags_are_rejected() {
     );
 }
 
+/// An output path that cannot be written fails before the work that would fill it (the
+/// model is not even loaded, so no result is computed and lost), naming its flag; an
+/// existing report is left as it was.
+#[test]
+fn unwritable_outputs_fail_before_the_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, text) = tiny_checkpoint(dir.path());
+    let (m, t) = (model.to_str().unwrap(), text.to_str().unwrap());
+    let missing = dir.path().join("no-such-folder").join("report.json");
+    let missing = missing.to_str().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["eval", "--model", m, "--text", t, "--json", missing],
+            "--json",
+        ),
+        (
+            &["eval", "--model", m, "--text", t, "--svg", folder],
+            "--svg",
+        ),
+        (
+            &["generate", "--model", m, "--prompt", "x", "--json", missing],
+            "--json",
+        ),
+        (
+            &["bench", "mlp", "--shape", "64x128", "--json", missing],
+            "--json",
+        ),
+        (&["bench", "model", "--svg", missing], "--svg"),
+        (&["curves", "--svg", missing, t], "--svg"),
+    ];
+    for (args, flag) in cases {
+        let (ok, out) = twell(args);
+        assert!(!ok, "twell {args:?} should fail:\n{out}");
+        assert!(out.contains(flag), "twell {args:?}: no '{flag}' in:\n{out}");
+        // Nothing ran: no perplexity, no table, no generated text.
+        assert!(
+            !out.contains("perplexity") && !out.contains("tokens/s") && !out.contains("dense"),
+            "twell {args:?} did work before failing:\n{out}"
+        );
+    }
+    // A good run next to an old report replaces it whole.
+    let report = dir.path().join("report.json");
+    std::fs::write(&report, "old").unwrap();
+    let (ok, out) = twell(&[
+        "eval",
+        "--model",
+        m,
+        "--text",
+        t,
+        "--json",
+        report.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        read_json(&report)["perplexity"]["perplexity"]
+            .as_f64()
+            .unwrap()
+            > 1.0
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+}
+
 /// A JSON file the command wrote.
 fn read_json(path: &std::path::Path) -> serde_json::Value {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

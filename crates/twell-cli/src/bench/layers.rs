@@ -156,8 +156,7 @@ pub fn run(args: &LayersArgs) -> Result<LayersReport> {
         rows,
     };
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        crate::output::write_json(path, &report)?;
     }
     Ok(report)
 }

@@ -348,8 +348,7 @@ pub fn run(args: &MlpBenchArgs) -> Result<MlpReport> {
         rows,
     };
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        crate::output::write_json(path, &report)?;
     }
     if let Some(path) = &args.svg {
         let points: Vec<_> = report.rows.iter().map(Into::into).collect();

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{DType, Module, Tensor, Var, D};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -228,8 +228,7 @@ pub fn run(args: &MlpTrainBenchArgs) -> Result<MlpTrainReport> {
         rows,
     };
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        crate::output::write_json(path, &report)?;
     }
     if let Some(path) = &args.svg {
         let points: Vec<_> = report

@@ -84,8 +84,7 @@ pub fn run(args: &ServeBenchArgs) -> Result<Vec<Level>> {
         levels.push(level);
     }
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&levels)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        crate::output::write_json(path, &levels)?;
     }
     Ok(levels)
 }

@@ -148,7 +148,7 @@ pub fn run(args: &ShardsArgs) -> Result<ShardsReport> {
         rows: report_rows,
     };
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+        crate::output::write_json(path, &report)?;
     }
     Ok(report)
 }
