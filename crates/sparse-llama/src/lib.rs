@@ -17,6 +17,7 @@ pub mod model;
 pub mod perplexity;
 pub mod sparsity;
 pub mod synthetic;
+pub mod tensor_parallel;
 pub mod tokenizer;
 
 pub use config::{

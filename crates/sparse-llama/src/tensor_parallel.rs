@@ -1,0 +1,208 @@
+//! A tensor-parallel sparse FFN: the MLP's neurons split across ranks (one a GPU), each
+//! rank running the sparse MLP over its share and the ranks summing their outputs.
+//!
+//! A ReLU MLP is a sum over its neurons, `down · relu(gate x) ⊙ (up x) = Σ_j h_j · Wd_j`,
+//! so a rank holding neurons `J` (their gate and up rows, their down columns) computes
+//! the part of that sum over `J`, and an all-reduce adds the parts. Each rank packs and
+//! walks only its own active neurons. A token's MLP waits for the rank with the most
+//! active neurons; an order from calibration text ([`crate::sparsity::balanced_neuron_order`])
+//! evens the ranks' loads over many tokens (docs/benchmarks.md, "Tensor-parallel parts
+//! of the sparse default's FFN").
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{Module, Result, Tensor};
+use twell::{Activation, FfnMode, SparseMlp};
+use twell_dist::Communicator;
+
+use crate::error::LlamaError;
+
+fn invalid(detail: String) -> candle_core::Error {
+    LlamaError::Invalid(format!("tensor-parallel MLP: {detail}")).into()
+}
+
+/// The neurons rank `rank` of `world` holds: the `rank`-th of `world` equal contiguous
+/// parts of `order` (a permutation of `0..order.len()`), sorted so the rank reads its
+/// rows in memory order.
+pub fn shard_neurons(order: &[usize], rank: usize, world: usize) -> Result<Vec<usize>> {
+    let f = order.len();
+    if world == 0 || rank >= world {
+        return Err(invalid(format!("rank {rank} of a world of {world}")));
+    }
+    if !f.is_multiple_of(world) {
+        return Err(invalid(format!(
+            "{f} neurons do not split into {world} equal parts"
+        )));
+    }
+    let mut seen = vec![false; f];
+    for &j in order {
+        if j >= f || std::mem::replace(&mut seen[j], true) {
+            return Err(invalid(format!(
+                "the neuron order is not a permutation of 0..{f} (neuron {j})"
+            )));
+        }
+    }
+    let size = f / world;
+    let mut part = order[rank * size..(rank + 1) * size].to_vec();
+    part.sort_unstable();
+    Ok(part)
+}
+
+/// One rank's share of a sparse MLP, and the communicator that sums the shares.
+///
+/// Every rank must call [`ShardedMlp::forward`] on the same rows in the same order (the
+/// same model, the same batch): each call is one all-reduce.
+pub struct ShardedMlp {
+    part: SparseMlp,
+    neurons: Vec<usize>,
+    comm: Arc<Mutex<dyn Communicator>>,
+}
+
+impl ShardedMlp {
+    /// This rank's share of the MLP with HF-layout weights `gate [f, d]`, `up [f, d]`
+    /// and `down [d, f]`: the neurons [`shard_neurons`] gives it for `order` (the
+    /// identity when `None`), at the rank and world size of `comm`.
+    pub fn new(
+        gate: &Tensor,
+        up: &Tensor,
+        down: &Tensor,
+        activation: Activation,
+        mode: FfnMode,
+        order: Option<&[usize]>,
+        comm: Arc<Mutex<dyn Communicator>>,
+    ) -> Result<Self> {
+        let (f, _) = gate.dims2()?;
+        let (rank, world) = {
+            let c = comm
+                .lock()
+                .map_err(|_| invalid("communicator lock poisoned".into()))?;
+            (c.rank(), c.world_size())
+        };
+        let identity: Vec<usize>;
+        let order = match order {
+            Some(o) => {
+                if o.len() != f {
+                    return Err(invalid(format!(
+                        "the neuron order has {} entries for {f} neurons",
+                        o.len()
+                    )));
+                }
+                o
+            }
+            None => {
+                identity = (0..f).collect();
+                &identity
+            }
+        };
+        let neurons = shard_neurons(order, rank, world)?;
+        let ids = Tensor::from_vec(
+            neurons.iter().map(|&j| j as u32).collect::<Vec<_>>(),
+            neurons.len(),
+            gate.device(),
+        )?;
+        let part = SparseMlp::new(
+            gate.index_select(&ids, 0)?,
+            up.index_select(&ids, 0)?,
+            down.index_select(&ids, 1)?.contiguous()?,
+            activation,
+            mode,
+        )?;
+        Ok(Self {
+            part,
+            neurons,
+            comm,
+        })
+    }
+
+    /// The neurons this rank holds, ascending.
+    pub fn neurons(&self) -> &[usize] {
+        &self.neurons
+    }
+
+    /// This rank's MLP, for its settings (mode, statistics).
+    pub fn part_mut(&mut self) -> &mut SparseMlp {
+        &mut self.part
+    }
+
+    /// The MLP of `x [.., d]`: this rank's partial sum over its neurons, added over the
+    /// ranks (every rank ends with the same values), in `x`'s dtype.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let partial = self.part.forward(x)?;
+        let mut comm = self
+            .comm
+            .lock()
+            .map_err(|_| invalid("communicator lock poisoned".into()))?;
+        comm.all_reduce_sum_tensor(&partial)?.to_dtype(x.dtype())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+    use twell_dist::SingleProcess;
+
+    #[test]
+    fn shares_cover_every_neuron_once() -> Result<()> {
+        let order: Vec<usize> = (0..12).rev().collect();
+        let parts: Vec<Vec<usize>> = (0..3)
+            .map(|r| shard_neurons(&order, r, 3))
+            .collect::<Result<_>>()?;
+        assert_eq!(parts[0], vec![8, 9, 10, 11]);
+        let mut all: Vec<usize> = parts.concat();
+        all.sort_unstable();
+        assert_eq!(all, (0..12).collect::<Vec<_>>());
+        Ok(())
+    }
+
+    #[test]
+    fn bad_orders_and_worlds_are_refused() {
+        let order: Vec<usize> = (0..12).collect();
+        for (order, rank, world, needle) in [
+            (order.clone(), 0, 5, "equal parts"),
+            (order.clone(), 3, 3, "rank 3 of a world of 3"),
+            (order.clone(), 0, 0, "world of 0"),
+            (vec![0, 1, 2, 2], 0, 2, "not a permutation"),
+            (vec![0, 1, 2, 9], 0, 2, "not a permutation"),
+        ] {
+            let e = shard_neurons(&order, rank, world).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_world_of_one_is_the_whole_mlp() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = twell::density::synthetic_mlp(64, 96, 0.1, DType::F32, &dev, 3)?;
+        let x = twell::density::synthetic_input(5, 64, DType::F32, &dev, 4)?;
+        let whole = w.relu_mlp(FfnMode::Sparse)?.forward(&x)?;
+        let comm: Arc<Mutex<dyn Communicator>> = Arc::new(Mutex::new(SingleProcess));
+        let order: Vec<usize> = (0..96).rev().collect();
+        let sharded = ShardedMlp::new(
+            &w.gate,
+            &w.up,
+            &w.down,
+            Activation::Relu,
+            FfnMode::Sparse,
+            Some(&order),
+            comm,
+        )?;
+        let got = sharded.forward(&x)?;
+        let diff = (got - &whole)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{diff}");
+        let e = ShardedMlp::new(
+            &w.gate,
+            &w.up,
+            &w.down,
+            Activation::Relu,
+            FfnMode::Sparse,
+            Some(&order[..95]),
+            Arc::new(Mutex::new(SingleProcess)),
+        )
+        .err()
+        .expect("a short order")
+        .to_string();
+        assert!(e.contains("95 entries for 96 neurons"), "{e}");
+        Ok(())
+    }
+}
