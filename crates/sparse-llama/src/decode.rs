@@ -99,6 +99,12 @@ impl SlotDecoder {
             ))
         } else if !model.is_qkv_fused() {
             Some("the slot decoder needs fused q, k, v projections: call Llama::fuse_qkv".into())
+        } else if model.is_tensor_parallel() {
+            Some(
+                "a tensor-parallel model (Llama::shard_ffn) decodes through \
+                 Llama::forward_decode_batch: its all-reduce runs on the host, outside a graph"
+                    .into(),
+            )
         } else if !fused_ops::CUDA_HEAD_DIMS.contains(&head_dim) {
             Some(format!(
                 "the slot decoder's attention takes head sizes {:?}, the model's is {head_dim}",

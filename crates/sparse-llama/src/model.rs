@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::adapter::LoraAdapter;
+use crate::tensor_parallel::{Ranks, ShardedMlp};
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear_b, Embedding, Linear, RmsNorm, VarBuilder};
 use fused_ops::RopeTable;
@@ -556,6 +557,8 @@ struct Block {
     self_attn: CausalSelfAttention,
     post_attention_layernorm: Norm,
     mlp: SparseMlp,
+    /// With [`Llama::shard_ffn`]: `mlp` is this rank's share, its output summed over them.
+    ranks: Option<Ranks>,
 }
 
 /// A weight's stand-in once its quantized copy is all a model keeps: the same shape,
@@ -641,7 +644,28 @@ impl Block {
                 vb.pp("post_attention_layernorm"),
             )?,
             mlp,
+            ranks: None,
         })
+    }
+
+    /// The MLP sublayer of an inference pass: the residual add and norm before the MLP,
+    /// the MLP, then the add and `next`'s norm after it; one call into the MLP where it is
+    /// whole. A tensor-parallel share's output is summed over the ranks before its add.
+    fn mlp_sublayer(&self, x: &Tensor, attn: &Tensor, next: &Norm) -> Result<(Tensor, Tensor)> {
+        let norm = &self.post_attention_layernorm;
+        match &self.ranks {
+            None => self.mlp.forward_sublayer(
+                x,
+                attn,
+                (&norm.weight, norm.eps),
+                (&next.weight, next.eps),
+            ),
+            Some(ranks) => {
+                let (sum, h) = norm.add_forward(x, attn)?;
+                let out = ranks.sum(&self.mlp.forward(&h)?)?;
+                next.add_forward(&sum, &out)
+            }
+        }
     }
 }
 
@@ -939,6 +963,9 @@ impl Llama {
     /// sparse CUDA path the normalised rows are never written. Like [`Llama::fuse_qkv`],
     /// [`Llama::forward_train`] refuses a folded model.
     pub fn fold_mlp_norms(&mut self) -> Result<()> {
+        if self.is_tensor_parallel() {
+            candle_core::bail!("fold_mlp_norms: a tensor-parallel model's MLPs stay unfolded");
+        }
         for block in &mut self.blocks {
             if block.mlp.pre_norm_folded() {
                 continue;
@@ -974,6 +1001,9 @@ impl Llama {
         if plan.attention.is_some() && !self.is_qkv_fused() {
             candle_core::bail!("quantize_for_cpu: call fuse_qkv first");
         }
+        if plan.mlp.is_some() && self.is_tensor_parallel() {
+            candle_core::bail!("quantize_for_cpu: a tensor-parallel model's MLP shares stay f32");
+        }
         if let (Some(format), Head::Linear(linear)) = (plan.head, &self.lm_head) {
             self.lm_head = Head::Quantized(Arc::new(quantized_rows(linear.weight(), format)?));
         }
@@ -1005,6 +1035,49 @@ impl Llama {
     /// Whether [`Llama::fuse_qkv`] has run.
     pub fn is_qkv_fused(&self) -> bool {
         self.blocks.iter().any(|b| b.self_attn.qkv_proj.is_some())
+    }
+
+    /// Keeps this rank's share of every MLP, for tensor parallelism over `ranks`: the
+    /// neurons [`crate::tensor_parallel::shard_neurons`] gives it for `orders[layer]` (each a
+    /// permutation of the layer's neurons, e.g. [`crate::sparsity::balanced_neuron_order`];
+    /// the identity where `None`). Each MLP's output is then summed over the ranks before
+    /// its residual add. Every rank must load the same model, shard it with the same
+    /// orders and run the same passes with the same rows. Inference only, op by op (the
+    /// decode engine's graphs cannot hold a host all-reduce), on MLPs without biases,
+    /// quantized rows or folded norms.
+    pub fn shard_ffn(&mut self, ranks: Ranks, orders: Option<&[Vec<usize>]>) -> Result<()> {
+        if self.is_tensor_parallel() {
+            candle_core::bail!("shard_ffn: the model is sharded already");
+        }
+        if let Some(o) = orders {
+            if o.len() != self.blocks.len() {
+                candle_core::bail!(
+                    "shard_ffn: {} neuron orders for {} layers",
+                    o.len(),
+                    self.blocks.len()
+                );
+            }
+        }
+        let shares = self
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(l, b)| {
+                let order = orders.map(|o| o[l].as_slice());
+                ShardedMlp::new(&b.mlp, order, ranks.clone())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (block, share) in self.blocks.iter_mut().zip(shares) {
+            let (part, ranks) = share.into_parts();
+            block.mlp = part;
+            block.ranks = Some(ranks);
+        }
+        Ok(())
+    }
+
+    /// Whether [`Llama::shard_ffn`] has run.
+    pub fn is_tensor_parallel(&self) -> bool {
+        self.blocks.iter().any(|b| b.ranks.is_some())
     }
 
     /// Chooses the attention implementation of the following passes (see
@@ -1185,15 +1258,7 @@ impl Llama {
                         }
                         // A one-token step on the sparse CUDA path runs the whole MLP
                         // sublayer, the add + norm on each side included, as one launch.
-                        Pass::Inference => {
-                            let norm = &block.post_attention_layernorm;
-                            block.mlp.forward_sublayer(
-                                &x,
-                                &attn,
-                                (&norm.weight, norm.eps),
-                                (&next.weight, next.eps),
-                            )?
-                        }
+                        Pass::Inference => block.mlp_sublayer(&x, &attn, next)?,
                     };
                 }
             }
@@ -1326,13 +1391,7 @@ impl Llama {
                 Some(b) => &b.input_layernorm,
                 None => &self.norm,
             };
-            let norm = &block.post_attention_layernorm;
-            (x, h) = block.mlp.forward_sublayer(
-                &x,
-                &attn,
-                (&norm.weight, norm.eps),
-                (&next.weight, next.eps),
-            )?;
+            (x, h) = block.mlp_sublayer(&x, &attn, next)?;
         }
         self.lm_head.forward(&h)?.to_dtype(DType::F32)
     }
@@ -1379,6 +1438,9 @@ impl Llama {
     /// Differentiable forward over whole sequences (no cache): all logits and the L1 term
     /// averaged over layers.
     pub fn forward_train(&self, x: &Tensor) -> Result<TrainOutput> {
+        if self.is_tensor_parallel() {
+            candle_core::bail!("a tensor-parallel model (shard_ffn) runs inference only");
+        }
         if self.f32_released {
             candle_core::bail!(
                 "this model keeps quantized rows only (load_quantized): load it again to train"

@@ -12,7 +12,7 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{Module, Result, Tensor};
-use twell::{Activation, FfnMode, SparseMlp};
+use twell::SparseMlp;
 use twell_dist::Communicator;
 
 use crate::error::LlamaError;
@@ -48,69 +48,109 @@ pub fn shard_neurons(order: &[usize], rank: usize, world: usize) -> Result<Vec<u
     Ok(part)
 }
 
-/// One rank's share of a sparse MLP, and the communicator that sums the shares.
+/// The processes a tensor-parallel model's MLPs sum their shares over: a shared handle
+/// on this rank's communicator.
+#[derive(Clone)]
+pub struct Ranks(Arc<Mutex<dyn Communicator>>);
+
+impl std::fmt::Debug for Ranks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.rank_and_world() {
+            Ok((rank, world)) => write!(f, "Ranks(rank {rank} of {world})"),
+            Err(_) => f.write_str("Ranks(poisoned)"),
+        }
+    }
+}
+
+impl Ranks {
+    pub fn new(comm: Arc<Mutex<dyn Communicator>>) -> Self {
+        Self(comm)
+    }
+
+    /// This process's rank and the number of ranks.
+    pub fn rank_and_world(&self) -> Result<(usize, usize)> {
+        let c = self
+            .0
+            .lock()
+            .map_err(|_| invalid("communicator lock poisoned".into()))?;
+        Ok((c.rank(), c.world_size()))
+    }
+
+    /// The element-wise sum of `t` over the ranks (the same bits on every rank), in
+    /// `t`'s dtype. Every rank must call it with the same shape at the same point.
+    pub fn sum(&self, t: &Tensor) -> Result<Tensor> {
+        let mut comm = self
+            .0
+            .lock()
+            .map_err(|_| invalid("communicator lock poisoned".into()))?;
+        comm.all_reduce_sum_tensor(t)?.to_dtype(t.dtype())
+    }
+}
+
+/// `mlp` restricted to `neurons` (ascending): their gate and up rows and down columns,
+/// with its activation, mode and TwELL settings. Refuses an MLP with biases (the down
+/// bias would be added once a rank), quantized rows or a folded norm.
+pub fn mlp_share(mlp: &SparseMlp, neurons: &[usize]) -> Result<SparseMlp> {
+    if mlp.has_bias() || mlp.is_quantized() || mlp.pre_norm_folded() {
+        return Err(invalid(
+            "shares are cut from a plain MLP: no biases, no quantized rows, no folded norm".into(),
+        ));
+    }
+    let f = mlp.ffn();
+    if let Some(&j) = neurons.iter().find(|&&j| j >= f) {
+        return Err(invalid(format!("neuron {j} of an MLP of {f}")));
+    }
+    let ids = Tensor::from_vec(
+        neurons.iter().map(|&j| j as u32).collect::<Vec<_>>(),
+        neurons.len(),
+        mlp.gate_proj().device(),
+    )?;
+    Ok(SparseMlp::new(
+        mlp.gate_proj().index_select(&ids, 0)?,
+        mlp.up_proj().index_select(&ids, 0)?,
+        mlp.down_proj().index_select(&ids, 1)?.contiguous()?,
+        mlp.activation(),
+        mlp.mode(),
+    )?
+    .with_twell_config(mlp.twell_config()))
+}
+
+/// One rank's share of a sparse MLP, and the ranks that sum the shares.
 ///
 /// Every rank must call [`ShardedMlp::forward`] on the same rows in the same order (the
 /// same model, the same batch): each call is one all-reduce.
+#[derive(Debug)]
 pub struct ShardedMlp {
     part: SparseMlp,
     neurons: Vec<usize>,
-    comm: Arc<Mutex<dyn Communicator>>,
+    ranks: Ranks,
 }
 
 impl ShardedMlp {
-    /// This rank's share of the MLP with HF-layout weights `gate [f, d]`, `up [f, d]`
-    /// and `down [d, f]`: the neurons [`shard_neurons`] gives it for `order` (the
-    /// identity when `None`), at the rank and world size of `comm`.
-    pub fn new(
-        gate: &Tensor,
-        up: &Tensor,
-        down: &Tensor,
-        activation: Activation,
-        mode: FfnMode,
-        order: Option<&[usize]>,
-        comm: Arc<Mutex<dyn Communicator>>,
-    ) -> Result<Self> {
-        let (f, _) = gate.dims2()?;
-        let (rank, world) = {
-            let c = comm
-                .lock()
-                .map_err(|_| invalid("communicator lock poisoned".into()))?;
-            (c.rank(), c.world_size())
-        };
+    /// This rank's share of `whole`: the neurons [`shard_neurons`] gives it for `order`
+    /// (the identity when `None`) at the rank and world size of `ranks`.
+    pub fn new(whole: &SparseMlp, order: Option<&[usize]>, ranks: Ranks) -> Result<Self> {
+        let f = whole.ffn();
+        let (rank, world) = ranks.rank_and_world()?;
         let identity: Vec<usize>;
         let order = match order {
-            Some(o) => {
-                if o.len() != f {
-                    return Err(invalid(format!(
-                        "the neuron order has {} entries for {f} neurons",
-                        o.len()
-                    )));
-                }
-                o
+            Some(o) if o.len() != f => {
+                return Err(invalid(format!(
+                    "the neuron order has {} entries for {f} neurons",
+                    o.len()
+                )))
             }
+            Some(o) => o,
             None => {
                 identity = (0..f).collect();
                 &identity
             }
         };
         let neurons = shard_neurons(order, rank, world)?;
-        let ids = Tensor::from_vec(
-            neurons.iter().map(|&j| j as u32).collect::<Vec<_>>(),
-            neurons.len(),
-            gate.device(),
-        )?;
-        let part = SparseMlp::new(
-            gate.index_select(&ids, 0)?,
-            up.index_select(&ids, 0)?,
-            down.index_select(&ids, 1)?.contiguous()?,
-            activation,
-            mode,
-        )?;
         Ok(Self {
-            part,
+            part: mlp_share(whole, &neurons)?,
             neurons,
-            comm,
+            ranks,
         })
     }
 
@@ -119,20 +159,15 @@ impl ShardedMlp {
         &self.neurons
     }
 
-    /// This rank's MLP, for its settings (mode, statistics).
-    pub fn part_mut(&mut self) -> &mut SparseMlp {
-        &mut self.part
+    /// This rank's MLP and the ranks, for a model that sums the shares itself.
+    pub fn into_parts(self) -> (SparseMlp, Ranks) {
+        (self.part, self.ranks)
     }
 
     /// The MLP of `x [.., d]`: this rank's partial sum over its neurons, added over the
     /// ranks (every rank ends with the same values), in `x`'s dtype.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let partial = self.part.forward(x)?;
-        let mut comm = self
-            .comm
-            .lock()
-            .map_err(|_| invalid("communicator lock poisoned".into()))?;
-        comm.all_reduce_sum_tensor(&partial)?.to_dtype(x.dtype())
+        self.ranks.sum(&self.part.forward(x)?)
     }
 }
 
@@ -140,6 +175,7 @@ impl ShardedMlp {
 mod tests {
     use super::*;
     use candle_core::{DType, Device};
+    use twell::FfnMode;
     use twell_dist::SingleProcess;
 
     #[test]
@@ -175,34 +211,24 @@ mod tests {
         let dev = Device::Cpu;
         let w = twell::density::synthetic_mlp(64, 96, 0.1, DType::F32, &dev, 3)?;
         let x = twell::density::synthetic_input(5, 64, DType::F32, &dev, 4)?;
-        let whole = w.relu_mlp(FfnMode::Sparse)?.forward(&x)?;
-        let comm: Arc<Mutex<dyn Communicator>> = Arc::new(Mutex::new(SingleProcess));
+        let whole_mlp = w.relu_mlp(FfnMode::Sparse)?;
+        let whole = whole_mlp.forward(&x)?;
+        let one = || Ranks::new(Arc::new(Mutex::new(SingleProcess)));
         let order: Vec<usize> = (0..96).rev().collect();
-        let sharded = ShardedMlp::new(
-            &w.gate,
-            &w.up,
-            &w.down,
-            Activation::Relu,
-            FfnMode::Sparse,
-            Some(&order),
-            comm,
-        )?;
-        let got = sharded.forward(&x)?;
-        let diff = (got - &whole)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let sharded = ShardedMlp::new(&whole_mlp, Some(&order), one())?;
+        let diff = (sharded.forward(&x)? - &whole)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
         assert!(diff < 1e-5, "{diff}");
-        let e = ShardedMlp::new(
-            &w.gate,
-            &w.up,
-            &w.down,
-            Activation::Relu,
-            FfnMode::Sparse,
-            Some(&order[..95]),
-            Arc::new(Mutex::new(SingleProcess)),
-        )
-        .err()
-        .expect("a short order")
-        .to_string();
+        let e = ShardedMlp::new(&whole_mlp, Some(&order[..95]), one())
+            .expect_err("a short order")
+            .to_string();
         assert!(e.contains("95 entries for 96 neurons"), "{e}");
+        let e = mlp_share(&whole_mlp, &[0, 96])
+            .expect_err("a neuron past f")
+            .to_string();
+        assert!(e.contains("neuron 96 of an MLP of 96"), "{e}");
         Ok(())
     }
 }

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Module, Tensor};
 use sparse_llama::sparsity::balanced_neuron_order;
-use sparse_llama::tensor_parallel::ShardedMlp;
+use sparse_llama::tensor_parallel::{Ranks, ShardedMlp};
 use twell::density::{synthetic_input, synthetic_mlp, MlpWeights};
-use twell::{Activation, FfnMode};
+use twell::FfnMode;
 use twell_dist::{Communicator, TcpCommunicator, TcpOptions};
 
 /// A loopback address with a port that was free a moment ago.
@@ -39,16 +39,8 @@ fn sharded_outputs(
                         .with_timeout(Duration::from_secs(20));
                     let comm: Arc<Mutex<dyn Communicator>> =
                         Arc::new(Mutex::new(TcpCommunicator::connect(&options).unwrap()));
-                    let mlp = ShardedMlp::new(
-                        &w.gate,
-                        &w.up,
-                        &w.down,
-                        Activation::Relu,
-                        mode,
-                        order,
-                        comm,
-                    )
-                    .unwrap();
+                    let whole = w.relu_mlp(mode).unwrap();
+                    let mlp = ShardedMlp::new(&whole, order, Ranks::new(comm)).unwrap();
                     assert_eq!(mlp.neurons().len(), w.gate.dim(0).unwrap() / world);
                     mlp.forward(x)
                         .unwrap()
@@ -102,4 +94,117 @@ fn the_ranks_shares_add_up_to_the_whole_mlp() {
             }
         }
     }
+}
+
+/// Greedy decoding of a synthetic sparse model: the prompt's logits, then `steps`
+/// one-token steps through a KV cache (`Llama::forward`) and the same steps through the
+/// batched host decode (`Llama::forward_decode_batch`), every logit in order.
+fn decode_logits(model: &sparse_llama::Llama, prompt: &[u32], steps: usize) -> Vec<f32> {
+    use sparse_llama::model::Cache;
+    let dev = model.device().clone();
+    let cfg = model.config().clone();
+    let mut cache = Cache::new(true, DType::F32, &cfg, &dev).unwrap();
+    let mut batch_cache = Cache::new(true, DType::F32, &cfg, &dev).unwrap();
+    let ids = Tensor::new(prompt, &dev).unwrap().unsqueeze(0).unwrap();
+    let mut logits = model.forward(&ids, 0, &mut cache).unwrap();
+    model.forward(&ids, 0, &mut batch_cache).unwrap();
+    let mut all = logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for step in 0..steps {
+        let next = logits.argmax(candle_core::D::Minus1).unwrap();
+        let token = next.flatten_all().unwrap().to_vec1::<u32>().unwrap()[0];
+        let position = prompt.len() + step;
+        let ids = Tensor::new(&[token], &dev).unwrap().unsqueeze(0).unwrap();
+        logits = model.forward(&ids, position, &mut cache).unwrap();
+        let batched = model
+            .forward_decode_batch(&[token], &[position], &mut [&mut batch_cache])
+            .unwrap();
+        all.extend(logits.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        all.extend(batched.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    }
+    all
+}
+
+/// A sparse model sharded over 2 and 3 ranks (`Llama::shard_ffn`, in the identity and
+/// in a balanced neuron order) decodes with the whole model's logits, prefill and steps,
+/// and every rank holds the same logits bit for bit; a sharded model refuses training,
+/// folding and a second sharding, and a wrong number of orders.
+#[test]
+fn a_sharded_model_decodes_with_the_whole_models_logits() {
+    use sparse_llama::{synthetic, Llama};
+    let dev = Device::Cpu;
+    let cfg = synthetic::config(64, 192, 2, 4, 2, 300).unwrap();
+    let mut weights = synthetic::weights(&cfg, 0.1, 5, DType::F32, &dev).unwrap();
+    // The random model's MLPs write little into the residual stream; make them count, so
+    // a share missing from the sum shows in the logits.
+    for (name, w) in weights.iter_mut() {
+        if name.contains("down_proj") {
+            *w = (&*w * 20.0).unwrap();
+        }
+    }
+    let load = || {
+        let vb = candle_nn::VarBuilder::from_tensors(weights.clone(), DType::F32, &dev);
+        Llama::load(vb, &cfg).unwrap()
+    };
+    let prompt = [3u32, 41, 7, 99, 250, 12];
+    let whole = decode_logits(&load(), &prompt, 6);
+    for (world, balanced) in [(2, false), (3, true)] {
+        let orders: Vec<Vec<usize>> = (0..2)
+            .map(|l| {
+                let load: Vec<u64> = (0..192u64).map(|j| (j * 31 + l * 7) % 53).collect();
+                balanced_neuron_order(&load, world).unwrap()
+            })
+            .collect();
+        let addr = free_addr();
+        let outputs: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    let (load, orders) = (&load, &orders);
+                    s.spawn(move || {
+                        let options = TcpOptions::new(rank, world, addr)
+                            .with_connect_timeout(Duration::from_secs(20))
+                            .with_timeout(Duration::from_secs(20));
+                        let comm: Arc<Mutex<dyn Communicator>> =
+                            Arc::new(Mutex::new(TcpCommunicator::connect(&options).unwrap()));
+                        let mut model = load();
+                        let order = balanced.then_some(orders.as_slice());
+                        model.shard_ffn(Ranks::new(comm), order).unwrap();
+                        assert!(model.is_tensor_parallel());
+                        decode_logits(&model, &prompt, 6)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, out) in outputs.iter().enumerate() {
+            assert_eq!(out.len(), whole.len());
+            let e = relative_l2(out, &whole);
+            assert!(e < 1e-5, "world {world}, rank {rank}: {e}");
+            assert_eq!(
+                out, &outputs[0],
+                "world {world}: rank {rank} differs from rank 0"
+            );
+        }
+    }
+    // What a sharded model refuses.
+    let mut model = load();
+    let one = || Ranks::new(Arc::new(Mutex::new(twell_dist::SingleProcess)));
+    model.shard_ffn(one(), None).unwrap();
+    let ids = Tensor::new(&prompt, &dev).unwrap().unsqueeze(0).unwrap();
+    for e in [
+        model.forward_train(&ids).err().map(|e| e.to_string()),
+        model.fold_mlp_norms().err().map(|e| e.to_string()),
+        model.shard_ffn(one(), None).err().map(|e| e.to_string()),
+    ] {
+        let e = e.expect("refused");
+        assert!(
+            e.contains("tensor-parallel") || e.contains("sharded already"),
+            "{e}"
+        );
+    }
+    let mut fresh = load();
+    let e = fresh
+        .shard_ffn(one(), Some(&[vec![0usize; 192]][..]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("1 neuron orders for 2 layers"), "{e}");
 }

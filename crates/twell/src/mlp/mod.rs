@@ -523,6 +523,10 @@ impl SparseMlp {
     pub fn down_proj(&self) -> &Tensor {
         &self.down
     }
+    /// The TwELL tiling and kernel choices its sparse path runs with.
+    pub fn twell_config(&self) -> TwellConfig {
+        self.config
+    }
 
     /// The neuron-major `[f, 2d]` up/down matrix: rebuilt (differentiably) when the
     /// weights are trainable variables, built once otherwise.
