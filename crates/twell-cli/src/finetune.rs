@@ -480,25 +480,8 @@ fn join_run(
     device: &candle_core::Device,
 ) -> Result<()> {
     let timeout = std::time::Duration::from_secs_f64(args.peer_timeout);
-    let options = twell_dist::TcpOptions::new(rank.rank, rank.world, rank.rendezvous)
-        .with_connect_timeout(timeout)
-        .with_timeout(timeout);
-    let tcp = twell_dist::TcpCommunicator::connect(&options)?;
-    let comm: Box<dyn twell_dist::Communicator> = match device {
-        #[cfg(feature = "nccl")]
-        candle_core::Device::Cuda(gpu) => {
-            let mut tcp = tcp;
-            Box::new(twell_dist::NcclCommunicator::new(gpu, &mut tcp)?)
-        }
-        _ => Box::new(tcp),
-    };
+    let (comm, how) = crate::launch::communicator(rank, device, timeout)?;
     if rank.rank == 0 {
-        let how = match device.is_cpu() || cfg!(feature = "nccl") {
-            true => "",
-            false => {
-                " (through host memory over TCP: a build with --features nccl reduces on the GPUs)"
-            }
-        };
         eprintln!(
             "finetune: {} processes, each on {} of every {} sequences{how}",
             rank.world,

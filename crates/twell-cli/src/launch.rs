@@ -164,3 +164,32 @@ mod tests {
         assert_eq!(exit_code(status), 137);
     }
 }
+
+/// This process's communicator in the run: over TCP (rendezvous at rank 0), and on a GPU
+/// of a build with `nccl`, then through NCCL (its unique id sent over TCP). Also says,
+/// for the first process's report, how the sums travel.
+pub fn communicator(
+    rank: Rank,
+    device: &candle_core::Device,
+    timeout: Duration,
+) -> Result<(Box<dyn twell_dist::Communicator>, &'static str)> {
+    let options = twell_dist::TcpOptions::new(rank.rank, rank.world, rank.rendezvous)
+        .with_connect_timeout(timeout)
+        .with_timeout(timeout);
+    let tcp = twell_dist::TcpCommunicator::connect(&options)?;
+    let comm: Box<dyn twell_dist::Communicator> = match device {
+        #[cfg(feature = "nccl")]
+        candle_core::Device::Cuda(gpu) => {
+            let mut tcp = tcp;
+            Box::new(twell_dist::NcclCommunicator::new(gpu, &mut tcp)?)
+        }
+        _ => Box::new(tcp),
+    };
+    let how = match device.is_cpu() || cfg!(feature = "nccl") {
+        true => "",
+        false => {
+            " (through host memory over TCP: a build with --features nccl reduces on the GPUs)"
+        }
+    };
+    Ok((comm, how))
+}

@@ -83,6 +83,9 @@ enum BenchCommand {
     /// The training losses over the vocabulary (cross-entropy, distillation KL),
     /// forward + backward: candle ops vs the fused ops, with peak device memory.
     Loss(bench::loss::LossBenchArgs),
+    /// Prefill of a random sparse model with its MLPs split over N processes (one a GPU
+    /// with --gpus), against the whole model on one, and the split model's logits error.
+    TensorParallel(bench::tensor_parallel::TensorParallelBenchArgs),
     /// Load on a running OpenAI-compatible server: streamed chat requests at several
     /// concurrencies; tokens/s and time to first token (bench/serve-load.sh runs it
     /// against the dense and the sparse server).
@@ -132,6 +135,7 @@ impl Command {
                 BenchCommand::Shards(a) => vec![json(&a.json)],
                 BenchCommand::Loss(a) => vec![json(&a.json)],
                 BenchCommand::Serve(a) => vec![json(&a.json)],
+                BenchCommand::TensorParallel(a) => vec![json(&a.json)],
             },
         };
         files.into_iter().flatten().collect()
@@ -190,6 +194,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Serve(args)) => {
             let levels = bench::serve::run(&args)?;
             bench::serve::print(&levels);
+        }
+        Command::Bench(BenchCommand::TensorParallel(args)) => {
+            if let Some(report) = bench::tensor_parallel::run(&args)? {
+                bench::tensor_parallel::print(&report);
+                if let Some(path) = &args.json {
+                    output::write_json(path, &report)?;
+                }
+            }
         }
         Command::Bench(BenchCommand::MlpTrain(args)) => {
             let report = bench::mlp_train::run(&args)?;

@@ -506,6 +506,41 @@ fn bad_eval_flags_are_rejected() {
     );
 }
 
+/// `twell bench tensor-parallel` starts its processes, splits a random sparse model's
+/// MLPs over them, and reports the whole and the split model's prefill with logits that
+/// agree; bad splits and sizes fail with a clear message.
+#[test]
+fn bench_tensor_parallel_splits_the_mlps_over_processes() {
+    let report = bench_report(
+        "tensor-parallel --shape 64x192x2 --heads 4 --kv-heads 2 --vocab 300 \
+         --prefill 1x16,3x8 --processes 3 --reps 2 --warmup 0 --density 0.1",
+        false,
+    );
+    assert_eq!(report["processes"], 3);
+    assert_eq!(report["all_reduce"], "TCP on loopback");
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        assert!(r["whole_tokens_per_sec"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["split_tokens_per_sec"].as_f64().unwrap() > 0.0, "{r}");
+        let e = r["logits_relative_l2"].as_f64().unwrap();
+        assert!(e < 1e-5, "split logits off the whole model's: {r}");
+    }
+    for (args, needle) in [
+        ("--shape 64x192x2 --processes 0", "at least 1"),
+        (
+            "--shape 64x190x2 --processes 3",
+            "does not split into 3 equal parts",
+        ),
+        ("--shape 64x192x2 --prefill 1x1", "sequence >= 2"),
+        ("--shape 64x192x2 --reps 0", "--reps"),
+    ] {
+        let mut all = vec!["bench", "tensor-parallel", "--heads", "4", "--vocab", "300"];
+        all.extend(args.split_whitespace());
+        fails_with(&all, needle);
+    }
+}
+
 /// An output path that cannot be written fails before the work that would fill it (the
 /// model is not even loaded, so no result is computed and lost), naming its flag; an
 /// existing report is left as it was.

@@ -150,6 +150,33 @@ pub trait Communicator: Send {
     }
 }
 
+/// A boxed communicator is one (the boxed one chosen at run time: TCP or NCCL).
+impl<C: Communicator + ?Sized> Communicator for Box<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
+        (**self).all_reduce_sum(buf)
+    }
+
+    fn broadcast(&mut self, buf: &mut [u8]) -> Result<()> {
+        (**self).broadcast(buf)
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        (**self).barrier()
+    }
+
+    fn all_reduce_sum_tensor(&mut self, t: &Tensor) -> Result<Tensor> {
+        (**self).all_reduce_sum_tensor(t)
+    }
+}
+
 /// A world of one: every collective leaves its buffer as it is.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SingleProcess;

@@ -11,6 +11,7 @@ pub mod model;
 pub mod serve;
 pub mod shards;
 pub mod sweep;
+pub mod tensor_parallel;
 pub mod timing;
 
 use anyhow::Result;

@@ -141,7 +141,7 @@ pub struct ModelReport {
     pub measurements: Vec<Measurement>,
 }
 
-fn parse_bxt(s: &str) -> Result<(usize, usize)> {
+pub(crate) fn parse_bxt(s: &str) -> Result<(usize, usize)> {
     let (b, t) = s
         .split_once('x')
         .with_context(|| format!("'{s}' is not BATCHxSEQ"))?;
@@ -282,33 +282,13 @@ fn model_source(
     device: &Device,
 ) -> Result<(Config, HashMap<String, Tensor>, String)> {
     Ok(match &args.shape {
-        Some(shape) => {
-            let parts: Vec<usize> = shape
-                .split('x')
-                .map(|p| p.parse::<usize>())
-                .collect::<std::result::Result<_, _>>()
-                .with_context(|| format!("--shape '{shape}' is not HIDDENxFFNxLAYERS"))?;
-            let [h, f, l] = parts[..] else {
-                bail!("--shape '{shape}' is not HIDDENxFFNxLAYERS")
-            };
-            let cfg = synthetic::config(
-                h,
-                f,
-                l,
-                args.heads,
-                args.kv_heads.unwrap_or(args.heads),
-                args.vocab,
-            )?;
-            let w = synthetic::weights(&cfg, args.density, 0, dtype, device)?;
-            (
-                cfg,
-                w,
-                format!(
-                    "random {shape} (density {} by constant feature + gate bias)",
-                    args.density
-                ),
-            )
-        }
+        Some(shape) => synthetic_source(
+            shape,
+            (args.heads, args.kv_heads.unwrap_or(args.heads), args.vocab),
+            args.density,
+            dtype,
+            device,
+        )?,
         None => {
             let ck = args.model.open()?;
             let opts = LoadOptions {
@@ -323,6 +303,30 @@ fn model_source(
             )
         }
     })
+}
+
+/// A random model of `shape` (`HIDDENxFFNxLAYERS`) with `(heads, kv_heads, vocab)`, its
+/// MLPs at about `density` (a constant feature and a gate bias), the same on every call:
+/// its config, weights and a line that names it.
+pub(crate) fn synthetic_source(
+    shape: &str,
+    (heads, kv_heads, vocab): (usize, usize, usize),
+    density: f64,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Config, HashMap<String, Tensor>, String)> {
+    let parts: Vec<usize> = shape
+        .split('x')
+        .map(|p| p.parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .with_context(|| format!("--shape '{shape}' is not HIDDENxFFNxLAYERS"))?;
+    let [h, f, l] = parts[..] else {
+        bail!("--shape '{shape}' is not HIDDENxFFNxLAYERS")
+    };
+    let cfg = synthetic::config(h, f, l, heads, kv_heads, vocab)?;
+    let w = synthetic::weights(&cfg, density, 0, dtype, device)?;
+    let what = format!("random {shape} (density {density} by constant feature + gate bias)");
+    Ok((cfg, w, what))
 }
 
 /// What every phase of the benchmark times with: the model, the FFN paths, the device and
