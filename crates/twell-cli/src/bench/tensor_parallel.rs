@@ -119,6 +119,9 @@ impl TensorParallelBenchArgs {
                 self.peer_timeout
             );
         }
+        if !(self.density > 0.0 && self.density < 1.0) {
+            bail!("--density must be in (0, 1), got {}", self.density);
+        }
         if self.prefill.is_empty() {
             bail!("--prefill needs at least one BATCHxSEQ");
         }
