@@ -21,6 +21,28 @@ fn free_addr() -> SocketAddr {
         .unwrap()
 }
 
+/// Runs `f` on each rank of a fresh loopback world of `world`, one thread each, given
+/// that rank's handle on the world; the results by rank.
+fn on_ranks<T: Send>(world: usize, f: impl Fn(Ranks) -> T + Sync) -> Vec<T> {
+    let addr = free_addr();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let f = &f;
+                s.spawn(move || {
+                    let options = TcpOptions::new(rank, world, addr)
+                        .with_connect_timeout(Duration::from_secs(20))
+                        .with_timeout(Duration::from_secs(20));
+                    let comm: Arc<Mutex<dyn Communicator>> =
+                        Arc::new(Mutex::new(TcpCommunicator::connect(&options).unwrap()));
+                    f(Ranks::new(comm))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// Each rank's output of the sharded MLP over `x`, by rank, for a world of `world`.
 fn sharded_outputs(
     w: &MlpWeights,
@@ -29,29 +51,16 @@ fn sharded_outputs(
     order: Option<&[usize]>,
     world: usize,
 ) -> Vec<Vec<f32>> {
-    let addr = free_addr();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                s.spawn(move || {
-                    let options = TcpOptions::new(rank, world, addr)
-                        .with_connect_timeout(Duration::from_secs(20))
-                        .with_timeout(Duration::from_secs(20));
-                    let comm: Arc<Mutex<dyn Communicator>> =
-                        Arc::new(Mutex::new(TcpCommunicator::connect(&options).unwrap()));
-                    let whole = w.relu_mlp(mode).unwrap();
-                    let mlp = ShardedMlp::new(&whole, order, Ranks::new(comm)).unwrap();
-                    assert_eq!(mlp.neurons().len(), w.gate.dim(0).unwrap() / world);
-                    mlp.forward(x)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_ranks(world, |ranks| {
+        let whole = w.relu_mlp(mode).unwrap();
+        let mlp = ShardedMlp::new(&whole, order, ranks).unwrap();
+        assert_eq!(mlp.neurons().len(), w.gate.dim(0).unwrap() / world);
+        mlp.forward(x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
     })
 }
 
@@ -154,26 +163,12 @@ fn a_sharded_model_decodes_with_the_whole_models_logits() {
                 balanced_neuron_order(&load, world).unwrap()
             })
             .collect();
-        let addr = free_addr();
-        let outputs: Vec<Vec<f32>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..world)
-                .map(|rank| {
-                    let (load, orders) = (&load, &orders);
-                    s.spawn(move || {
-                        let options = TcpOptions::new(rank, world, addr)
-                            .with_connect_timeout(Duration::from_secs(20))
-                            .with_timeout(Duration::from_secs(20));
-                        let comm: Arc<Mutex<dyn Communicator>> =
-                            Arc::new(Mutex::new(TcpCommunicator::connect(&options).unwrap()));
-                        let mut model = load();
-                        let order = balanced.then_some(orders.as_slice());
-                        model.shard_ffn(Ranks::new(comm), order).unwrap();
-                        assert!(model.is_tensor_parallel());
-                        decode_logits(&model, &prompt, 6)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let outputs = on_ranks(world, |ranks| {
+            let mut model = load();
+            let order = balanced.then_some(orders.as_slice());
+            model.shard_ffn(ranks, order).unwrap();
+            assert!(model.is_tensor_parallel());
+            decode_logits(&model, &prompt, 6)
         });
         for (rank, out) in outputs.iter().enumerate() {
             assert_eq!(out.len(), whole.len());

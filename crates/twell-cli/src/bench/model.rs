@@ -31,16 +31,8 @@ pub struct ModelBenchArgs {
     /// Random-init model instead of --model: HIDDENxFFNxLAYERS (e.g. 2048x5632x28).
     #[arg(long)]
     pub shape: Option<String>,
-    #[arg(long, default_value_t = 32)]
-    pub heads: usize,
-    /// KV heads (default: = heads).
-    #[arg(long)]
-    pub kv_heads: Option<usize>,
-    #[arg(long, default_value_t = 49152)]
-    pub vocab: usize,
-    /// FFN density of a --shape model (constant feature + gate bias).
-    #[arg(long, default_value_t = 0.005)]
-    pub density: f64,
+    #[command(flatten)]
+    pub synthetic: SyntheticArgs,
     /// Prefill batches as BATCHxSEQ; empty to skip.
     #[arg(long, value_delimiter = ',', default_value = "1x512,4x512")]
     pub prefill: Vec<String>,
@@ -94,6 +86,21 @@ pub struct ModelBenchArgs {
         default_value = "dense,sparse"
     )]
     pub ffn_paths: Vec<FfnArg>,
+}
+
+/// The rest of a random `--shape` model: its heads, vocabulary and FFN density.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SyntheticArgs {
+    #[arg(long, default_value_t = 32)]
+    pub heads: usize,
+    /// KV heads (default: = heads).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    #[arg(long, default_value_t = 49152)]
+    pub vocab: usize,
+    /// FFN density of a --shape model (constant feature + gate bias).
+    #[arg(long, default_value_t = 0.005)]
+    pub density: f64,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -282,13 +289,7 @@ fn model_source(
     device: &Device,
 ) -> Result<(Config, HashMap<String, Tensor>, String)> {
     Ok(match &args.shape {
-        Some(shape) => synthetic_source(
-            shape,
-            (args.heads, args.kv_heads.unwrap_or(args.heads), args.vocab),
-            args.density,
-            dtype,
-            device,
-        )?,
+        Some(shape) => synthetic_source(shape, &args.synthetic, dtype, device)?,
         None => {
             let ck = args.model.open()?;
             let opts = LoadOptions {
@@ -305,13 +306,12 @@ fn model_source(
     })
 }
 
-/// A random model of `shape` (`HIDDENxFFNxLAYERS`) with `(heads, kv_heads, vocab)`, its
-/// MLPs at about `density` (a constant feature and a gate bias), the same on every call:
-/// its config, weights and a line that names it.
+/// A random model of `shape` (`HIDDENxFFNxLAYERS`) with `rest`'s heads and vocabulary,
+/// its MLPs at about `rest.density` (a constant feature and a gate bias), the same on
+/// every call: its config, weights and a line that names it.
 pub(crate) fn synthetic_source(
     shape: &str,
-    (heads, kv_heads, vocab): (usize, usize, usize),
-    density: f64,
+    rest: &SyntheticArgs,
     dtype: DType,
     device: &Device,
 ) -> Result<(Config, HashMap<String, Tensor>, String)> {
@@ -323,7 +323,8 @@ pub(crate) fn synthetic_source(
     let [h, f, l] = parts[..] else {
         bail!("--shape '{shape}' is not HIDDENxFFNxLAYERS")
     };
-    let cfg = synthetic::config(h, f, l, heads, kv_heads, vocab)?;
+    let (heads, density) = (rest.heads, rest.density);
+    let cfg = synthetic::config(h, f, l, heads, rest.kv_heads.unwrap_or(heads), rest.vocab)?;
     let w = synthetic::weights(&cfg, density, 0, dtype, device)?;
     let what = format!("random {shape} (density {density} by constant feature + gate bias)");
     Ok((cfg, w, what))

@@ -15,7 +15,7 @@ use sparse_llama::tensor_parallel::Ranks;
 use sparse_llama::{Cache, Llama};
 use twell_dist::{Communicator, SingleProcess};
 
-use super::model::{parse_bxt, synthetic_source};
+use super::model::{parse_bxt, synthetic_source, SyntheticArgs};
 use super::random_tokens;
 use super::timing::median;
 use crate::device::{DeviceSpec, DtypeArg};
@@ -26,16 +26,8 @@ pub struct TensorParallelBenchArgs {
     /// A random sparse model, HIDDENxFFNxLAYERS (FFN a multiple of the processes).
     #[arg(long, default_value = "2048x5632x28")]
     pub shape: String,
-    #[arg(long, default_value_t = 32)]
-    pub heads: usize,
-    /// Key-value heads (default: --heads).
-    #[arg(long)]
-    pub kv_heads: Option<usize>,
-    #[arg(long, default_value_t = 49152)]
-    pub vocab: usize,
-    /// FFN density the random model is built for.
-    #[arg(long, default_value_t = 0.005)]
-    pub density: f64,
+    #[command(flatten)]
+    pub synthetic: SyntheticArgs,
     /// Prefill sizes, BATCHxSEQ.
     #[arg(long, value_delimiter = ',', default_value = "1x2048")]
     pub prefill: Vec<String>,
@@ -119,8 +111,9 @@ impl TensorParallelBenchArgs {
                 self.peer_timeout
             );
         }
-        if !(self.density > 0.0 && self.density < 1.0) {
-            bail!("--density must be in (0, 1), got {}", self.density);
+        let density = self.synthetic.density;
+        if !(density > 0.0 && density < 1.0) {
+            bail!("--density must be in (0, 1), got {density}");
         }
         if self.prefill.is_empty() {
             bail!("--prefill needs at least one BATCHxSEQ");
@@ -156,14 +149,7 @@ pub fn run(args: &TensorParallelBenchArgs) -> Result<Option<TensorParallelReport
         None if device.is_cuda() => DType::BF16,
         None => DType::F32,
     };
-    let kv_heads = args.kv_heads.unwrap_or(args.heads);
-    let (cfg, weights, what) = synthetic_source(
-        &args.shape,
-        (args.heads, kv_heads, args.vocab),
-        args.density,
-        dtype,
-        &device,
-    )?;
+    let (cfg, weights, what) = synthetic_source(&args.shape, &args.synthetic, dtype, &device)?;
     if !cfg.intermediate_size.is_multiple_of(world) {
         bail!(
             "FFN {} does not split into {world} equal parts",
