@@ -101,6 +101,15 @@ impl DtypeArg {
             Self::F16 => DType::F16,
         }
     }
+
+    /// `arg`'s dtype, else the default for `device`: bf16 on CUDA, f32 elsewhere.
+    pub fn or_default(arg: Option<Self>, device: &Device) -> DType {
+        match arg {
+            Some(d) => d.dtype(),
+            None if device.is_cuda() => DType::BF16,
+            None => DType::F32,
+        }
+    }
 }
 
 impl std::fmt::Display for DtypeArg {

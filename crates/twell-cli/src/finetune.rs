@@ -233,14 +233,7 @@ impl FinetuneArgs {
 
     /// This process's device: --device, on CUDA moved to this rank's GPU.
     fn device_spec(&self, rank: Option<Rank>) -> DeviceSpec {
-        let first = match (self.model.device, self.gpus) {
-            (DeviceSpec::Cpu, Some(_)) => DeviceSpec::Cuda(0),
-            (spec, _) => spec,
-        };
-        match (first, rank) {
-            (DeviceSpec::Cuda(k), Some(r)) => DeviceSpec::Cuda(k + r.rank),
-            (spec, _) => spec,
-        }
+        crate::launch::rank_device(self.model.device, self.gpus, rank)
     }
 
     /// The checks that need no file.

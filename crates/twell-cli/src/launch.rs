@@ -46,6 +46,24 @@ impl RankArgs {
     }
 }
 
+/// A process's device in a run: `device`, moved to GPU `k + rank` where it is `cuda:k`;
+/// with `gpus` (one process per GPU) and no GPU named, from `cuda:0`.
+pub fn rank_device(
+    device: crate::device::DeviceSpec,
+    gpus: Option<usize>,
+    rank: Option<Rank>,
+) -> crate::device::DeviceSpec {
+    use crate::device::DeviceSpec;
+    let first = match (device, gpus) {
+        (DeviceSpec::Cpu, Some(_)) => DeviceSpec::Cuda(0),
+        (spec, _) => spec,
+    };
+    match (first, rank) {
+        (DeviceSpec::Cuda(k), Some(r)) => DeviceSpec::Cuda(k + r.rank),
+        (spec, _) => spec,
+    }
+}
+
 /// Runs this command again as `world` processes (the same binary and arguments, plus
 /// each one's [`RankArgs`]), meeting on loopback, and waits for them. NVLink multicast
 /// stays off in each (`NCCL_NVLS_ENABLE=0`); on the CPU the cores are shared out between

@@ -172,11 +172,7 @@ impl ModelArgs {
     }
 
     pub fn dtype(&self, device: &Device) -> DType {
-        match self.dtype {
-            Some(d) => d.dtype(),
-            None if device.is_cuda() => DType::BF16,
-            None => DType::F32,
-        }
+        crate::device::DtypeArg::or_default(self.dtype, device)
     }
 
     /// The FFN path asked for, `auto` when none is.

@@ -88,14 +88,7 @@ impl TensorParallelBenchArgs {
 
     /// This process's device: --device, on CUDA moved to this rank's GPU.
     fn device_spec(&self, rank: Option<Rank>) -> DeviceSpec {
-        let first = match (self.device, self.gpus) {
-            (DeviceSpec::Cpu, Some(_)) => DeviceSpec::Cuda(0),
-            (spec, _) => spec,
-        };
-        match (first, rank) {
-            (DeviceSpec::Cuda(k), Some(r)) => DeviceSpec::Cuda(k + r.rank),
-            (spec, _) => spec,
-        }
+        crate::launch::rank_device(self.device, self.gpus, rank)
     }
 
     fn check(&self) -> Result<Vec<(usize, usize)>> {
@@ -144,11 +137,7 @@ pub fn run(args: &TensorParallelBenchArgs) -> Result<Option<TensorParallelReport
     }
     let lead = rank.is_none_or(|r| r.rank == 0);
     let device = args.device_spec(rank).open()?;
-    let dtype = match args.dtype {
-        Some(d) => d.dtype(),
-        None if device.is_cuda() => DType::BF16,
-        None => DType::F32,
-    };
+    let dtype = DtypeArg::or_default(args.dtype, &device);
     let (cfg, weights, what) = synthetic_source(&args.shape, &args.synthetic, dtype, &device)?;
     if !cfg.intermediate_size.is_multiple_of(world) {
         bail!(
