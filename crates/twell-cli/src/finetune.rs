@@ -148,8 +148,8 @@ pub struct FinetuneArgs {
     pub gpus: Option<usize>,
     /// How long a process of a data-parallel run waits for the others (to join, or for
     /// their next bytes) before it stops the run, in seconds.
-    #[arg(long, default_value_t = 600.0)]
-    pub peer_timeout: f64,
+    #[arg(long, default_value = "600", value_parser = crate::launch::parse_peer_timeout)]
+    pub peer_timeout: std::time::Duration,
     #[command(flatten)]
     pub rank: RankArgs,
 }
@@ -247,12 +247,6 @@ impl FinetuneArgs {
                 "--batch {} does not split evenly over {world} processes: --batch is the \
                  global batch",
                 self.batch
-            );
-        }
-        if !(self.peer_timeout > 0.0 && self.peer_timeout.is_finite()) {
-            bail!(
-                "--peer-timeout must be a positive number of seconds, not {}",
-                self.peer_timeout
             );
         }
         if self.corpus.holdout == 0 {
@@ -472,8 +466,7 @@ fn join_run(
     args: &FinetuneArgs,
     device: &candle_core::Device,
 ) -> Result<()> {
-    let timeout = std::time::Duration::from_secs_f64(args.peer_timeout);
-    let (comm, how) = crate::launch::communicator(rank, device, timeout)?;
+    let (comm, how) = crate::launch::communicator(rank, device, args.peer_timeout)?;
     if rank.rank == 0 {
         eprintln!(
             "finetune: {} processes, each on {} of every {} sequences{how}",

@@ -153,33 +153,12 @@ fn exit_code(status: ExitStatus) -> i32 {
     status.code().unwrap_or(1)
 }
 
-#[cfg(all(test, unix))]
-mod tests {
-    use super::*;
-    use std::time::Instant;
-
-    fn sh(script: &str) -> Child {
-        Command::new("sh").args(["-c", script]).spawn().unwrap()
-    }
-
-    #[test]
-    fn a_failure_stops_the_others_and_keeps_its_code() {
-        let started = Instant::now();
-        let children = vec![sh("sleep 30"), sh("sleep 0.2; exit 3"), sh("sleep 30")];
-        let (k, status) = supervise(children).unwrap().expect("a failure");
-        assert_eq!((k, exit_code(status)), (1, 3));
-        assert!(started.elapsed() < Duration::from_secs(10));
-    }
-
-    #[test]
-    fn success_waits_for_every_process() {
-        let started = Instant::now();
-        let children = vec![sh("exit 0"), sh("sleep 0.3")];
-        assert!(supervise(children).unwrap().is_none());
-        assert!(started.elapsed() >= Duration::from_millis(300));
-        // A process ended by a signal reads as a shell reports it.
-        let (_, status) = supervise(vec![sh("kill -9 $$")]).unwrap().unwrap();
-        assert_eq!(exit_code(status), 137);
+/// `--peer-timeout`'s parser: seconds, positive and finite, as a `Duration` (clap
+/// refuses anything else before a process starts).
+pub fn parse_peer_timeout(text: &str) -> std::result::Result<Duration, String> {
+    match text.parse::<f64>() {
+        Ok(secs) if secs > 0.0 && secs.is_finite() => Ok(Duration::from_secs_f64(secs)),
+        _ => Err(format!("must be a positive number of seconds, not {text}")),
     }
 }
 
@@ -210,4 +189,34 @@ pub fn communicator(
         }
     };
     Ok((comm, how))
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    fn sh(script: &str) -> Child {
+        Command::new("sh").args(["-c", script]).spawn().unwrap()
+    }
+
+    #[test]
+    fn a_failure_stops_the_others_and_keeps_its_code() {
+        let started = Instant::now();
+        let children = vec![sh("sleep 30"), sh("sleep 0.2; exit 3"), sh("sleep 30")];
+        let (k, status) = supervise(children).unwrap().expect("a failure");
+        assert_eq!((k, exit_code(status)), (1, 3));
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn success_waits_for_every_process() {
+        let started = Instant::now();
+        let children = vec![sh("exit 0"), sh("sleep 0.3")];
+        assert!(supervise(children).unwrap().is_none());
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        // A process ended by a signal reads as a shell reports it.
+        let (_, status) = supervise(vec![sh("kill -9 $$")]).unwrap().unwrap();
+        assert_eq!(exit_code(status), 137);
+    }
 }

@@ -535,6 +535,10 @@ fn bench_tensor_parallel_splits_the_mlps_over_processes() {
         ("--shape 64x192x2 --prefill 1x1", "sequence >= 2"),
         ("--shape 64x192x2 --reps 0", "--reps"),
         ("--shape 64x192x2 --density 1.5", "--density"),
+        (
+            "--shape 64x192x2 --peer-timeout inf",
+            "a positive number of seconds, not inf",
+        ),
     ] {
         let mut all = vec!["bench", "tensor-parallel", "--heads", "4", "--vocab", "300"];
         all.extend(args.split_whitespace());

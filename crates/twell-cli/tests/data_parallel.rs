@@ -138,7 +138,7 @@ fn bad_data_parallel_flags_are_refused() {
         (&["--processes", "0"], "at least 1"),
         (
             &["--peer-timeout", "0"],
-            "--peer-timeout must be a positive",
+            "--peer-timeout <PEER_TIMEOUT>': must be a positive number of seconds",
         ),
         (&["--gpus", "2", "--processes", "2"], "cannot be used with"),
     ];

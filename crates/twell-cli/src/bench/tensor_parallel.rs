@@ -48,8 +48,8 @@ pub struct TensorParallelBenchArgs {
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
     /// Seconds a process waits for the others before it gives up.
-    #[arg(long, default_value_t = 300.0)]
-    pub peer_timeout: f64,
+    #[arg(long, default_value = "300", value_parser = crate::launch::parse_peer_timeout)]
+    pub peer_timeout: Duration,
     /// Write the report as JSON here (by the first process).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -97,12 +97,6 @@ impl TensorParallelBenchArgs {
         }
         if self.reps == 0 {
             bail!("--reps must be at least 1");
-        }
-        if !(self.peer_timeout > 0.0 && self.peer_timeout.is_finite()) {
-            bail!(
-                "--peer-timeout must be a positive number of seconds, not {}",
-                self.peer_timeout
-            );
         }
         let density = self.synthetic.density;
         if !(density > 0.0 && density < 1.0) {
@@ -152,10 +146,7 @@ pub fn run(args: &TensorParallelBenchArgs) -> Result<Option<TensorParallelReport
         Ok(model)
     };
     let comm: Box<dyn Communicator> = match rank {
-        Some(r) => {
-            let timeout = Duration::from_secs_f64(args.peer_timeout);
-            crate::launch::communicator(r, &device, timeout)?.0
-        }
+        Some(r) => crate::launch::communicator(r, &device, args.peer_timeout)?.0,
         None => Box::new(SingleProcess),
     };
     let comm: Arc<Mutex<dyn Communicator>> = Arc::new(Mutex::new(comm));
