@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::adapter::LoraAdapter;
-use crate::tensor_parallel::{Ranks, ShardedMlp};
+use crate::tensor_parallel::{rank_share, Ranks};
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear_b, Embedding, Linear, RmsNorm, VarBuilder};
 use fused_ops::RopeTable;
@@ -1058,19 +1058,16 @@ impl Llama {
                 );
             }
         }
+        let (rank, world) = ranks.rank_and_world()?;
         let shares = self
             .blocks
             .iter()
             .enumerate()
-            .map(|(l, b)| {
-                let order = orders.map(|o| o[l].as_slice());
-                ShardedMlp::new(&b.mlp, order, ranks.clone())
-            })
+            .map(|(l, b)| rank_share(&b.mlp, orders.map(|o| o[l].as_slice()), rank, world))
             .collect::<Result<Vec<_>>>()?;
-        for (block, share) in self.blocks.iter_mut().zip(shares) {
-            let (part, ranks) = share.into_parts();
+        for (block, (part, _)) in self.blocks.iter_mut().zip(shares) {
             block.mlp = part;
-            block.ranks = Some(ranks);
+            block.ranks = Some(ranks.clone());
         }
         Ok(())
     }

@@ -115,6 +115,28 @@ pub fn mlp_share(mlp: &SparseMlp, neurons: &[usize]) -> Result<SparseMlp> {
     .with_twell_config(mlp.twell_config()))
 }
 
+/// Rank `rank` of `world`'s share of `whole`: the MLP over the neurons [`shard_neurons`]
+/// gives it for `order` (the identity when `None`), and those neurons.
+pub fn rank_share(
+    whole: &SparseMlp,
+    order: Option<&[usize]>,
+    rank: usize,
+    world: usize,
+) -> Result<(SparseMlp, Vec<usize>)> {
+    let f = whole.ffn();
+    let neurons = match order {
+        Some(o) if o.len() != f => {
+            return Err(invalid(format!(
+                "the neuron order has {} entries for {f} neurons",
+                o.len()
+            )))
+        }
+        Some(o) => shard_neurons(o, rank, world)?,
+        None => shard_neurons(&(0..f).collect::<Vec<_>>(), rank, world)?,
+    };
+    Ok((mlp_share(whole, &neurons)?, neurons))
+}
+
 /// One rank's share of a sparse MLP, and the ranks that sum the shares.
 ///
 /// Every rank must call [`ShardedMlp::forward`] on the same rows in the same order (the
@@ -127,28 +149,13 @@ pub struct ShardedMlp {
 }
 
 impl ShardedMlp {
-    /// This rank's share of `whole`: the neurons [`shard_neurons`] gives it for `order`
-    /// (the identity when `None`) at the rank and world size of `ranks`.
+    /// This rank's share of `whole` ([`rank_share`] at the rank and world size of
+    /// `ranks`).
     pub fn new(whole: &SparseMlp, order: Option<&[usize]>, ranks: Ranks) -> Result<Self> {
-        let f = whole.ffn();
         let (rank, world) = ranks.rank_and_world()?;
-        let identity: Vec<usize>;
-        let order = match order {
-            Some(o) if o.len() != f => {
-                return Err(invalid(format!(
-                    "the neuron order has {} entries for {f} neurons",
-                    o.len()
-                )))
-            }
-            Some(o) => o,
-            None => {
-                identity = (0..f).collect();
-                &identity
-            }
-        };
-        let neurons = shard_neurons(order, rank, world)?;
+        let (part, neurons) = rank_share(whole, order, rank, world)?;
         Ok(Self {
-            part: mlp_share(whole, &neurons)?,
+            part,
             neurons,
             ranks,
         })
@@ -157,11 +164,6 @@ impl ShardedMlp {
     /// The neurons this rank holds, ascending.
     pub fn neurons(&self) -> &[usize] {
         &self.neurons
-    }
-
-    /// This rank's MLP and the ranks, for a model that sums the shares itself.
-    pub fn into_parts(self) -> (SparseMlp, Ranks) {
-        (self.part, self.ranks)
     }
 
     /// The MLP of `x [.., d]`: this rank's partial sum over its neurons, added over the
@@ -229,6 +231,29 @@ mod tests {
             .expect_err("a neuron past f")
             .to_string();
         assert!(e.contains("neuron 96 of an MLP of 96"), "{e}");
+        Ok(())
+    }
+
+    /// A down bias would be added once per rank, and quantized rows are the host's own
+    /// copy of the weights: neither is cut into shares.
+    #[test]
+    fn biased_and_quantized_mlps_are_refused() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = twell::density::synthetic_mlp(64, 96, 0.1, DType::F32, &dev, 3)?;
+        let bias = twell::MlpBias {
+            gate: Tensor::zeros(96, DType::F32, &dev)?,
+            up: Tensor::zeros(96, DType::F32, &dev)?,
+            down: Tensor::zeros(64, DType::F32, &dev)?,
+        };
+        let biased = w.relu_mlp(FfnMode::Dense)?.with_bias(bias)?;
+        let mut quantized = w.relu_mlp(FfnMode::Sparse)?;
+        quantized.quantize_for_cpu(twell::cpu::quant::QuantFormat::Q8)?;
+        for mlp in [biased, quantized] {
+            let e = rank_share(&mlp, None, 0, 2)
+                .expect_err("refused")
+                .to_string();
+            assert!(e.contains("no biases, no quantized rows"), "{e}");
+        }
         Ok(())
     }
 }
