@@ -4,7 +4,8 @@
 # concurrency, temperature 0.7), stops it. Prints a table and where each engine spent its
 # time (prefill, decode, sample, emit); JSON and /metrics under OUT.
 #   OUT=/tmp/serve-load bench/serve-load.sh [TWELL FLAGS...]     e.g. --device cuda
-# CONCURRENCY (default 1,8,32,64), ROUNDS (2), MAX_TOKENS (32); TWELL names the binary.
+# CONCURRENCY (default 1,8,32,64), ROUNDS (2), WARMUP_ROUNDS (1, untimed, before each
+# level), MAX_TOKENS (32); TWELL names the binary.
 # Needs scripts/setup.sh (the model).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -23,6 +24,7 @@ for model in dense sparse; do
   url=$(grep -o "http://[^ ]*/v1" "$out/$model-server.log")
   "$twell" bench serve "$url" \
     --concurrency "${CONCURRENCY:-1,8,32,64}" --rounds "${ROUNDS:-2}" \
+    --warmup-rounds "${WARMUP_ROUNDS:-1}" \
     --max-tokens "${MAX_TOKENS:-32}" --json "$out/$model.json" > /dev/null
   curl -s "${url%/v1}/metrics" > "$out/$model-metrics.txt"
   kill -TERM "$pid"; wait "$pid" || true

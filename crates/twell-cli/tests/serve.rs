@@ -551,6 +551,7 @@ fn bench_serve_loads_the_default_model_and_reports_each_level() {
     let out = Command::new(env!("CARGO_BIN_EXE_twell"))
         .args(["bench", "serve", &server.url("/v1")])
         .args(["--concurrency", "1,3", "--rounds", "2", "--max-tokens", "6"])
+        .args(["--warmup-rounds", "1"])
         .arg("--json")
         .arg(&json)
         .output()
@@ -566,6 +567,7 @@ fn bench_serve_loads_the_default_model_and_reports_each_level() {
     assert_eq!(levels.len(), 2);
     for (level, (concurrency, requests)) in levels.iter().zip([(1, 2), (3, 6)]) {
         assert_eq!(level["concurrency"], concurrency);
+        assert_eq!(level["warmup_requests"], concurrency);
         assert_eq!(level["requests"], requests);
         let tokens = level["generated_tokens"].as_u64().unwrap();
         assert!((requests..=6 * requests).contains(&tokens), "{level}");
@@ -576,8 +578,8 @@ fn bench_serve_loads_the_default_model_and_reports_each_level() {
         );
         assert!(0.0 < p50 && p50 <= p99, "{level}");
     }
-    // The server counted them (and any /metrics reads).
-    assert!(server.metric("twell_requests_total") >= 8.0);
+    // The server counted them, the warm-up's too (and any /metrics reads).
+    assert!(server.metric("twell_requests_total") >= 12.0);
     drop(server);
 
     let out = Command::new(env!("CARGO_BIN_EXE_twell"))

@@ -1,7 +1,10 @@
 //! `twell bench serve`: load on a running OpenAI-compatible server (`twell serve`, or
-//! another for comparison). At each concurrency, `rounds × concurrency` streamed chat
-//! requests, at most `concurrency` in flight; the aggregate generated tokens/s and the
-//! p50/p99 time to first token. A client in Rust on tokio, so that the client, not the
+//! another for comparison). At each concurrency, `warmup_rounds × concurrency` untimed
+//! requests, then `rounds × concurrency` timed ones, streamed chat, at most `concurrency`
+//! in flight; the aggregate generated tokens/s and the p50/p99 time to first token. The
+//! warm-up lets a server do its once-per-batch-size work (a GPU server captures a decode
+//! graph per batch size, and `auto` times its sides) before the level is timed, as a
+//! server under steady load has done it long before. A client in Rust on tokio, so that the client, not the
 //! server, is never what a figure measures.
 
 use std::path::PathBuf;
@@ -19,9 +22,12 @@ pub struct ServeBenchArgs {
     /// Requests in flight at once, one level after another.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
     pub concurrency: Vec<usize>,
-    /// Requests per level: `rounds × concurrency`.
+    /// Timed requests per level: `rounds × concurrency`.
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
+    /// Untimed requests per level before the timed ones: `warmup_rounds × concurrency`.
+    #[arg(long, default_value_t = 1)]
+    pub warmup_rounds: usize,
     #[arg(long, default_value_t = 32)]
     pub max_tokens: usize,
     #[arg(long, default_value_t = 0.7)]
@@ -37,6 +43,9 @@ pub struct ServeBenchArgs {
 #[derive(Serialize, Debug, Clone)]
 pub struct Level {
     pub concurrency: usize,
+    /// Untimed requests before the timed ones.
+    pub warmup_requests: usize,
+    /// Timed requests.
     pub requests: usize,
     pub generated_tokens: usize,
     pub wall_secs: f64,
@@ -95,11 +104,41 @@ async fn level(
     concurrency: usize,
     args: &ServeBenchArgs,
 ) -> Result<Level> {
-    let gate = Arc::new(tokio::sync::Semaphore::new(concurrency));
-    let requests = args.rounds * concurrency;
+    let warmup = args.warmup_rounds * concurrency;
+    if warmup > 0 {
+        requests(client, url, concurrency, warmup, args).await?;
+    }
+    let requests_timed = args.rounds * concurrency;
     let start = Instant::now();
-    let mut tasks = Vec::with_capacity(requests);
-    for i in 0..requests {
+    let outcomes = requests(client, url, concurrency, requests_timed, args).await?;
+    let wall = start.elapsed().as_secs_f64();
+    let generated: usize = outcomes.iter().map(|o| o.tokens).sum();
+    let mut ttfts: Vec<f64> = outcomes.iter().map(|o| o.ttft.as_secs_f64()).collect();
+    ttfts.sort_by(f64::total_cmp);
+    Ok(Level {
+        concurrency,
+        warmup_requests: warmup,
+        requests: requests_timed,
+        generated_tokens: generated,
+        wall_secs: wall,
+        tokens_per_sec: generated as f64 / wall,
+        ttft_p50_secs: nearest_rank(&ttfts, 0.50),
+        ttft_p99_secs: nearest_rank(&ttfts, 0.99),
+    })
+}
+
+/// `count` streamed chat requests, at most `concurrency` in flight, each with its own
+/// seed and one of [`PROMPTS`] in turn.
+async fn requests(
+    client: &reqwest::Client,
+    url: &str,
+    concurrency: usize,
+    count: usize,
+    args: &ServeBenchArgs,
+) -> Result<Vec<Outcome>> {
+    let gate = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let mut tasks = Vec::with_capacity(count);
+    for i in 0..count {
         let (client, url, gate) = (client.clone(), url.to_string(), gate.clone());
         let body = serde_json::json!({
             "model": "default",
@@ -115,23 +154,11 @@ async fn level(
             one(&client, &url, &body).await
         }));
     }
-    let mut outcomes = Vec::with_capacity(requests);
+    let mut outcomes = Vec::with_capacity(count);
     for task in tasks {
         outcomes.push(task.await.context("a request's task")??);
     }
-    let wall = start.elapsed().as_secs_f64();
-    let generated: usize = outcomes.iter().map(|o| o.tokens).sum();
-    let mut ttfts: Vec<f64> = outcomes.iter().map(|o| o.ttft.as_secs_f64()).collect();
-    ttfts.sort_by(f64::total_cmp);
-    Ok(Level {
-        concurrency,
-        requests,
-        generated_tokens: generated,
-        wall_secs: wall,
-        tokens_per_sec: generated as f64 / wall,
-        ttft_p50_secs: nearest_rank(&ttfts, 0.50),
-        ttft_p99_secs: nearest_rank(&ttfts, 0.99),
-    })
+    Ok(outcomes)
 }
 
 /// The `q` quantile of sorted values by nearest rank.
