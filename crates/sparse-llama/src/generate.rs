@@ -66,6 +66,10 @@ pub struct GenerationStats {
     pub generated_tokens: usize,
     pub prefill_secs: f64,
     pub decode_secs: f64,
+    /// The first decode step's part of `decode_secs`: it also pays once-per-run work
+    /// (loading the decode kernels, capturing a CUDA graph), which a short answer feels
+    /// and a long one does not.
+    pub first_decode_step_secs: f64,
     pub stopped_on_eos: bool,
     /// Mean FFN density (fraction of d_ff active) over layers and generated tokens,
     /// when the model was asked to record it.
@@ -88,6 +92,13 @@ impl GenerationStats {
     pub fn decode_tokens_per_sec(&self) -> f64 {
         // The first generated token comes from the prefill; the rest from decode steps.
         rate(self.generated_tokens.saturating_sub(1), self.decode_secs)
+    }
+    /// The decode rate after the first decode step: what a long answer runs at.
+    pub fn later_decode_tokens_per_sec(&self) -> f64 {
+        rate(
+            self.generated_tokens.saturating_sub(2),
+            self.decode_secs - self.first_decode_step_secs,
+        )
     }
 }
 
@@ -275,6 +286,10 @@ pub fn generate(
             stats.prefill_secs = t_start.elapsed().as_secs_f64();
             t_decode = Some(Instant::now());
         }
+        if let (1, Some(t)) = (step, t_decode) {
+            // The sampled token is on the host, so the step has finished.
+            stats.first_decode_step_secs = t.elapsed().as_secs_f64();
+        }
         index_pos += input.len();
         all.push(next);
         out.push(next);
@@ -320,5 +335,11 @@ mod tests {
         assert_eq!(timed.prefill_tokens_per_sec(), 8.0);
         // Four decode steps: the first generated token came from the prefill.
         assert_eq!(timed.decode_tokens_per_sec(), 2.0);
+        let with_first = GenerationStats {
+            first_decode_step_secs: 0.5,
+            ..timed
+        };
+        // Three steps after the first, in the 1.5 s left.
+        assert_eq!(with_first.later_decode_tokens_per_sec(), 2.0);
     }
 }

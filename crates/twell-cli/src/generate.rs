@@ -121,11 +121,19 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     )?;
     println!();
     eprintln!(
-        "prompt {} tokens, {:.1} tokens/s | generated {} tokens, {:.1} tokens/s{} | ffn {}{}{} on {:?} {:?}",
+        "prompt {} tokens, {:.1} tokens/s | generated {} tokens, {:.1} tokens/s{}{} | ffn {}{}{} on {:?} {:?}",
         stats.prompt_tokens,
         stats.prefill_tokens_per_sec(),
         stats.generated_tokens,
         stats.decode_tokens_per_sec(),
+        match stats.generated_tokens {
+            0..=2 => String::new(),
+            _ => format!(
+                " (first step {:.1} ms, then {:.1} tokens/s)",
+                1e3 * stats.first_decode_step_secs,
+                stats.later_decode_tokens_per_sec()
+            ),
+        },
         match stats.mean_ffn_density {
             Some(d) if stats.decode_engine => format!(" | mean FFN density {:.2}% (prompt)", 100.0 * d),
             Some(d) => format!(" | mean FFN density {:.2}%", 100.0 * d),
