@@ -4,8 +4,8 @@
 //! in flight; the aggregate generated tokens/s and the p50/p99 time to first token. The
 //! warm-up lets a server do its once-per-batch-size work (a GPU server captures a decode
 //! graph per batch size, and `auto` times its sides) before the level is timed, as a
-//! server under steady load has done it long before. A client in Rust on tokio, so that the client, not the
-//! server, is never what a figure measures.
+//! server under steady load has done it long before. A client in Rust on tokio, so that
+//! the client, not the server, is never what a figure measures.
 
 use std::path::PathBuf;
 use std::sync::Arc;
