@@ -306,6 +306,19 @@ fn model_source(
     })
 }
 
+/// `--shape`'s `HIDDENxFFNxLAYERS`.
+pub(crate) fn parse_shape(shape: &str) -> Result<[usize; 3]> {
+    let parts: Vec<usize> = shape
+        .split('x')
+        .map(|p| p.parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .with_context(|| format!("--shape '{shape}' is not HIDDENxFFNxLAYERS"))?;
+    match parts[..] {
+        [h, f, l] => Ok([h, f, l]),
+        _ => bail!("--shape '{shape}' is not HIDDENxFFNxLAYERS"),
+    }
+}
+
 /// A random model of `shape` (`HIDDENxFFNxLAYERS`) with `rest`'s heads and vocabulary,
 /// its MLPs at about `rest.density` (a constant feature and a gate bias), the same on
 /// every call: its config, weights and a line that names it.
@@ -315,14 +328,7 @@ pub(crate) fn synthetic_source(
     dtype: DType,
     device: &Device,
 ) -> Result<(Config, HashMap<String, Tensor>, String)> {
-    let parts: Vec<usize> = shape
-        .split('x')
-        .map(|p| p.parse::<usize>())
-        .collect::<std::result::Result<_, _>>()
-        .with_context(|| format!("--shape '{shape}' is not HIDDENxFFNxLAYERS"))?;
-    let [h, f, l] = parts[..] else {
-        bail!("--shape '{shape}' is not HIDDENxFFNxLAYERS")
-    };
+    let [h, f, l] = parse_shape(shape)?;
     let (heads, density) = (rest.heads, rest.density);
     let cfg = synthetic::config(h, f, l, heads, rest.kv_heads.unwrap_or(heads), rest.vocab)?;
     let w = synthetic::weights(&cfg, density, 0, dtype, device)?;

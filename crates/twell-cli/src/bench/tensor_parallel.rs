@@ -8,14 +8,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use candle_nn::VarBuilder;
 use serde::Serialize;
 use sparse_llama::tensor_parallel::Ranks;
 use sparse_llama::{Cache, Llama};
 use twell_dist::{Communicator, SingleProcess};
 
-use super::model::{parse_bxt, synthetic_source, SyntheticArgs};
+use super::model::{parse_bxt, parse_shape, synthetic_source, SyntheticArgs};
 use super::random_tokens;
 use super::timing::median;
 use crate::device::{DeviceSpec, DtypeArg};
@@ -106,13 +106,9 @@ impl TensorParallelBenchArgs {
             bail!("--prefill needs at least one BATCHxSEQ");
         }
         // Before any process starts: the split needs equal parts.
-        let ffn = self
-            .shape
-            .split('x')
-            .nth(1)
-            .and_then(|f| f.parse::<usize>().ok());
-        if let Some(f) = ffn.filter(|f| !f.is_multiple_of(self.world())) {
-            bail!("FFN {f} does not split into {} equal parts", self.world());
+        let [_, ffn, _] = parse_shape(&self.shape)?;
+        if !ffn.is_multiple_of(self.world()) {
+            bail!("FFN {ffn} does not split into {} equal parts", self.world());
         }
         self.prefill.iter().map(|s| parse_bxt(s)).collect()
     }
@@ -133,12 +129,6 @@ pub fn run(args: &TensorParallelBenchArgs) -> Result<Option<TensorParallelReport
     let device = args.device_spec(rank).open()?;
     let dtype = DtypeArg::or_default(args.dtype, &device);
     let (cfg, weights, what) = synthetic_source(&args.shape, &args.synthetic, dtype, &device)?;
-    if !cfg.intermediate_size.is_multiple_of(world) {
-        bail!(
-            "FFN {} does not split into {world} equal parts",
-            cfg.intermediate_size
-        );
-    }
     let load = || -> Result<Llama> {
         let vb = VarBuilder::from_tensors(weights.clone(), dtype, &device);
         let mut model = Llama::load(vb, &cfg)?;
@@ -182,20 +172,20 @@ pub fn run(args: &TensorParallelBenchArgs) -> Result<Option<TensorParallelReport
         .iter()
         .zip(whole.iter().zip(&split))
         .map(
-            |(&(b, t), ((whole_ms, whole_logits), (split_ms, split_logits)))| {
+            |(&(b, t), ((whole_ms, whole_logits), (split_ms, split_logits)))| -> Result<_> {
                 let tokens = (b * t) as f64;
                 let (w, s) = (tokens / whole_ms * 1e3, tokens / split_ms * 1e3);
-                TensorParallelRow {
+                Ok(TensorParallelRow {
                     batch: b,
                     seq: t,
                     whole_tokens_per_sec: w,
                     split_tokens_per_sec: s,
                     speedup: s / w,
-                    logits_relative_l2: relative_l2(split_logits, whole_logits),
-                }
+                    logits_relative_l2: fused_ops::compare::rel_l2(split_logits, whole_logits)?,
+                })
             },
         )
-        .collect();
+        .collect::<Result<_>>()?;
     Ok(Some(TensorParallelReport {
         model: what,
         device: format!("{:?}", device.location()),
@@ -213,13 +203,13 @@ pub fn run(args: &TensorParallelBenchArgs) -> Result<Option<TensorParallelReport
 }
 
 /// The median ms of a prefill of `ids` (no KV cache) after `--warmup` runs, and the
-/// last position's logits, f32.
+/// last position's logits.
 fn time_prefill(
     model: &Llama,
     ids: &Tensor,
     args: &TensorParallelBenchArgs,
     device: &Device,
-) -> Result<(f64, Vec<f32>)> {
+) -> Result<(f64, Tensor)> {
     let cfg = model.config().clone();
     let run = || -> Result<Tensor> {
         let mut cache = Cache::new(false, model.dtype(), &cfg, device)?;
@@ -238,18 +228,7 @@ fn time_prefill(
         ms.push(start.elapsed().as_secs_f64() * 1e3);
         logits = Some(out);
     }
-    let logits = logits
-        .expect("--reps >= 1")
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    Ok((median(ms), logits))
-}
-
-fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
+    Ok((median(ms), logits.expect("--reps >= 1")))
 }
 
 pub fn print(report: &TensorParallelReport) {
